@@ -1,0 +1,47 @@
+"""The seam between the model and attention kernels.
+
+A backend stores the new keys/values of a batch into the paged cache and computes
+attention for the batch's queries over each sequence's cached context. The torch
+reference runs everywhere; a Triton/CUDA kernel is another subclass with the same call.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a flat batch of tokens sits in the paged cache.
+
+    Tokens of all sequences are concatenated; sequence i owns `query_lens[i]` query rows
+    and, after this step, `context_lens[i]` cached tokens (its earlier ones plus these).
+    """
+
+    slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each new token
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: torch.Tensor  # [B, max_blocks], padded with 0
+    context_lens_tensor: torch.Tensor  # [B]
+    # Optional per-query-token lower bound on the key index it may attend to. Tokens inside
+    # a position-independent span see only their own span; None means "everything before".
+    key_start: torch.Tensor | None = None
+
+    @property
+    def decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, heads, head_dim], already rotated
+        k: torch.Tensor,  # [T, kv_heads, head_dim], already rotated
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, heads, head_dim]
+        ...

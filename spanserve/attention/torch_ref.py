@@ -1,0 +1,78 @@
+"""Reference attention in plain PyTorch (SDPA): CPU, and CUDA as a fallback."""
+
+import torch
+import torch.nn.functional as F
+
+from spanserve.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TorchAttention(AttentionBackend):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if meta.decode_only:
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
+        start = 0
+        for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens)):
+            rows = slice(start, start + q_len)
+            key_start = None if meta.key_start is None else meta.key_start[rows]
+            if q_len == ctx_len and key_start is None:
+                # Whole context is in this batch: plain causal attention, no cache gather.
+                out[rows] = _sdpa(q[rows], k[rows], v[rows], None, scale, causal=True)
+            else:
+                keys, values = gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len)
+                mask = causal_mask(ctx_len - q_len, q_len, ctx_len, key_start, q.device)
+                out[rows] = _sdpa(q[rows], keys, values, mask, scale)
+            start += q_len
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        # One query per sequence: gather every sequence's blocks at once, mask the padding.
+        num_seqs, block_size = len(meta.query_lens), k_cache.shape[1]
+        max_len = max(meta.context_lens)
+        tables = meta.block_tables[:, : -(-max_len // block_size)]
+        keys = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, kv_heads, D]
+        values = v_cache[tables].flatten(1, 2)[:, :max_len]
+        key_idx = torch.arange(max_len, device=q.device)
+        mask = key_idx[None, :] < meta.context_lens_tensor[:, None]
+        if meta.key_start is not None:
+            mask &= key_idx[None, :] >= meta.key_start[:, None]
+        out = F.scaled_dot_product_attention(
+            q.view(num_seqs, 1, *q.shape[1:]).transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2).reshape(q.shape)
+
+
+def store_kv(k_cache, v_cache, k, v, slot_mapping):
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def gather_context(k_cache, v_cache, block_table, ctx_len):
+    blocks = block_table[: -(-ctx_len // k_cache.shape[1])]
+    return k_cache[blocks].flatten(0, 1)[:ctx_len], v_cache[blocks].flatten(0, 1)[:ctx_len]
+
+
+def causal_mask(first_query_idx, q_len, ctx_len, key_start, device):
+    """Query i (sequence index first_query_idx + i) sees keys [key_start[i], itself]."""
+    query_idx = torch.arange(first_query_idx, first_query_idx + q_len, device=device)
+    key_idx = torch.arange(ctx_len, device=device)
+    mask = key_idx[None, :] <= query_idx[:, None]
+    if key_start is not None:
+        mask &= key_idx[None, :] >= key_start[:, None]
+    return mask
+
+
+def _sdpa(q, k, v, mask, scale, causal=False):
+    # [T, H, D] -> [H, T, D] for SDPA, grouped-query heads expanded by the kernel.
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+    )
+    return out.transpose(0, 1)

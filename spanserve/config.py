@@ -1,0 +1,58 @@
+"""EngineConfig: every knob of the engine in one place."""
+
+from dataclasses import dataclass
+
+import torch
+
+from spanserve.errors import InvalidRequestError
+from spanserve.utils import strict_kwargs
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
+           "float": torch.float32}
+
+
+@strict_kwargs
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF dir, .gguf file, or None for the embedded default
+    dtype: str = "auto"  # auto: bf16 on CUDA and on CPUs with native bf16, else float32
+    device: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None  # KV pool size; default: from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 2.0
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 2048  # tokens per step: the chunked-prefill budget
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    attention_backend: str = "torch"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise InvalidRequestError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise InvalidRequestError(f"unknown dtype {self.dtype!r}; use auto or one of {sorted(_DTYPES)}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.torch_device().type == "cuda" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """bf16 matmuls are 3-5x faster than fp32 on CPUs with avx512_bf16/AMX, much slower without."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -1,0 +1,222 @@
+"""LLMEngine: the synchronous core. add_request() -> step() ... -> RequestOutputs."""
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from spanserve.attention import get_backend
+from spanserve.config import EngineConfig
+from spanserve.engine.detokenizer import IncrementalDetokenizer
+from spanserve.engine.request import Request
+from spanserve.engine.runner import ModelRunner
+from spanserve.engine.sampler import Sample
+from spanserve.engine.scheduler import Scheduler
+from spanserve.errors import CacheFullError, InvalidRequestError, PromptTooLongError
+from spanserve.kv.manager import KVCacheManager
+from spanserve.models.config import ModelConfig
+from spanserve.models.loader import load_model, load_tokenizer, resolve_model
+from spanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from spanserve.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+PromptInput = str | dict
+
+
+@dataclass
+class RequestGroup:
+    """The n sequences one user request asked for (n > 1 shares the prompt's blocks)."""
+
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return all(r.is_finished for r in self.children)
+
+    def to_output(self) -> RequestOutput:
+        first = self.children[0]
+        outputs = [_completion(i, r, d) for i, (r, d) in enumerate(zip(self.children, self.detokenizers))]
+        first_times = [r.first_token_time for r in self.children if r.first_token_time]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
+            finished=self.finished,
+            num_cached_tokens=first.num_cached_tokens or 0,
+            metrics=RequestMetrics(
+                arrival_time=self.arrival_time,
+                first_token_time=min(first_times) if first_times else None,
+                finish_time=max(r.finish_time for r in self.children) if self.finished else None,
+            ),
+        )
+
+
+def _completion(index: int, req: Request, detok: IncrementalDetokenizer) -> CompletionOutput:
+    logprobs = None
+    if req.params.logprobs is not None:
+        logprobs = req.logprobs
+    return CompletionOutput(
+        index=index, text=detok.text, token_ids=req.output_token_ids,
+        cumulative_logprob=sum(lp[t] for lp, t in zip(req.logprobs, req.output_token_ids)) if logprobs else None,
+        logprobs=logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+    )
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.manual_seed(config.seed)
+        path = resolve_model(config.model)
+        self.model_path = path
+        self.model_config = cfg = ModelConfig.from_dir(path)
+        self.max_model_len = self._max_model_len(cfg)
+        self.device, self.dtype = config.torch_device(), config.torch_dtype()
+        self.tokenizer = load_tokenizer(path)
+        model = load_model(path, self.dtype, self.device, get_backend(config.attention_backend),
+                           max_positions=self.max_model_len)
+        num_blocks = config.num_blocks or self._blocks_for_budget(cfg)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device)
+        self.eos_token_ids = sorted(set(cfg.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
+        self.groups: dict[str, RequestGroup] = {}
+        self._ids = itertools.count()
+        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+                 path.name, self.dtype, self.device, num_blocks, config.block_size, self.max_model_len)
+
+    def _max_model_len(self, cfg: ModelConfig) -> int:
+        limit = cfg.max_position_embeddings
+        if self.config.max_model_len and self.config.max_model_len > limit:
+            raise InvalidRequestError(f"max_model_len {self.config.max_model_len} exceeds the model's {limit}")
+        return self.config.max_model_len or limit
+
+    def _blocks_for_budget(self, cfg: ModelConfig) -> int:
+        bytes_per_block = (2 * cfg.num_layers * self.config.block_size * cfg.num_kv_heads
+                           * cfg.head_dim * torch.finfo(self.dtype).bits // 8)
+        return max(1, int(self.config.kv_cache_memory_gb * (1 << 30)) // bytes_per_block)
+
+    # ---- requests in -------------------------------------------------------------------
+
+    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int], str | None]:
+        """Return (text, token ids, cache salt) for a prompt given as text or token ids."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt), None
+        if isinstance(prompt, dict) and ("prompt" in prompt) != ("prompt_token_ids" in prompt):
+            salt = prompt.get("cache_salt")
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"]), salt
+            return None, list(prompt["prompt_token_ids"]), salt
+        raise InvalidRequestError(
+            "a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
+
+    def make_group(self, prompt: PromptInput, params: SamplingParams,
+                   request_id: str | None = None) -> RequestGroup:
+        """Validate and tokenize a request without touching engine state (any thread)."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params must be a SamplingParams")
+        text, token_ids, salt = self.tokenize(prompt)
+        self._validate_tokens(token_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:  # distinct yet reproducible samples
+                child_params = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+            children.append(Request(
+                request_id=f"{request_id}-{i}" if params.n > 1 else request_id,
+                group_id=request_id, index=i,
+                prompt_token_ids=token_ids, params=child_params, eos_token_ids=self.eos_token_ids,
+                cache_salt=salt, max_total_tokens=self.max_model_len,
+                wait_for=children[0] if children and self.config.enable_prefix_caching else None,
+            ))
+        detoks = [IncrementalDetokenizer(self.tokenizer, token_ids, r.params) for r in children]
+        return RequestGroup(request_id, text, children, detoks)
+
+    def _validate_tokens(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(len(token_ids), self.max_model_len)
+        needed = self.kv.blocks_needed(min(len(token_ids) + params.max_tokens, self.max_model_len))
+        if needed > self.kv.pool.num_blocks:
+            raise CacheFullError(
+                f"request needs {needed} KV blocks but the pool has {self.kv.pool.num_blocks}; "
+                f"lower max_tokens or raise num_blocks / kv_cache_memory_gb")
+
+    def add_group(self, group: RequestGroup) -> None:
+        if group.request_id in self.groups:
+            raise InvalidRequestError(f"request id {group.request_id!r} is already running")
+        self.groups[group.request_id] = group
+        for req in group.children:
+            self.scheduler.add(req)
+
+    def add_request(self, prompt: PromptInput, params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        group = self.make_group(prompt, params, request_id)
+        self.add_group(group)
+        return group.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        for req in group.children if group else []:
+            if not req.is_finished:
+                req.finish("abort")
+                self.scheduler.finish(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return the outputs of requests that advanced."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled = [item.request for item in batch if item.samples]
+        samples = self.runner.execute(batch)
+        self.scheduler.after_step(batch)
+        touched: dict[str, RequestGroup] = {}
+        for req, sample in zip(sampled, samples):
+            group = self.groups[req.group_id]
+            self._append(req, sample, group.detokenizers[req.index])
+            touched[group.request_id] = group
+        outputs = []
+        for group in touched.values():
+            outputs.append(group.to_output())
+            if group.finished:
+                del self.groups[group.request_id]
+        return outputs
+
+    def _append(self, req: Request, sample: Sample, detok: IncrementalDetokenizer) -> None:
+        req.append_token(sample.token_id)
+        if sample.top_logprobs is not None:
+            req.logprobs.append({**sample.top_logprobs, sample.token_id: sample.logprob})
+        reason = self._stop_reason(req, sample.token_id, detok)
+        if reason:
+            req.finish(*reason)
+            self.scheduler.finish(req)
+
+    def _stop_reason(self, req: Request, token_id: int, detok: IncrementalDetokenizer):
+        p = req.params
+        if token_id in req.eos_token_ids and not p.ignore_eos:
+            return ("stop", None)
+        if token_id in p.stop_token_ids:
+            return ("stop", token_id)
+        stop_string = detok.add(token_id)
+        if stop_string is not None:
+            return ("stop", stop_string)
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_total_tokens:
+            return ("length", None)
+        return None

@@ -1,0 +1,79 @@
+"""Request: one sequence being generated, and everything the engine tracks about it."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from spanserve.kv.block_pool import Block
+from spanserve.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
+    max_total_tokens: int = 1 << 30  # prompt + output may not exceed the model's max length
+    arrival_time: float = field(default_factory=time.monotonic)
+    group_id: str = ""  # the user's request id; children of an n > 1 request share it
+    index: int = 0  # position among those children
+    # A sibling (same prompt, n > 1) whose prefill this request waits for, to share its blocks.
+    wait_for: "Request | None" = None
+
+    def __post_init__(self):
+        self.token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[Block] = []
+        self.block_hashes: list[bytes] = []
+        self.num_hashed_blocks = 0
+        self.num_cached_tokens: int | None = None  # prefix hits at first admission
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[dict] = []
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.generator: torch.Generator | None = None
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def append_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.token_ids.append(token_id)
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.finish_time = time.monotonic()

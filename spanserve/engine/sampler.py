@@ -1,0 +1,98 @@
+"""Sampler: logits of the requests that need a token this step -> tokens (+ logprobs)."""
+
+from dataclasses import dataclass
+
+import torch
+
+from spanserve.engine.request import Request
+
+
+@dataclass
+class Sample:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None  # the N most likely tokens
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[Sample]:
+    """logits: [B, vocab] float32, row i belongs to requests[i]."""
+    want_logprobs = any(r.params.logprobs is not None for r in requests)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    logits = logits.clone()
+    for row, req in enumerate(requests):
+        _apply_penalties(logits[row], req)
+        _suppress_eos_before_min_tokens(logits[row], req)
+    token_ids = _choose_tokens(logits, requests)
+    samples = [Sample(t) for t in token_ids.tolist()]
+    if raw_logprobs is not None:
+        for row, (req, s) in enumerate(zip(requests, samples)):
+            if req.params.logprobs is not None:
+                s.logprob = raw_logprobs[row, s.token_id].item()
+                top = raw_logprobs[row].topk(req.params.logprobs) if req.params.logprobs else None
+                s.top_logprobs = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
+    return samples
+
+
+def _apply_penalties(logits: torch.Tensor, req: Request) -> None:
+    p = req.params
+    if not p.uses_penalties:
+        return
+    if p.repetition_penalty != 1.0:  # over prompt and output, as in HF/vLLM
+        seen = torch.tensor(sorted(set(req.token_ids)), dtype=torch.long)
+        picked = logits[seen]
+        logits[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+    output = req.output_token_ids
+    if output and (p.presence_penalty or p.frequency_penalty):  # over the output only, as in OpenAI
+        counts = torch.bincount(torch.tensor(output), minlength=logits.numel()).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _suppress_eos_before_min_tokens(logits: torch.Tensor, req: Request) -> None:
+    if req.num_output_tokens < req.params.min_tokens:
+        for token_id in [*req.eos_token_ids, *req.params.stop_token_ids]:
+            logits[token_id] = float("-inf")
+
+
+def _choose_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    greedy = torch.tensor([r.params.greedy for r in requests])
+    chosen = logits.argmax(dim=-1)
+    if greedy.all():
+        return chosen
+    probs = _filtered_probs(logits, requests)
+    # Sampling by "exponential race": argmax(p / q), q ~ Exp(1), picks token i with
+    # probability p_i. Drawing q from the request's own generator makes a seeded request
+    # reproducible whatever else shares its batch.
+    noise = torch.empty_like(probs)
+    for row, req in enumerate(requests):
+        noise[row].exponential_(generator=req.generator)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(greedy, chosen, sampled)
+
+
+def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    temps = torch.tensor([r.params.temperature or 1.0 for r in requests]).unsqueeze(1)
+    logits = logits / temps
+    top_k = [r.params.top_k for r in requests]
+    top_p = [r.params.top_p for r in requests]
+    if any(top_k) or any(p < 1.0 for p in top_p):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    min_p = torch.tensor([r.params.min_p for r in requests]).unsqueeze(1)
+    if (min_p > 0).any():
+        probs = torch.where(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
+    return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    k = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
+    drop = ranks >= k
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    p = torch.tensor(top_p).unsqueeze(1)
+    # Drop a token once the ones before it already reach top_p (the first always stays).
+    drop |= (cumulative - sorted_logits.softmax(dim=-1)) >= p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)

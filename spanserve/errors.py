@@ -1,0 +1,35 @@
+"""One error hierarchy for the whole project.
+
+Everything a caller can get wrong raises an `InvalidRequestError` (a ValueError),
+so the server maps it to HTTP 400 and the CLI prints it without a traceback.
+"""
+
+
+class SpanserveError(Exception):
+    """Base class of every error spanserve raises on purpose."""
+
+
+class InvalidRequestError(SpanserveError, ValueError):
+    """The caller asked for something that cannot be served (bad parameter, prompt too long...)."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    def __init__(self, num_tokens: int, max_len: int):
+        super().__init__(
+            f"prompt has {num_tokens} tokens but the model allows at most {max_len} "
+            f"(prompt + max_tokens must fit in max_model_len={max_len})"
+        )
+        self.num_tokens = num_tokens
+        self.max_len = max_len
+
+
+class ModelNotFoundError(SpanserveError, FileNotFoundError):
+    """The model path or name does not point to a loadable model."""
+
+
+class UnsupportedModelError(SpanserveError, ValueError):
+    """The model exists but uses an architecture or option we do not implement."""
+
+
+class CacheFullError(InvalidRequestError):
+    """A single request needs more KV blocks than the whole pool holds."""

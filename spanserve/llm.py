@@ -1,0 +1,69 @@
+"""LLM: the offline Python API, shaped like vLLM's."""
+
+from collections.abc import Sequence
+
+from spanserve.config import EngineConfig
+from spanserve.engine.llm_engine import LLMEngine, PromptInput
+from spanserve.errors import InvalidRequestError
+from spanserve.outputs import RequestOutput
+from spanserve.sampling import SamplingParams
+
+
+class LLM:
+    """`LLM()` loads the embedded SmolLM2; `LLM(model=DIR_OR_GGUF, **EngineConfig fields)` another."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion in one continuous batch; outputs keep input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        # Validate everything first so one bad prompt does not leave others half-run.
+        groups = [self.engine.make_group(p, sp) for p, sp in zip(prompts, params)]
+        for group in groups:
+            self.engine.add_group(group)
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[g.request_id] for g in groups]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return apply_chat_template(self.engine.tokenizer, messages)
+
+
+def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+    if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        raise InvalidRequestError("each chat message must be a dict with 'role' and 'content'")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _per_prompt(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise InvalidRequestError(f"got {len(params)} sampling_params for {count} prompts")
+    return list(params)

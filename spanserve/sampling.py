@@ -1,0 +1,78 @@
+"""SamplingParams: how one request turns logits into tokens, in vLLM's shape."""
+
+from dataclasses import dataclass, field
+
+from spanserve.errors import InvalidRequestError
+from spanserve.utils import strict_kwargs
+
+
+@strict_kwargs
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+            (
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+            ),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (isinstance(self.top_k, int) and self.top_k >= 0,
+             f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
+            (self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"),
+            (-2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+             f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
+            (all(isinstance(s, str) and s for s in self.stop),
+             "stop must be a non-empty string or a list of non-empty strings"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
