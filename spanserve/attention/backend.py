@@ -27,6 +27,9 @@ class AttentionMetadata:
     # Optional per-query-token lower bound on the key index it may attend to. Tokens inside
     # a position-independent span see only their own span; None means "everything before".
     key_start: torch.Tensor | None = None
+    # First block id of each sequence whose blocks are one contiguous run of ids (the common
+    # case for a fresh request), else None: lets a backend slice the cache instead of gathering.
+    contiguous_from: list[int | None] | None = None
 
     @property
     def decode_only(self) -> bool:

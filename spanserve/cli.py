@@ -1,0 +1,205 @@
+"""`spanserve`: generate, chat, demo and bench from the terminal."""
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve shared CPUs
+
+from spanserve.config import EngineConfig  # noqa: E402
+from spanserve.errors import SpanserveError  # noqa: E402
+from spanserve.sampling import SamplingParams  # noqa: E402
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF directory or .gguf file (default: SPANSERVE_MODEL "
+                   "or the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
+    g.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--system", default="You are a helpful assistant.", help="system prompt for chat")
+
+
+def sampling_params(args) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+    )
+
+
+def stream_text(engine, prompt, params: SamplingParams) -> Iterator[str]:
+    """Run one request on the synchronous engine, yielding text as it is produced."""
+    request_id = engine.add_request(prompt, params)
+    shown = 0
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == request_id:
+                    text = out.outputs[0].text
+                    yield text[shown:]
+                    shown = len(text)
+    finally:
+        engine.abort_request(request_id)
+
+
+def chat_prompt(engine, messages: list[dict]) -> dict:
+    from spanserve.llm import apply_chat_template
+
+    return {"prompt_token_ids": apply_chat_template(engine.tokenizer, messages)}
+
+
+def cmd_generate(args) -> None:
+    from spanserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config(args))
+    if args.raw:
+        prompt = args.prompt
+    else:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        prompt = chat_prompt(engine, [*messages, {"role": "user", "content": args.prompt}])
+    for delta in stream_text(engine, prompt, sampling_params(args)):
+        print(delta, end="", flush=True)
+    print()
+
+
+def cmd_chat(args) -> None:
+    from spanserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config(args))
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("spanserve chat: empty line or Ctrl-D to quit, /reset to clear the history.")
+    while True:
+        try:
+            line = input("\n> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            break
+        if not line:
+            break
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        reply = ""
+        for delta in stream_text(engine, chat_prompt(engine, history), sampling_params(args)):
+            reply += delta
+            print(delta, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": reply})
+
+
+def cmd_demo(args) -> None:
+    from spanserve.llm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_config(args).__dict__)
+    engine = llm.engine
+    print(f"loaded {engine.model_path.name} ({engine.dtype}, {engine.device}) in {time.perf_counter() - t0:.1f}s\n")
+
+    question = "Explain in two sentences why the sky is blue."
+    print(f"1. Streaming a chat answer\n> {question}")
+    messages = [{"role": "system", "content": "You are a concise, helpful assistant."},
+                {"role": "user", "content": question}]
+    for delta in stream_text(engine, chat_prompt(engine, messages), SamplingParams(temperature=0, max_tokens=80)):
+        print(delta, end="", flush=True)
+
+    topics = ["the moon", "coffee", "the ocean", "music", "trains", "winter", "bees", "libraries"]
+    prompts = [[{"role": "user", "content": f"Write one sentence about {t}."}] for t in topics]
+    params = SamplingParams(temperature=0.7, seed=0, max_tokens=48)
+    t0 = time.perf_counter()
+    outs = llm.chat(prompts, params)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"\n\n2. Continuous batching: {len(prompts)} chats at once, {tokens} tokens in {elapsed:.1f}s "
+          f"({tokens / elapsed:.0f} tok/s)")
+    for topic, out in zip(topics[:3], outs):
+        print(f"   [{topic}] {out.outputs[0].text.strip()[:100]}")
+
+    doc = " ".join(f"Fact {i}: the code of item {i} is {i * 7919 % 10007}." for i in range(120))
+    ask = [{"role": "user", "content": f"{doc}\n\nWhat is the code of item 42?"}]
+    first = llm.chat(ask, SamplingParams(temperature=0, max_tokens=16))[0]
+    second = llm.chat(ask, SamplingParams(temperature=0, max_tokens=16))[0]
+    print(f"\n3. Prefix caching: a {len(first.prompt_token_ids)}-token prompt, twice")
+    print(f"   cold: TTFT {first.metrics.ttft_s * 1000:.0f} ms, {first.num_cached_tokens} cached tokens")
+    print(f"   warm: TTFT {second.metrics.ttft_s * 1000:.0f} ms, {second.num_cached_tokens} cached tokens")
+    print(f"   answer: {second.outputs[0].text.strip()}")
+
+
+def cmd_bench(args, rest: list[str]) -> None:
+    try:
+        from benchmarks import throughput
+    except ImportError:
+        sys.exit("benchmarks are not installed: run from a checkout with `make` (pip install -e .)")
+    benches = {"throughput": throughput.main}
+    benches[args.bench](rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spanserve", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate a reply to one prompt, streamed to the terminal")
+    p.add_argument("prompt")
+    p.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
+    add_engine_args(p)
+    add_sampling_args(p)
+
+    p = sub.add_parser("chat", help="interactive chat that keeps the history")
+    add_engine_args(p)
+    add_sampling_args(p)
+
+    p = sub.add_parser("demo", help="a short showcase on the default model")
+    add_engine_args(p)
+
+    p = sub.add_parser("bench", help="benchmarks; `spanserve bench NAME --help` for options")
+    p.add_argument("bench", choices=["throughput"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "bench":
+            cmd_bench(args, rest)
+        else:
+            {"generate": cmd_generate, "chat": cmd_chat, "demo": cmd_demo}[args.command](args)
+    except SpanserveError as exc:
+        sys.exit(f"error: {exc}")
+
+
+if __name__ == "__main__":
+    main()

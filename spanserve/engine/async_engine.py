@@ -1,0 +1,127 @@
+"""AsyncLLM: the engine on a background thread, streaming outputs to asyncio callers.
+
+The model step blocks for milliseconds to seconds, so it runs on its own thread; asyncio
+callers never wait on a lock. New requests and aborts reach the thread through an inbox
+that it drains between steps, and outputs come back through each request's asyncio.Queue.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from spanserve.config import EngineConfig
+from spanserve.engine.llm_engine import LLMEngine, PromptInput, RequestGroup
+from spanserve.outputs import RequestOutput
+from spanserve.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="spanserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, model: str | None = None, **kwargs) -> "AsyncLLM":
+        return cls(LLMEngine(EngineConfig(model=model, **kwargs)))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def generate(
+        self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative RequestOutputs as tokens arrive; the last has finished=True.
+
+        Invalid requests raise before anything is queued. Leaving the iteration early
+        (client disconnect, cancellation) aborts the request and frees its blocks.
+        """
+        group = self.engine.make_group(prompt, params, request_id)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[group.request_id] = stream
+        self._inbox.put(("add", group))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(group.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._inbox.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=10)
+
+    # ---- engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped:
+            # Block for work only when idle; otherwise drain what arrived and step.
+            self._handle(self._inbox.get() if not self.engine.has_unfinished_requests() else None)
+            while not self._inbox.empty():
+                self._handle(self._inbox.get_nowait())
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    def _handle(self, command) -> None:
+        if command is None:
+            return
+        kind, arg = command
+        if kind == "add":
+            self._add(arg)
+        elif kind == "abort":
+            self.engine.abort_request(arg)
+
+    def _add(self, group: RequestGroup) -> None:
+        stream = self._streams.get(group.request_id)
+        if stream is None:  # aborted before it reached the engine
+            return
+        try:
+            self.engine.add_group(group)
+        except Exception as exc:  # e.g. a duplicate request id
+            stream.put(exc)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a bug, not a user error: fail the running requests, keep serving
+            log.exception("engine step failed; aborting the running requests")
+            for request_id in list(self.engine.groups):
+                self.engine.abort_request(request_id)
+                stream = self._streams.pop(request_id, None)
+                if stream:
+                    stream.put(RuntimeError(f"engine step failed: {exc}"))
+            return
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)

@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny random models saved as HF directories, and the real default model.
+
+Every tiny model is built by transformers itself (random weights, fixed seed) and shares the
+default model's tokenizer, so text prompts, chat templates and stop strings work on all of them.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from spanserve.models.loader import load_tokenizer, resolve_model
+
+VOCAB_SIZE = 49152  # the SmolLM2 tokenizer's vocabulary, shared by every tiny model
+EOS_TOKEN_ID = 2  # SmolLM2's <|im_end|>
+
+_TINY = dict(
+    vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID,
+)
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The real SmolLM2-135M-Instruct as an HF dir (converted from its GGUF on first use)."""
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory, default_model_path) -> Path:
+    out = tmp_path_factory.mktemp("tokenizer")
+    load_tokenizer(default_model_path).save_pretrained(str(out))
+    return out
+
+
+def _save_random_model(config, tokenizer_dir: Path, out: Path) -> Path:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize_norms(model)
+    model.save_pretrained(str(out), safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def _randomize_norms(model) -> None:
+    """RMSNorm weights start at 1 and biases at 0: randomize them so a loader that skips or
+    mixes them up changes the logits."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory, tokenizer_dir) -> Path:
+    config = LlamaConfig(**_TINY, tie_word_embeddings=False)
+    return _save_random_model(config, tokenizer_dir, tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_path(tmp_path_factory, tokenizer_dir) -> Path:
+    """Qwen3: q/k RMSNorm per head, head_dim (32) independent of hidden/heads (16), tied embeddings."""
+    config = Qwen3Config(**_TINY, head_dim=32, tie_word_embeddings=True)
+    return _save_random_model(config, tokenizer_dir, tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory, tokenizer_dir) -> Path:
+    """Qwen2: biases on q/k/v (none on o), tied embeddings."""
+    config = Qwen2Config(**_TINY, tie_word_embeddings=True)
+    return _save_random_model(config, tokenizer_dir, tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope_path(tmp_path_factory, tokenizer_dir) -> Path:
+    """Llama with Llama-3.1 RoPE scaling (the long-wavelength frequencies slowed down)."""
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    config = LlamaConfig(**_TINY, tie_word_embeddings=False, rope_parameters=rope)
+    return _save_random_model(config, tokenizer_dir, tmp_path_factory.mktemp("tiny-llama3-rope"))
