@@ -11,7 +11,7 @@ export OMP_WAIT_POLICY := PASSIVE
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test serve bench clean
 
 install: $(STAMP)
 
@@ -29,6 +29,9 @@ demo: install
 test: install
 	$(VENV)/bin/ruff check spanserve tests benchmarks
 	$(VENV)/bin/pytest -q
+
+serve: install
+	$(VENV)/bin/spanserve serve
 
 bench: install
 	$(VENV)/bin/spanserve bench throughput

@@ -153,6 +153,24 @@ def cmd_demo(args) -> None:
     print(f"   answer: {second.outputs[0].text.strip()}")
 
 
+def cmd_serve(args) -> None:
+    from pathlib import Path
+
+    import uvicorn
+
+    from spanserve.engine.async_engine import AsyncLLM
+    from spanserve.engine.llm_engine import LLMEngine
+    from spanserve.models.loader import DEFAULT_MODEL
+    from spanserve.server.app import create_app
+
+    name = args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL)
+    llm = AsyncLLM(LLMEngine(engine_config(args)))
+    app = create_app(llm, name, api_key=args.api_key, max_queued=args.max_queued)
+    print(f"spanserve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
+    llm.shutdown()
+
+
 def cmd_bench(args, rest: list[str]) -> None:
     try:
         from benchmarks import throughput
@@ -180,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="a short showcase on the default model")
     add_engine_args(p)
 
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--served-model-name", default=None, help="the model name clients pass")
+    p.add_argument("--max-queued", type=int, default=None, help="answer 503 beyond this many waiting requests")
+    add_engine_args(p)
+
     p = sub.add_parser("bench", help="benchmarks; `spanserve bench NAME --help` for options")
     p.add_argument("bench", choices=["throughput"])
     return parser
@@ -190,13 +216,15 @@ def main(argv: list[str] | None = None) -> None:
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    verbose = args.verbose or args.command == "serve"  # the server logs one line per request
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "bench":
             cmd_bench(args, rest)
         else:
-            {"generate": cmd_generate, "chat": cmd_chat, "demo": cmd_demo}[args.command](args)
+            commands = {"generate": cmd_generate, "chat": cmd_chat, "demo": cmd_demo, "serve": cmd_serve}
+            commands[args.command](args)
     except SpanserveError as exc:
         sys.exit(f"error: {exc}")
 

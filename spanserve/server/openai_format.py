@@ -1,0 +1,154 @@
+"""RequestOutputs -> OpenAI response bodies and stream chunks."""
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from spanserve.errors import InvalidRequestError
+from spanserve.outputs import RequestOutput
+
+
+def completion_prompts(prompt, tokenizer) -> list[tuple[str | None, list[int]]]:
+    """Normalize OpenAI's four prompt forms to (text, token ids) pairs."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    if not prompt:
+        raise InvalidRequestError("prompt must not be empty")
+    return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompt]
+
+
+def usage(finals: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], offset: int = 0) -> dict:
+    tokens = [_token_text(tokenizer, t) for t in token_ids]
+    offsets, pos = [], offset
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs)],
+        "top_logprobs": [{_token_text(tokenizer, k): v for k, v in lp.items()} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], top_n: int) -> dict:
+    def entry(token_id, logprob):
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for t, lp in zip(token_ids, logprobs):
+        top = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append({**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in top]})
+    return {"content": content}
+
+
+def _prompt_text(text: str | None, ids: list[int], tokenizer) -> str:
+    return text if text is not None else tokenizer.decode(ids)
+
+
+def completion_response(results, body, model: str, tokenizer) -> dict:
+    choices, finals = [], []
+    for p_idx, ((text, ids, _), final) in enumerate(results):
+        finals.append(final)
+        for c in final.outputs:
+            prefix = _prompt_text(text, ids, tokenizer) if body.echo else ""
+            choices.append({
+                "index": p_idx * body.n + c.index, "text": prefix + c.text, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                "logprobs": completion_logprobs(tokenizer, c.token_ids, c.logprobs, len(prefix))
+                if body.logprobs is not None else None,
+            })
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(finals)}
+
+
+def chat_response(final: RequestOutput, body, model: str, tokenizer) -> dict:
+    choices = [{
+        "index": c.index, "message": {"role": "assistant", "content": c.text},
+        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+        "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
+        if body.logprobs else None,
+    } for c in final.outputs]
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage([final])}
+
+
+class _Deltas:
+    """Turns cumulative outputs into per-choice deltas (text, tokens, logprobs)."""
+
+    def __init__(self):
+        self.text_len: dict[int, int] = {}
+        self.token_len: dict[int, int] = {}
+
+    def of(self, out: RequestOutput):
+        for c in out.outputs:
+            t0, k0 = self.text_len.get(c.index, 0), self.token_len.get(c.index, 0)
+            if len(c.text) == t0 and len(c.token_ids) == k0 and c.finish_reason is None:
+                continue
+            if self.text_len.get(c.index) == -1:
+                continue  # already sent its final chunk
+            self.text_len[c.index], self.token_len[c.index] = len(c.text), len(c.token_ids)
+            if c.finish_reason is not None:
+                self.text_len[c.index] = -1
+            yield c, c.text[t0:], c.token_ids[k0:], (c.logprobs or [])[k0:]
+
+
+async def stream_completion(runs, body, model: str, tokenizer) -> AsyncIterator[dict]:
+    created, chunk_id = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+    finals = []
+    for p_idx, (text, ids, run) in enumerate(runs):  # prompts are streamed one after another
+        deltas, final = _Deltas(), None
+        if body.echo:
+            for i in range(body.n):
+                yield _completion_chunk(chunk_id, created, model, p_idx * body.n + i,
+                                        _prompt_text(text, ids, tokenizer), None, None)
+        async for out in run:
+            final = out
+            for c, delta, new_ids, new_lps in deltas.of(out):
+                lps = completion_logprobs(tokenizer, new_ids, new_lps) if body.logprobs is not None else None
+                yield _completion_chunk(chunk_id, created, model, p_idx * body.n + c.index, delta,
+                                        c.finish_reason, lps)
+        finals.append(final)
+    if body.stream_options and body.stream_options.include_usage:
+        yield {"id": chunk_id, "object": "text_completion", "created": created, "model": model,
+               "choices": [], "usage": usage(finals)}
+
+
+def _completion_chunk(chunk_id, created, model, index, text, finish_reason, logprobs) -> dict:
+    return {"id": chunk_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+async def stream_chat(run, body, model: str, tokenizer) -> AsyncIterator[dict]:
+    created, chunk_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+
+    def chunk(choices, **extra):
+        return {"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": choices, **extra}
+
+    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None} for i in range(body.n)])
+    deltas, final = _Deltas(), None
+    async for out in run:
+        final = out
+        for c, delta, new_ids, new_lps in deltas.of(out):
+            lps = chat_logprobs(tokenizer, new_ids, new_lps, body.top_logprobs or 0) if body.logprobs else None
+            yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
+                          "logprobs": lps, "finish_reason": c.finish_reason}])
+    if body.stream_options and body.stream_options.include_usage:
+        yield chunk([], usage=usage([final]))
