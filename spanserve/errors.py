@@ -16,8 +16,8 @@ class InvalidRequestError(SpanserveError, ValueError):
 class PromptTooLongError(InvalidRequestError):
     def __init__(self, num_tokens: int, max_len: int):
         super().__init__(
-            f"prompt has {num_tokens} tokens but the model allows at most {max_len} "
-            f"(prompt + max_tokens must fit in max_model_len={max_len})"
+            f"prompt has {num_tokens} tokens but max_model_len={max_len}: a prompt may have at most "
+            f"{max_len - 1} tokens so that one can be generated (prompts are never truncated)"
         )
         self.num_tokens = num_tokens
         self.max_len = max_len

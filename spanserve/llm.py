@@ -26,6 +26,8 @@ class LLM:
         """Run every prompt to completion in one continuous batch; outputs keep input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise InvalidRequestError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         params = _per_prompt(sampling_params, len(prompts))
         # Validate everything first so one bad prompt does not leave others half-run.
         groups = [self.engine.make_group(p, sp) for p, sp in zip(prompts, params)]

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import EOS_TOKEN_ID, VOCAB_SIZE
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+from spanserve import LLM
 from spanserve.models.loader import load_tokenizer, resolve_model
-
-VOCAB_SIZE = 49152  # the SmolLM2 tokenizer's vocabulary, shared by every tiny model
-EOS_TOKEN_ID = 2  # SmolLM2's <|im_end|>
 
 _TINY = dict(
     vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -38,14 +37,14 @@ def tokenizer_dir(tmp_path_factory, default_model_path) -> Path:
 def _save_random_model(config, tokenizer_dir: Path, out: Path) -> Path:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize_norms(model)
+    _randomize_norms_and_biases(model)
     model.save_pretrained(str(out), safe_serialization=True)
     for f in tokenizer_dir.iterdir():
         (out / f.name).write_bytes(f.read_bytes())
     return out
 
 
-def _randomize_norms(model) -> None:
+def _randomize_norms_and_biases(model) -> None:
     """RMSNorm weights start at 1 and biases at 0: randomize them so a loader that skips or
     mixes them up changes the logits."""
     with torch.no_grad():
@@ -83,3 +82,10 @@ def tiny_llama3_rope_path(tmp_path_factory, tokenizer_dir) -> Path:
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     config = LlamaConfig(**_TINY, tie_word_embeddings=False, rope_parameters=rope)
     return _save_random_model(config, tokenizer_dir, tmp_path_factory.mktemp("tiny-llama3-rope"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(default_model_path):
+    """One float32 SmolLM2 engine shared by every module (each test leaves it idle)."""
+    return LLM(model=str(default_model_path), dtype="float32", num_blocks=64)
+

@@ -9,6 +9,7 @@ trajectories is 1e-4 (tiny Llama) and 1e-2 (SmolLM2), far above the logit error.
 
 import pytest
 import torch
+from helpers import random_prompt
 from transformers import AutoModelForCausalLM
 
 from spanserve import LLM, SamplingParams
@@ -20,10 +21,6 @@ SMOLLM2_ATOL = 1e-3
 TEXT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
                 "1, 2, 3, 4,"]
 TINY_MODELS = ["tiny_llama_path", "tiny_qwen3_path", "tiny_qwen2_path", "tiny_llama3_rope_path"]
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(3, 49152, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def our_logits(llm: LLM, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
@@ -79,8 +76,8 @@ def tiny(request):
 
 
 @pytest.fixture(scope="module")
-def smollm2(default_model_path):
-    llm = LLM(model=str(default_model_path), dtype="float32", num_blocks=64)
+def smollm2(smollm2_llm, default_model_path):
+    llm = smollm2_llm
     hf_model = AutoModelForCausalLM.from_pretrained(str(default_model_path), dtype=torch.float32).eval()
     return llm, hf_model
 
@@ -120,12 +117,15 @@ def test_tiny_model_first_token_logprobs_match_transformers_log_softmax(tiny):
                                atol=TINY_ATOL, rtol=0)
 
 
-def test_greedy_with_repetition_penalty_matches_transformers(tiny_llama_path):
-    llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=16)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_path), dtype=torch.float32).eval()
-    prompt = llm.get_tokenizer().encode("the the the the cat sat on the mat and the cat")
-    out = llm.generate({"prompt_token_ids": prompt}, greedy(24, repetition_penalty=1.3))
-    assert out[0].outputs[0].token_ids == hf_greedy(hf_model, prompt, 24, repetition_penalty=1.3)
+def test_greedy_with_repetition_penalty_matches_transformers(tiny_qwen3_path):
+    # The tiny Qwen3 repeats itself under plain greedy decoding, so the penalty matters here.
+    llm = LLM(model=str(tiny_qwen3_path), dtype="float32", num_blocks=16)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_path), dtype=torch.float32).eval()
+    prompt = llm.get_tokenizer().encode("The capital of France is")
+    plain = llm.generate({"prompt_token_ids": prompt}, greedy(24))[0].outputs[0].token_ids
+    penalized = llm.generate({"prompt_token_ids": prompt}, greedy(24, repetition_penalty=1.3))[0].outputs[0].token_ids
+    assert penalized != plain
+    assert penalized == hf_greedy(hf_model, prompt, 24, repetition_penalty=1.3)
 
 
 @pytest.mark.slow

@@ -54,7 +54,22 @@ class AsyncLLM:
         Invalid requests raise before anything is queued. Leaving the iteration early
         (client disconnect, cancellation) aborts the request and frees its blocks.
         """
-        group = self.engine.make_group(prompt, params, request_id)
+        outputs = self.submit(prompt, params, request_id)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()
+
+    def submit(
+        self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Like generate(), but an invalid request raises here, at once, rather than at the first
+        iteration (a server must answer 400 before it starts streaming). The request reaches the
+        engine when the iteration starts; an iterator never started costs nothing."""
+        return self._outputs(self.engine.make_group(prompt, params, request_id))
+
+    async def _outputs(self, group: RequestGroup) -> AsyncIterator[RequestOutput]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[group.request_id] = stream
         self._inbox.put(("add", group))

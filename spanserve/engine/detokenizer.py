@@ -13,11 +13,13 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
         self.text = ""
+        self.num_output_tokens = 0
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
 
     def add(self, token_id: int) -> str | None:
         """Append a token; return the stop string it completed, if any (text is cut there)."""
         self.tokens.append(token_id)
+        self.num_output_tokens += 1
         skip = self.params.skip_special_tokens
         prefix = self.tokenizer.decode(self.tokens[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
         full = self.tokenizer.decode(self.tokens[self.prefix_offset:], skip_special_tokens=skip)
@@ -26,6 +28,8 @@ class IncrementalDetokenizer:
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         self.text += delta
+        if self.num_output_tokens <= self.params.min_tokens:
+            return None  # as in vLLM, no stop string can end the output before min_tokens
         return self._check_stop(len(delta))
 
     def _check_stop(self, delta_len: int) -> str | None:

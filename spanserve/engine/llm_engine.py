@@ -146,6 +146,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be integers in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(token_ids), self.max_model_len)
         needed = self.kv.blocks_needed(min(len(token_ids) + params.max_tokens, self.max_model_len))

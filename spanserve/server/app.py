@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from jinja2.exceptions import TemplateError
 from starlette.exceptions import HTTPException
 
 from spanserve import __version__
@@ -20,7 +21,16 @@ from spanserve.llm import apply_chat_template
 from spanserve.outputs import RequestOutput
 from spanserve.server import openai_format as fmt
 from spanserve.server.metrics import ServerMetrics
-from spanserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from spanserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    Health,
+    ModelList,
+    Version,
+)
 
 log = logging.getLogger("spanserve.server")
 
@@ -32,10 +42,30 @@ class APIError(Exception):
         self.status, self.message, self.kind, self.code, self.headers = status, message, kind, code, headers
 
 
+ERROR_500 = {"message": "internal server error", "type": "internal_error", "param": None, "code": None}
+
+
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
                    code: str | None = None, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+class APIKeyMiddleware:
+    """Requires `Authorization: Bearer KEY` on /v1/*. Plain ASGI, not @app.middleware("http"): Starlette's
+    BaseHTTPMiddleware hides client disconnects from Request.is_disconnected(), and a non-streamed request
+    whose client went away would then run to the end."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "missing or invalid API key", "authentication_error", "invalid_api_key")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class Server:
@@ -65,23 +95,31 @@ class Server:
                            f"{max_tokens or 1} for the completion).", code="context_length_exceeded")
         return max_tokens if max_tokens is not None else room
 
-    async def run(self, prompt, params, http: Request | None, stream: bool) -> AsyncIterator[RequestOutput]:
-        """Run one engine request, keeping metrics and the log line; yields cumulative outputs."""
+    def start(self, prompt, params) -> AsyncIterator[RequestOutput]:
+        """Validate one engine request now (an invalid one raises InvalidRequestError, a 400, before any
+        response starts) and return its cumulative outputs, which keep the metrics and the log line."""
         request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+        return self._run(request_id, self.llm.submit(prompt, params, request_id))
+
+    async def _run(self, request_id: str, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         start, status, last = time.monotonic(), "abort", None
         self.queued += 1
         waiting = True
         try:
-            async for out in self.llm.generate(prompt, params, request_id):
+            async for out in outputs:
                 if waiting:
                     waiting = False
                     self.queued -= 1
                 last = out
                 yield out
             status = "ok"
+        except Exception:  # the engine failed it; a cancellation or a closed stream stays "abort"
+            status = "error"
+            raise
         finally:
             if waiting:
                 self.queued -= 1
+            await outputs.aclose()
             self._record(request_id, status, last, time.monotonic() - start)
 
     def _record(self, request_id: str, status: str, out: RequestOutput | None, elapsed: float) -> None:
@@ -125,11 +163,50 @@ async def final_output(outputs: AsyncIterator[RequestOutput], http: Request) -> 
 
 def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def body():
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except Exception:  # the status line is sent: report the failure in the stream, as vLLM does
+            log.exception("internal error while streaming")
+            yield f"data: {json.dumps({'error': ERROR_500})}\n\n"
+        finally:
+            await chunks.aclose()
         yield "data: [DONE]\n\n"
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+_NOT_FIELDS = {"body", "str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _where(loc) -> str:
+    """A validation error's location as `field.0.sub`, without "body" and pydantic's union-member tags
+    (such as `constrained-str` or `list[int]`)."""
+    return ".".join(str(p) for p in loc if isinstance(p, int) or (p.isidentifier() and p not in _NOT_FIELDS))
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) for a body that does not fit the request model; a union lists each alternative."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
+    param = _where(first.get("loc", ())) or None
+    problems = list(dict.fromkeys(f"{_where(e.get('loc', ())) or 'body'}: {e.get('msg', 'invalid')}"
+                                  for e in errors))
+    return "; ".join(problems[:4]) + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""), param
+
+
+_ERRORS = {status: {"model": ErrorResponse, "description": description} for status, description in (
+    (400, "Invalid request: malformed JSON, a wrong type or value, or a prompt too long for the model"),
+    (401, "Missing or wrong API key (when the server runs with --api-key)"),
+    (404, "Unknown model"),
+    (503, "Overloaded (more than --max-queued requests waiting); retry after the Retry-After header"),
+)}
+_ERRORS[503]["headers"] = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "string"}}}
+# With stream=true: server-sent events (before Open API 3.2, `schema` describes one event), each
+# `data` a JSON chunk, the last `[DONE]`.
+_SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a chunk as JSON, or [DONE] at the end"}}}}}
 
 
 def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
@@ -139,14 +216,12 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     server = Server(llm, model_name, max_queued)
     app.state.server = server
     tokenizer = llm.tokenizer
+    vocab_size = llm.engine.model_config.vocab_size
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
-            return error_response(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where or None)
+        message, param = _validation_message(exc.errors())
+        return error_response(400, message, param=param)
 
     @app.exception_handler(InvalidRequestError)
     async def _bad_request(_, exc: InvalidRequestError):
@@ -157,66 +232,87 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         return error_response(exc.status, exc.message, exc.kind, exc.code, headers=exc.headers)
 
     @app.exception_handler(HTTPException)
-    async def _http_error(_, exc: HTTPException):
-        return error_response(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else "error")
+    async def _http_error(_, exc: HTTPException):  # unknown path (404), unsupported method (405, with Allow)
+        return error_response(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else "error",
+                              headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(_, exc: Exception):
         log.exception("internal error")
-        return error_response(500, "internal server error", "internal_error")
+        return JSONResponse({"error": ERROR_500}, status_code=500)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "missing or invalid API key", "authentication_error", "invalid_api_key")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> Health:
+        return Health(status="ok")
 
     @app.get("/version")
-    async def version() -> dict:
-        return {"version": __version__}
+    async def version() -> Version:
+        return Version(version=__version__)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> str:
+        """Prometheus text exposition format."""
         return server.metrics.render(llm.engine)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{
+    @app.get("/v1/models", responses={401: _ERRORS[401]})
+    async def models() -> ModelList:
+        return ModelList.model_validate({"object": "list", "data": [{
             "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "spanserve",
-            "max_model_len": llm.engine.max_model_len}]}
+            "max_model_len": llm.engine.max_model_len}]})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse, "content": _SSE}, **_ERRORS})
     async def completions(body: CompletionRequest, http: Request):
         server.check_model(body.model)
         prompts = fmt.completion_prompts(body.prompt, tokenizer)
         runs = []
-        for text, ids in prompts:
+        for text, ids in prompts:  # validate every prompt before any starts
             max_tokens = server.check_length(ids, body.max_tokens)
-            params = body.sampling_params(max_tokens, body.logprobs)
-            server.admit()
-            runs.append((text, ids, server.run({"prompt_token_ids": ids}, params, http, body.stream)))
+            params = body.sampling_params(max_tokens, body.logprobs, vocab_size)
+            runs.append((text, ids, server.start({"prompt_token_ids": ids}, params)))
+        server.admit()
         if body.stream:
             return sse(fmt.stream_completion(runs, body, model_name, tokenizer))
         finals = await asyncio.gather(*(final_output(r, http) for _, _, r in runs))
         return fmt.completion_response(list(zip(runs, finals)), body, model_name, tokenizer)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              responses={200: {"model": ChatCompletionResponse, "content": _SSE}, **_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         server.check_model(body.model)
-        ids = apply_chat_template(tokenizer, body.chat_messages())
+        try:
+            ids = apply_chat_template(tokenizer, body.chat_messages())
+        except TemplateError as exc:  # e.g. a template that insists on alternating user/assistant turns
+            raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}") from exc
         max_tokens = server.check_length(ids, body.max_completion_tokens or body.max_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(max_tokens, top)
+        params = body.sampling_params(max_tokens, top, vocab_size)
+        run = server.start({"prompt_token_ids": ids}, params)
         server.admit()
-        run = server.run({"prompt_token_ids": ids}, params, http, body.stream)
         if body.stream:
             return sse(fmt.stream_chat(run, body, model_name, tokenizer))
         return fmt.chat_response(await final_output(run, http), body, model_name, tokenizer)
 
+    generate_openapi = app.openapi
+
+    def openapi() -> dict:
+        """FastAPI's schema, without the 422 it adds to every route with a body (bad bodies get a 400)."""
+        if app.openapi_schema is None:
+            schema = generate_openapi()
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            # prompt token ids index this model's vocabulary (the request model only knows that they are >= 0)
+            for alternative in schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+                items = alternative.get("items", {})
+                items = items.get("items", items)
+                if items.get("type") == "integer":
+                    items["maximum"] = vocab_size - 1
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app

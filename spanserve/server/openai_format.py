@@ -89,38 +89,45 @@ def chat_response(final: RequestOutput, body, model: str, tokenizer) -> dict:
 
 
 class _Deltas:
-    """Turns cumulative outputs into per-choice deltas (text, tokens, logprobs)."""
+    """Turns cumulative outputs into per-choice deltas (text offset, text, tokens, logprobs).
 
-    def __init__(self):
+    Until a choice finishes, the last len(longest stop string) - 1 characters are held back: they
+    may be the start of a stop string, which the engine cuts from the text once it is complete.
+    """
+
+    def __init__(self, stop: str | list[str] | None = None):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        self.hold = max((len(s) for s in stops), default=1) - 1
         self.text_len: dict[int, int] = {}
         self.token_len: dict[int, int] = {}
 
     def of(self, out: RequestOutput):
         for c in out.outputs:
             t0, k0 = self.text_len.get(c.index, 0), self.token_len.get(c.index, 0)
-            if len(c.text) == t0 and len(c.token_ids) == k0 and c.finish_reason is None:
-                continue
-            if self.text_len.get(c.index) == -1:
+            if t0 == -1:
                 continue  # already sent its final chunk
-            self.text_len[c.index], self.token_len[c.index] = len(c.text), len(c.token_ids)
+            text = c.text if c.finish_reason is not None else c.text[:max(t0, len(c.text) - self.hold)]
+            if len(text) == t0 and len(c.token_ids) == k0 and c.finish_reason is None:
+                continue
+            self.text_len[c.index], self.token_len[c.index] = len(text), len(c.token_ids)
             if c.finish_reason is not None:
                 self.text_len[c.index] = -1
-            yield c, c.text[t0:], c.token_ids[k0:], (c.logprobs or [])[k0:]
+            yield c, t0, text[t0:], c.token_ids[k0:], (c.logprobs or [])[k0:]
 
 
 async def stream_completion(runs, body, model: str, tokenizer) -> AsyncIterator[dict]:
     created, chunk_id = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
     finals = []
     for p_idx, (text, ids, run) in enumerate(runs):  # prompts are streamed one after another
-        deltas, final = _Deltas(), None
+        deltas, final = _Deltas(body.stop), None
         if body.echo:
             for i in range(body.n):
                 yield _completion_chunk(chunk_id, created, model, p_idx * body.n + i,
                                         _prompt_text(text, ids, tokenizer), None, None)
         async for out in run:
             final = out
-            for c, delta, new_ids, new_lps in deltas.of(out):
-                lps = completion_logprobs(tokenizer, new_ids, new_lps) if body.logprobs is not None else None
+            for c, offset, delta, new_ids, new_lps in deltas.of(out):
+                lps = completion_logprobs(tokenizer, new_ids, new_lps, offset) if body.logprobs is not None else None
                 yield _completion_chunk(chunk_id, created, model, p_idx * body.n + c.index, delta,
                                         c.finish_reason, lps)
         finals.append(final)
@@ -143,10 +150,10 @@ async def stream_chat(run, body, model: str, tokenizer) -> AsyncIterator[dict]:
 
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(body.n)])
-    deltas, final = _Deltas(), None
+    deltas, final = _Deltas(body.stop), None
     async for out in run:
         final = out
-        for c, delta, new_ids, new_lps in deltas.of(out):
+        for c, _, delta, new_ids, new_lps in deltas.of(out):
             lps = chat_logprobs(tokenizer, new_ids, new_lps, body.top_logprobs or 0) if body.logprobs else None
             yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
                           "logprobs": lps, "finish_reason": c.finish_reason}])

@@ -1,15 +1,38 @@
-"""OpenAI-compatible request bodies (pydantic), and their mapping to SamplingParams."""
+"""OpenAI-compatible request and response bodies (pydantic), and the mapping to SamplingParams.
 
-from typing import Literal
+The response models document the API (/openapi.json); the routes build plain dicts.
+"""
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from spanserve.sampling import SamplingParams
 
+# Seeds, top_k and token ids stay within JSON's safe integers, exact in every client and validator (near
+# 2**63 they disagree, as doubles, about which side of the bound a number falls), and within torch's int64.
+_SAFE = 2**53
+
+
+def _integral(value):
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _int(**bounds):
+    """An integer as JSON Schema has it: 5 or 5.0, never true or "5" (the request models are strict).
+    The bounds go inside, next to the int, where /openapi.json can show them."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = _int(ge=0, le=_SAFE)
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
 
 class _Body(BaseModel):
-    # Unknown fields are ignored, as vLLM does: OpenAI SDKs and LangChain send extras.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored, as vLLM does: OpenAI SDKs and LangChain send extras. Strict: no silent
+    # coercion of "5" or true to 5, or of 0 to false; a body is valid exactly when /openapi.json says so.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -18,52 +41,61 @@ class StreamOptions(_Body):
 
 class _SamplingFields(_Body):
     model: str | None = None
-    n: int = Field(1, ge=1, le=16)
+    n: _int(ge=1, le=16) = 1
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: _int(ge=-1, le=_SAFE) | None = None
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: _int(ge=-_SAFE, le=_SAFE) | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: _int(ge=0) = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
         optional = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
                     if getattr(self, k) is not None}
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
+            seed=self.seed, stop=self.stop,
+            # ids beyond the vocabulary can never be sampled (and cannot index the logits)
+            stop_token_ids=[t for t in self.stop_token_ids or [] if t < vocab_size],
             ignore_eos=self.ignore_eos, logprobs=logprobs, **optional,
         )
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    # a text, texts, token ids, or lists of token ids; never empty
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1)])
+    max_tokens: _int(ge=1) | None = 16
+    logprobs: _int(ge=0, le=20) | None = None
     echo: bool = False
+
+
+class TextContentPart(_Body):
+    type: Literal["text"] = "text"
+    text: str
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
+    content: str | list[TextContentPart] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: _int(ge=1) | None = None
+    max_completion_tokens: _int(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: _int(ge=0, le=20) | None = None
 
     def chat_messages(self) -> list[dict]:
         """Messages as the chat template wants them; text parts of a content list are joined."""
@@ -71,6 +103,120 @@ class ChatCompletionRequest(_SamplingFields):
         for m in self.messages:
             content = m.content
             if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if p.get("type", "text") == "text")
+                content = "".join(p.text for p in content)
             out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
         return out
+
+
+# ---- responses (documentation of what the routes return) -------------------------------
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+FinishReason = Literal["stop", "length", "abort"] | None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason
+    stop_reason: str | int | None = None
+    logprobs: CompletionLogprobs | None
+
+
+class CompletionResponse(BaseModel):
+    """The body of a non-streamed completion; with stream=true, `data:` events of the same shape
+    (one choice each, `usage` only in the last when stream_options.include_usage), then `data: [DONE]`."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason
+    stop_reason: str | int | None = None
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletionResponse(BaseModel):
+    """The body of a non-streamed chat completion; with stream=true, `data:` events of object
+    chat.completion.chunk (a `delta` per choice instead of a `message`), then `data: [DONE]`."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Version(BaseModel):
+    version: str

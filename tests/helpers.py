@@ -1,0 +1,31 @@
+"""Small helpers shared by the test modules (fixtures live in conftest.py)."""
+
+import torch
+
+from spanserve import SamplingParams
+
+VOCAB_SIZE = 49152  # the SmolLM2 tokenizer's vocabulary, shared by every tiny model
+EOS_TOKEN_ID = 2  # SmolLM2's <|im_end|>
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    """`length` token ids drawn uniformly from the vocabulary (special tokens 0-2 excluded)."""
+    return torch.randint(3, VOCAB_SIZE, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    """Greedy decoding of exactly `max_tokens` tokens (EOS ignored)."""
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    """The generated token ids of every completion of every RequestOutput."""
+    return [[c.token_ids for c in out.outputs] for out in outputs]
+
+
+def assert_engine_idle(llm) -> None:
+    """No request left anywhere and every KV block back in the free queue."""
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
