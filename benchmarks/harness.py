@@ -142,6 +142,8 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        # Other processes' load: on a shared machine it explains most run-to-run noise.
+        "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()

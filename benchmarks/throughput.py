@@ -6,14 +6,19 @@ Metrics (higher is better, tokens/s):
   16x128 concurrent          16 requests x 128 output tokens: ours in one generate() call,
                              the baselines one request after another; total output tokens / wall time
 
-Every measurement runs after a warm-up, is repeated, and keeps the best (the machine is shared
-and noisy). Prompts are random token ids, fresh for each prefill run, so prefix caching cannot help.
+Both engines are loaded side by side and take turns on every repeat with the same prompts, after
+a warm-up; each number is the best of its repeats (the machine is shared and noisy). Prompts are
+random token ids, fresh for every run, so prefix caching cannot help. --quick (~2 minutes) makes
+fewer repeats, 32 decode tokens, and times 4 of the 16 sequential baseline requests (the same
+tokens/s, since they run one at a time); the full run takes ~10 minutes on 2 cores.
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.throughput [--quick] [--dtype bf16|fp32|both]
+    spanserve bench throughput --quick
 """
 
 import argparse
 import gc
+import os
 import random
 import sys
 import time
@@ -40,7 +45,6 @@ class Plan:
     concurrent_repeats: int = 3
     baseline_concurrent_repeats: int = 2  # the sequential baseline is slow (~1.5 min a run)
     baseline_concurrent_subset: int | None = None  # quick: time only this many of the sequential requests
-
 
     @classmethod
     def quick(cls) -> "Plan":
@@ -201,42 +205,60 @@ class LlamaCppRunner:
 # ---- measuring -------------------------------------------------------------------------------
 
 
-def measure(runner, plan: Plan, seed: int, log) -> dict:
-    """All metrics for one runner; the same seed gives every runner the same prompts."""
-    prompts = Prompts(runner.vocab_size, seed)
-    runner.warm_up(prompts)
-    results: dict[str, dict] = {}
-    for length in plan.prefill_lens:
-        runs = []
-        for _ in range(plan.prefill_repeats):
-            secs = runner.prefill(prompts(length))
-            runs.append({"seconds": secs, "tok_s": length / secs})
-        results[f"prefill@{length}"] = _best(runs, prompt_tokens=length)
-        log(f"  {runner.name} prefill@{length}: {results[f'prefill@{length}']['tok_s']:.1f} tok/s")
+def measure(runners: list, plan: Plan, seed: int, log) -> dict:
+    """All metrics for every runner, as {engine: {metric: {...}}}.
 
-    runs = []
+    The runners take turns on every repeat with the same prompts, so load from other processes on a
+    shared machine hits them alike instead of skewing whichever engine happened to run during it.
+    """
+    prompts = Prompts(min(r.vocab_size for r in runners), seed)
+    for runner in runners:
+        runner.warm_up(prompts)
+    names = plan.metric_names()
+    runs: dict[str, dict[str, list]] = {r.name: {n: [] for n in names} for r in runners}
+    results: dict[str, dict] = {r.name: {} for r in runners}
+
+    for length in plan.prefill_lens:
+        for _ in range(plan.prefill_repeats):
+            ids = prompts(length)
+            for runner in runners:
+                secs = runner.prefill(ids)
+                runs[runner.name][f"prefill@{length}"].append({"seconds": secs, "tok_s": length / secs})
+        for runner in runners:
+            results[runner.name][f"prefill@{length}"] = _best(runs[runner.name][f"prefill@{length}"],
+                                                              prompt_tokens=length)
+
+    name = names[len(plan.prefill_lens)]
     for _ in range(plan.decode_repeats):
         # A fresh context each time: a prefix-cache hit would change the KV block layout decode reads.
-        ttft, decode_s, tokens = runner.decode(prompts(plan.decode_context), plan.decode_tokens)
-        runs.append({"ttft_s": ttft, "decode_s": decode_s, "tokens": tokens,
-                     "tok_s": (tokens - 1) / decode_s if decode_s > 0 else None})
-    name = plan.metric_names()[len(plan.prefill_lens)]
-    results[name] = _best(runs, context_tokens=plan.decode_context)
-    log(f"  {runner.name} {name}: {results[name]['tok_s']:.1f} tok/s")
+        context = prompts(plan.decode_context)
+        for runner in runners:
+            ttft, decode_s, tokens = runner.decode(context, plan.decode_tokens)
+            runs[runner.name][name].append({"ttft_s": ttft, "decode_s": decode_s, "tokens": tokens,
+                                            "tok_s": (tokens - 1) / decode_s if decode_s > 0 else None})
+    for runner in runners:
+        results[runner.name][name] = _best(runs[runner.name][name], context_tokens=plan.decode_context)
 
-    repeats = plan.concurrent_repeats if runner.name == "spanserve" else plan.baseline_concurrent_repeats
-    runs = []
-    for _ in range(repeats):
+    name = names[-1]
+    for i in range(max(plan.concurrent_repeats, plan.baseline_concurrent_repeats)):
         batch = [prompts(plan.concurrent_prompt) for _ in range(plan.concurrent)]
-        if runner.name != "spanserve" and plan.baseline_concurrent_subset:
-            # Sequential requests each run alone, so a subset gives the same tokens/s, sooner.
-            batch = batch[: plan.baseline_concurrent_subset]
-        secs, tokens = runner.concurrent(batch, plan.concurrent_tokens)
-        runs.append({"seconds": secs, "output_tokens": tokens, "tok_s": tokens / secs})
-    name = plan.metric_names()[-1]
-    results[name] = _best(runs, requests=len(batch), prompt_tokens=plan.concurrent_prompt,
-                          mode="one generate() call" if runner.name == "spanserve" else "sequential")
-    log(f"  {runner.name} {name}: {results[name]['tok_s']:.1f} tok/s")
+        for runner in runners:
+            ours = runner.name == "spanserve"
+            if i >= (plan.concurrent_repeats if ours else plan.baseline_concurrent_repeats):
+                continue
+            # Sequential requests each run alone, so a subset of them gives the same tokens/s, sooner.
+            todo = batch if ours or not plan.baseline_concurrent_subset else batch[: plan.baseline_concurrent_subset]
+            secs, tokens = runner.concurrent(todo, plan.concurrent_tokens)
+            runs[runner.name][name].append({"seconds": secs, "requests": len(todo), "output_tokens": tokens,
+                                            "tok_s": tokens / secs})
+    for runner in runners:
+        results[runner.name][name] = _best(
+            runs[runner.name][name], prompt_tokens=plan.concurrent_prompt,
+            mode="one generate() call" if runner.name == "spanserve" else "one request after another")
+
+    for name in names:
+        log("  " + name + ": " + ", ".join(f"{r.name} {results[r.name][name]['tok_s']:.1f}" for r in runners)
+            + " tok/s")
     return results
 
 
@@ -255,7 +277,7 @@ def _ratio(ours: float | None, theirs: float | None) -> float | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp32", "both"], default="both")
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and shorter outputs (~3 minutes)")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, shorter decode (~2 minutes)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/throughput.json)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp (needs llama-cpp-python)")
@@ -278,26 +300,20 @@ def run(args: argparse.Namespace) -> dict:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
 
-    llama_cpp = None
-    if args.llama_cpp:
-        llama_cpp = _llama_cpp_results(args, plan, threads, log)
+    llama_cpp = _llama_cpp_runner(args, plan, threads, log) if args.llama_cpp else None
 
     results: dict[str, dict] = {}
     for dtype in dtypes:
-        log(f"[{dtype}] spanserve")
-        runner = SpanserveRunner(args.model, DTYPES[dtype], args.max_batched_tokens)
-        per_engine = {"spanserve": measure(runner, plan, args.seed, log)}
-        del runner
-        gc.collect()
+        log(f"[{dtype}] loading")
+        runners = [SpanserveRunner(args.model, DTYPES[dtype], args.max_batched_tokens)]
         if not args.no_hf:
-            log(f"[{dtype}] transformers")
-            runner = TransformersRunner(path, DTYPES[dtype])
-            per_engine["transformers"] = measure(runner, plan, args.seed, log)
-            del runner
-            gc.collect()
+            runners.append(TransformersRunner(path, DTYPES[dtype]))
         if llama_cpp:
-            per_engine["llama.cpp"] = llama_cpp
-        results[dtype] = per_engine
+            runners.append(llama_cpp)
+        log(f"[{dtype}] measuring {', '.join(r.name for r in runners)} (load average {_loadavg()})")
+        results[dtype] = measure(runners, plan, args.seed, log)
+        del runners
+        gc.collect()
 
     summary = _summarize(results, names)
     for dtype in dtypes:
@@ -374,7 +390,7 @@ def _chart(summary: dict, names: list[str], path: Path, model: str) -> None:
                       ylabel="tokens/s", log_scale=True)
 
 
-def _llama_cpp_results(args, plan: Plan, threads: int, log) -> dict | None:
+def _llama_cpp_runner(args, plan: Plan, threads: int, log) -> LlamaCppRunner | None:
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -386,13 +402,15 @@ def _llama_cpp_results(args, plan: Plan, threads: int, log) -> dict | None:
     from spanserve.models.loader import default_gguf_path
 
     gguf = Path(args.model) if args.model else default_gguf_path()
-    log(f"llama.cpp ({gguf.name})")
-    runner = LlamaCppRunner(gguf, threads, n_ctx=plan.decode_context + plan.decode_tokens + 64)
+    log(f"llama.cpp: {gguf.name} (its own quantization: the dtype does not apply)")
+    return LlamaCppRunner(gguf, threads, n_ctx=max(*plan.prefill_lens, plan.decode_context + plan.decode_tokens) + 64)
+
+
+def _loadavg() -> str:
     try:
-        return measure(runner, plan, args.seed, log)
-    finally:
-        del runner
-        gc.collect()
+        return f"{os.getloadavg()[0]:.2f}"
+    except OSError:
+        return "?"
 
 
 def main(argv: list[str] | None = None) -> int:
