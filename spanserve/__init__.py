@@ -4,11 +4,12 @@ from spanserve.config import EngineConfig
 from spanserve.errors import InvalidRequestError, SpanserveError
 from spanserve.llm import LLM
 from spanserve.outputs import CompletionOutput, RequestOutput
+from spanserve.pic.prompt import Span
 from spanserve.sampling import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig",
+__all__ = ["LLM", "SamplingParams", "Span", "RequestOutput", "CompletionOutput", "EngineConfig",
            "SpanserveError", "InvalidRequestError", "AsyncLLM", "__version__"]
 
 

@@ -27,12 +27,18 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
     seed: int = 0
+    # Defaults for requests with position-independent spans (pic/link.py).
+    link_policy: str = "none"
+    gap_length: int = 32
 
     def __post_init__(self):
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise InvalidRequestError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        from spanserve.pic.link import LinkPolicy
+
+        LinkPolicy(self.link_policy, self.gap_length)  # raises on bad values
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}; use auto or one of {sorted(_DTYPES)}")
 

@@ -6,6 +6,7 @@ from spanserve.config import EngineConfig
 from spanserve.engine.llm_engine import LLMEngine, PromptInput
 from spanserve.errors import InvalidRequestError
 from spanserve.outputs import RequestOutput
+from spanserve.pic.prompt import is_parts_prompt
 from spanserve.sampling import SamplingParams
 
 
@@ -23,8 +24,9 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion in one continuous batch; outputs keep input order."""
-        if isinstance(prompts, (str, dict)):
+        """Run every prompt to completion in one continuous batch; outputs keep input order.
+        A list holding a Span is one prompt made of parts: [text, Span(doc), ..., question]."""
+        if isinstance(prompts, (str, dict)) or is_parts_prompt(prompts):
             prompts = [prompts]
         if not isinstance(prompts, Sequence):
             raise InvalidRequestError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
@@ -45,20 +47,14 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of them."""
+        """One conversation (a list of {"role", "content"}) or a list of them. A content may be
+        a list of parts, some of them spans: [Span(doc1), Span(doc2), "question"]."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in conversations]
+        prompts = [self.engine.chat_prompt(c) for c in conversations]
         return self.generate(prompts, sampling_params)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return apply_chat_template(self.engine.tokenizer, messages)
-
-
-def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
-    if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-        raise InvalidRequestError("each chat message must be a dict with 'role' and 'content'")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+        return self.engine.chat_prompt(messages)["prompt_token_ids"]
 
 
 def _per_prompt(params, count: int) -> list[SamplingParams]:

@@ -24,10 +24,19 @@ def make_request(token_ids, salt=None) -> Request:
 def computed(manager: KVCacheManager, token_ids, salt=None) -> Request:
     """A request whose tokens all went through the model: its full blocks are published."""
     req = make_request(token_ids, salt)
-    assert manager.allocate_slots(req, len(token_ids))
+    assert manager.admit(req)
     req.num_computed_tokens = len(token_ids)
-    manager.cache_full_blocks(req)
+    manager.cache_computed_blocks(req)
     return req
+
+
+def cache_hits(manager: KVCacheManager, token_ids, salt=None) -> list:
+    """The cached blocks a new request with these tokens adopts (then released again)."""
+    req = make_request(token_ids, salt)
+    assert manager.admit(req)
+    hits = req.block_table[: req.num_computed_tokens // BLOCK]
+    manager.free(req)
+    return hits
 
 
 def cached_pool(num_blocks: int) -> tuple[BlockPool, list]:
@@ -181,89 +190,91 @@ def test_reset_cache_forgets_every_hash():
 # ---- cache manager --------------------------------------------------------------------------
 
 
-def test_cache_full_blocks_publishes_only_computed_full_blocks():
+def test_cache_computed_blocks_publishes_only_computed_full_blocks():
     manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
     req = make_request(range(10))
-    manager.allocate_slots(req, 10)
+    manager.admit(req)
     req.num_computed_tokens = 7
-    manager.cache_full_blocks(req)
+    manager.cache_computed_blocks(req)
     assert manager.pool.num_cached == 1
     req.num_computed_tokens = 10
-    manager.cache_full_blocks(req)
+    manager.cache_computed_blocks(req)
     assert manager.pool.num_cached == 2
     assert [manager.pool.lookup(h) for h in hashes(range(8))] == req.block_table[:2]
 
 
-def test_cached_prefix_returns_the_blocks_of_the_longest_cached_prefix():
+def test_admit_returns_the_blocks_of_the_longest_cached_prefix():
     manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
     first = computed(manager, range(12))
     blocks = list(first.block_table)
     manager.free(first)
-    assert manager.cached_prefix(make_request([*range(8), 99, 99, 99, 99, 99])) == blocks[:2]
+    assert cache_hits(manager, [*range(8), 99, 99, 99, 99, 99]) == blocks[:2]
 
 
-def test_cached_prefix_always_leaves_the_last_token_to_compute():
+def test_admit_always_leaves_the_last_token_to_compute():
     manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
     first = computed(manager, range(12))
-    assert manager.cached_prefix(make_request(range(12))) == first.block_table[:2]
-    assert manager.cached_prefix(make_request(range(13))) == first.block_table[:3]
+    assert cache_hits(manager, range(12)) == first.block_table[:2]
+    assert cache_hits(manager, range(13)) == first.block_table[:3]
 
 
-def test_cached_prefix_stops_at_the_first_miss():
-    manager = KVCacheManager(num_blocks=3, block_size=BLOCK)
+def test_admit_stops_at_the_first_miss():
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
     first = computed(manager, range(12))
     blocks = list(first.block_table)
-    manager.free(first)  # released tail first: the LRU order is block 2, 1, 0
+    manager.free(first)  # released tail first: the LRU order is 3..7, then block 2, 1, 0
     manager.pool.touch([blocks[2]])
-    manager.pool.allocate(1)  # evicts block 1; blocks 0 and 2 are still cached
+    taken = manager.pool.allocate(6)  # blocks 3..7 and block 1: evicted; 0 and 2 stay cached
+    manager.pool.release(taken + [blocks[2]])
     assert manager.pool.lookup(hashes(range(12))[2]) is blocks[2]
-    assert manager.cached_prefix(make_request(range(13))) == blocks[:1]
+    assert cache_hits(manager, range(13)) == blocks[:1]
 
 
 def test_freeing_a_request_evicts_its_tail_before_its_prefix():
-    manager = KVCacheManager(num_blocks=3, block_size=BLOCK)
+    manager = KVCacheManager(num_blocks=4, block_size=BLOCK)
     req = computed(manager, range(12))
     blocks = list(req.block_table)
     manager.free(req)
-    assert manager.pool.allocate(1) == [blocks[2]]
-    assert manager.cached_prefix(make_request(range(13))) == blocks[:2]
+    taken = manager.pool.allocate(2)  # the never-used block 3, then the request's tail
+    assert taken == [manager.pool.blocks[3], blocks[2]]
+    manager.pool.release(taken)
+    assert cache_hits(manager, range(13)) == blocks[:2]
 
 
 def test_cache_salt_keeps_requests_from_sharing_blocks():
     manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
     computed(manager, range(12), salt="a")
-    assert manager.cached_prefix(make_request(range(12), salt="b")) == []
-    assert manager.cached_prefix(make_request(range(12))) == []
-    assert len(manager.cached_prefix(make_request(range(12), salt="a"))) == 2
+    assert cache_hits(manager, range(12), salt="b") == []
+    assert cache_hits(manager, range(12)) == []
+    assert len(cache_hits(manager, range(12), salt="a")) == 2
 
 
 def test_disabled_prefix_caching_neither_publishes_nor_finds_blocks():
     manager = KVCacheManager(num_blocks=8, block_size=BLOCK, enable_prefix_caching=False)
     computed(manager, range(12))
     assert manager.pool.num_cached == 0
-    assert manager.cached_prefix(make_request(range(12))) == []
+    assert cache_hits(manager, range(12)) == []
 
 
-def test_allocate_slots_adopts_cached_blocks_and_adds_new_ones():
+def test_admit_adopts_cached_blocks_and_allocates_the_rest_of_the_prompt():
     manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
     first = computed(manager, range(8))
     req = make_request(range(14))
-    cached = manager.cached_prefix(req)
-    assert manager.allocate_slots(req, 6, cached)
+    assert manager.admit(req)
+    assert (req.num_computed_tokens, req.num_cached_tokens) == (8, 8)
     assert req.block_table[:2] == first.block_table
     assert len(req.block_table) == 4
     assert [b.ref_cnt for b in req.block_table] == [2, 2, 1, 1]
 
 
-def test_allocate_slots_fails_without_side_effects_when_the_pool_is_short():
+def test_admit_fails_without_side_effects_when_the_pool_is_short():
     manager = KVCacheManager(num_blocks=4, block_size=BLOCK)
     first = computed(manager, range(8))
     blocks = list(first.block_table)
     manager.free(first)
     req = make_request(range(20))
-    cached = manager.cached_prefix(req)
     # 2 cached blocks must be revived from the free queue and 3 more allocated: 5 > 4 free.
-    assert not manager.allocate_slots(req, 12, cached)
+    assert not manager.admit(req)
     assert (req.block_table, manager.pool.num_free) == ([], 4)
     assert [b.ref_cnt for b in blocks] == [0, 0]
 
@@ -278,5 +289,14 @@ def test_free_releases_every_block_and_resets_the_table():
 def test_hit_rate_counters_count_queried_and_hit_tokens():
     manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
     computed(manager, range(12))
-    manager.cached_prefix(make_request(range(10)))
-    assert (manager.queried_tokens, manager.hit_tokens) == (10, 8)
+    cache_hits(manager, range(10))
+    assert (manager.queried_tokens, manager.hit_tokens) == (12 + 10, 8)
+
+
+def test_allocate_slots_grows_the_table_for_generated_tokens():
+    manager = KVCacheManager(num_blocks=4, block_size=BLOCK)
+    req = computed(manager, range(6))
+    assert len(req.block_table) == 2
+    assert manager.allocate_slots(req, 8) and len(req.block_table) == 2
+    assert manager.allocate_slots(req, 9) and len(req.block_table) == 3
+    assert not manager.allocate_slots(req, 17) and len(req.block_table) == 3

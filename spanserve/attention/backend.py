@@ -24,9 +24,12 @@ class AttentionMetadata:
     context_lens: list[int]
     block_tables: torch.Tensor  # [B, max_blocks], padded with 0
     context_lens_tensor: torch.Tensor  # [B]
-    # Optional per-query-token lower bound on the key index it may attend to. Tokens inside
-    # a position-independent span see only their own span; None means "everything before".
-    key_start: torch.Tensor | None = None
+    # [T] each query's index among its sequence's keys (its RoPE position too): a query sees
+    # keys up to its own index. Usually contiguous per sequence; with spans it skips ahead.
+    positions: torch.Tensor
+    # Per sequence, None or (cos, sin) [context_len, 1, head_dim/2]: rotate its cached keys by
+    # these before use. Span keys are stored at span-local positions (pic/layout.py).
+    key_rotation: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
     # First block id of each sequence whose blocks are one contiguous run of ids (the common
     # case for a fresh request), else None: lets a backend slice the cache instead of gathering.
     contiguous_from: list[int | None] | None = None

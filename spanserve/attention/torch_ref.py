@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from spanserve.attention.backend import AttentionBackend, AttentionMetadata
+from spanserve.models.rope import rotate
 
 
 class TorchAttention(AttentionBackend):
@@ -16,17 +17,19 @@ class TorchAttention(AttentionBackend):
         start = 0
         for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens)):
             rows = slice(start, start + q_len)
-            key_start = None if meta.key_start is None else meta.key_start[rows]
-            if q_len == ctx_len and key_start is None:
+            rotation = meta.key_rotation[i] if meta.key_rotation else None
+            if q_len == ctx_len and rotation is None:
                 # Whole context is in this batch: plain causal attention, no cache gather.
                 out[rows] = _sdpa(q[rows], k[rows], v[rows], None, scale, causal=True)
             else:
                 first = meta.contiguous_from[i] if meta.contiguous_from else None
                 keys, values = gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
-                if q_len == 1 and key_start is None:
+                if rotation is not None:
+                    keys = rotate(keys, *rotation)
+                if q_len == 1:  # the newest token: it sees the whole context
                     out[rows] = _single_query(q[rows], keys, values, scale)
                 else:
-                    mask = causal_mask(ctx_len - q_len, q_len, ctx_len, key_start, q.device)
+                    mask = causal_mask(meta.positions[rows], ctx_len)
                     out[rows] = _sdpa(q[rows], keys, values, mask, scale)
             start += q_len
         return out
@@ -40,10 +43,10 @@ class TorchAttention(AttentionBackend):
         values = v_cache[tables].flatten(1, 2)[:, :max_len]
         if q.device.type == "cpu":  # the CPU kernel is ~6x faster on one query in float32 than bf16
             q, keys, values = q.float(), keys.float(), values.float()
+        if meta.key_rotation is not None:
+            keys = _rotate_padded(keys, meta.key_rotation)
         key_idx = torch.arange(max_len, device=q.device)
         mask = key_idx[None, :] < meta.context_lens_tensor[:, None]
-        if meta.key_start is not None:
-            mask &= key_idx[None, :] >= meta.key_start[:, None]
         out = F.scaled_dot_product_attention(
             q.view(num_seqs, 1, *q.shape[1:]).transpose(1, 2),
             keys.transpose(1, 2),
@@ -70,14 +73,20 @@ def gather_context(k_cache, v_cache, block_table, ctx_len, first_block=None):
     return k_cache[blocks].flatten(0, 1)[:ctx_len], v_cache[blocks].flatten(0, 1)[:ctx_len]
 
 
-def causal_mask(first_query_idx, q_len, ctx_len, key_start, device):
-    """Query i (sequence index first_query_idx + i) sees keys [key_start[i], itself]."""
-    query_idx = torch.arange(first_query_idx, first_query_idx + q_len, device=device)
-    key_idx = torch.arange(ctx_len, device=device)
-    mask = key_idx[None, :] <= query_idx[:, None]
-    if key_start is not None:
-        mask &= key_idx[None, :] >= key_start[:, None]
-    return mask
+def causal_mask(query_idx: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """Each query sees the keys up to its own index."""
+    key_idx = torch.arange(ctx_len, device=query_idx.device)
+    return key_idx[None, :] <= query_idx[:, None]
+
+
+def _rotate_padded(keys: torch.Tensor, rotations) -> torch.Tensor:
+    """Rotate [B, L, kv_heads, D] keys by each sequence's (cos, sin); padding stays as is."""
+    keys = keys.clone()
+    for i, rotation in enumerate(rotations):
+        if rotation is not None:
+            n = rotation[0].shape[0]
+            keys[i, :n] = rotate(keys[i, :n], *rotation)
+    return keys
 
 
 def _single_query(q, k, v, scale):

@@ -19,11 +19,24 @@ from spanserve.kv.manager import KVCacheManager
 from spanserve.models.config import ModelConfig
 from spanserve.models.loader import load_model, load_tokenizer, resolve_model
 from spanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from spanserve.pic.layout import PromptLayout, validate_spans
+from spanserve.pic.link import LinkPolicy
+from spanserve.pic.prompt import chat_parts, is_parts_prompt, tokenize_parts
 from spanserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-PromptInput = str | dict
+# A string, a list of str / Span parts, or a dict: {"prompt": str or parts} or
+# {"prompt_token_ids": [...], "spans": [[start, end], ...]}, either with an optional "cache_salt".
+PromptInput = str | list | dict
+
+
+@dataclass
+class TokenizedPrompt:
+    text: str | None
+    token_ids: list[int]
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -87,10 +100,19 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device)
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
+        self.pad_token_id = self._span_pad_token()
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
                  path.name, self.dtype, self.device, num_blocks, config.block_size, self.max_model_len)
+
+    def _span_pad_token(self) -> int:
+        """Pads spans to whole blocks: a newline where it is one token (it reads as a blank
+        line between documents), else the tokenizer's pad token, else EOS."""
+        newline = self.tokenizer.encode("\n", add_special_tokens=False)
+        if len(newline) == 1:
+            return newline[0]
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
 
     def _max_model_len(self, cfg: ModelConfig) -> int:
         limit = cfg.max_position_embeddings
@@ -105,25 +127,54 @@ class LLMEngine:
 
     # ---- requests in -------------------------------------------------------------------
 
-    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int], str | None]:
-        """Return (text, token ids, cache salt) for a prompt given as text or token ids."""
+    def tokenize(self, prompt: PromptInput) -> TokenizedPrompt:
+        """Token ids, span intervals and cache salt of a prompt in any accepted form."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt), None
+            return TokenizedPrompt(prompt, self.tokenizer.encode(prompt))
+        if is_parts_prompt(prompt):
+            return TokenizedPrompt(None, *self._tokenize_parts(prompt))
         if isinstance(prompt, dict) and ("prompt" in prompt) != ("prompt_token_ids" in prompt):
             salt = prompt.get("cache_salt")
-            if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"]), salt
-            return None, list(prompt["prompt_token_ids"]), salt
+            if salt is not None and not isinstance(salt, str):
+                raise InvalidRequestError("cache_salt must be a string")
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise InvalidRequestError("prompt_token_ids must be a list of integers")
+                spans = validate_spans(prompt.get("spans") or [], len(ids), self.config.block_size)
+                return TokenizedPrompt(None, list(ids), spans, salt)
+            if "spans" in prompt:
+                raise InvalidRequestError("spans go with prompt_token_ids; mark text spans with Span parts")
+            inner = self.tokenize(prompt["prompt"])
+            return TokenizedPrompt(inner.text, inner.token_ids, inner.spans, salt)
         raise InvalidRequestError(
-            "a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
+            "a prompt is a string, a list of str/Span parts, {'prompt': ...} or {'prompt_token_ids': [int, ...]}")
+
+    def _tokenize_parts(self, parts, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+        return tokenize_parts(self.tokenizer, parts, self.config.block_size, self.pad_token_id, add_special_tokens)
+
+    def chat_prompt(self, messages: list[dict]) -> dict:
+        """A conversation as a token prompt; message contents may hold spans (pic/prompt.py)."""
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise InvalidRequestError("each chat message must be a dict with 'role' and 'content'")
+        ids, spans = self._tokenize_parts(chat_parts(self.tokenizer, messages), add_special_tokens=False)
+        return {"prompt_token_ids": ids, "spans": spans}
+
+    def link_policy(self, params: SamplingParams) -> LinkPolicy:
+        """The request's link policy, each unset field taken from the engine's defaults."""
+        gap = params.gap_length if params.gap_length is not None else self.config.gap_length
+        return LinkPolicy(params.link_policy or self.config.link_policy, gap)
 
     def make_group(self, prompt: PromptInput, params: SamplingParams,
                    request_id: str | None = None) -> RequestGroup:
         """Validate and tokenize a request without touching engine state (any thread)."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams")
-        text, token_ids, salt = self.tokenize(prompt)
+        tp = self.tokenize(prompt)
+        token_ids = tp.token_ids
         self._validate_tokens(token_ids, params)
+        layout = PromptLayout(len(token_ids), tp.spans, self.link_policy(params), self.config.block_size)
         request_id = request_id or f"req-{next(self._ids)}"
         children = []
         for i in range(params.n):
@@ -132,13 +183,13 @@ class LLMEngine:
                 child_params = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
             children.append(Request(
                 request_id=f"{request_id}-{i}" if params.n > 1 else request_id,
-                group_id=request_id, index=i,
+                group_id=request_id, index=i, layout=layout,
                 prompt_token_ids=token_ids, params=child_params, eos_token_ids=self.eos_token_ids,
-                cache_salt=salt, max_total_tokens=self.max_model_len,
+                cache_salt=tp.cache_salt, max_total_tokens=self.max_model_len,
                 wait_for=children[0] if children and self.config.enable_prefix_caching else None,
             ))
         detoks = [IncrementalDetokenizer(self.tokenizer, token_ids, r.params) for r in children]
-        return RequestGroup(request_id, text, children, detoks)
+        return RequestGroup(request_id, tp.text, children, detoks)
 
     def _validate_tokens(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:

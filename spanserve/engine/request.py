@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spanserve.kv.block_pool import Block
+from spanserve.pic.layout import PromptLayout
 from spanserve.sampling import SamplingParams
 
 
@@ -29,14 +30,23 @@ class Request:
     index: int = 0  # position among those children
     # A sibling (same prompt, n > 1) whose prefill this request waits for, to share its blocks.
     wait_for: "Request | None" = None
+    layout: PromptLayout | None = None  # position-independent spans of the prompt, if any
 
     def __post_init__(self):
         self.token_ids: list[int] = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.layout = self.layout or PromptLayout(self.num_prompt_tokens)
+        # In-context progress: every token before this index has its KV in `block_table`.
         self.num_computed_tokens = 0
-        self.block_table: list[Block] = []
-        self.block_hashes: list[bytes] = []
+        self.block_table: list[Block] = []  # the context view (pic/layout.py)
+        self.block_hashes: list[bytes] = []  # context-chain hash of each full block
+        self.local_hashes: dict[int, bytes] | None = None  # span-local hashes of span blocks
         self.num_hashed_blocks = 0
+        # Spans: their own progress, published blocks, and the span-local twins of blocks
+        # that the link policy recomputes in context (block index -> block).
+        self.span_done: list[int] = [s.start for s in self.layout.spans]
+        self.span_hashed: list[int] = [0] * len(self.layout.spans)
+        self.shadows: dict[int, Block] = {}
         self.num_cached_tokens: int | None = None  # prefix hits at first admission
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
@@ -67,6 +77,11 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens
+
+    def span_table(self, s: int) -> list[Block]:
+        """The blocks span s's own sub-sequence reads and writes, from its first token on."""
+        span, bs = self.layout.spans[s], self.layout.block_size
+        return [self.shadows.get(i) or self.block_table[i] for i in range(span.start // bs, -(-span.sub_end // bs))]
 
     def append_token(self, token_id: int) -> None:
         if self.first_token_time is None:

@@ -32,30 +32,58 @@ class ModelRunner:
 
     def _prepare(self, batch: list[ScheduledRequest]):
         input_ids, positions, slots, logit_rows = [], [], [], []
-        query_lens, context_lens, contiguous_from = [], [], []
-        max_blocks = max(len(item.request.block_table) for item in batch)
-        block_tables = torch.zeros(len(batch), max_blocks, dtype=torch.long)
-        for i, item in enumerate(batch):
-            req, start = item.request, item.request.num_computed_tokens
-            end = start + item.num_tokens
-            table = [b.block_id for b in req.block_table]
+        query_lens, context_lens, contiguous_from, tables, rotations = [], [], [], [], []
+        for item in batch:
+            for tokens, pos, table, ctx_len, deltas, samples in _sequences(item):
+                input_ids.extend(tokens)
+                positions.extend(pos)
+                slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
+                tables.append(table)
+                contiguous = table == list(range(table[0], table[0] + len(table)))
+                contiguous_from.append(table[0] if contiguous else None)
+                query_lens.append(len(pos))
+                context_lens.append(ctx_len)
+                rotations.append(self._rotation(deltas))
+                if samples:
+                    logit_rows.append(len(input_ids) - 1)
+        block_tables = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.long)
+        for i, table in enumerate(tables):
             block_tables[i, : len(table)] = torch.tensor(table)
-            input_ids.extend(req.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[j // self.block_size] * self.block_size + j % self.block_size
-                         for j in range(start, end))
-            contiguous_from.append(table[0] if table == list(range(table[0], table[0] + len(table))) else None)
-            query_lens.append(item.num_tokens)
-            context_lens.append(end)
-            if item.samples:
-                logit_rows.append(len(input_ids) - 1)
         to = self._tensor
         meta = AttentionMetadata(
             slot_mapping=to(slots), query_lens=query_lens, context_lens=context_lens,
             block_tables=block_tables.to(self.device), context_lens_tensor=to(context_lens),
-            contiguous_from=contiguous_from,
+            positions=to(positions), contiguous_from=contiguous_from,
+            key_rotation=rotations if any(r is not None for r in rotations) else None,
         )
-        return to(input_ids), to(positions), meta, logit_rows
+        return to(input_ids), meta.positions, meta, logit_rows
+
+    def _rotation(self, deltas: torch.Tensor | None):
+        """cos/sin that move each cached key from where it was computed to where it is now."""
+        if deltas is None or not bool(deltas.any()):
+            return None
+        rope = self.model.rope
+        deltas = deltas.to(rope.cos.device)
+        return rope.cos[deltas].unsqueeze(1), rope.sin[deltas].unsqueeze(1)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _sequences(item: ScheduledRequest):
+    """The attention sequences of one scheduled request: (tokens, positions, block ids,
+    context length, key position deltas, samples?). A span chunk is a sequence of its own
+    whose positions count from the span's start; the in-context chunk sees everything."""
+    req = item.request
+    for chunk in item.span_chunks:
+        first = req.layout.spans[chunk.span].start
+        table = [b.block_id for b in req.span_table(chunk.span)]
+        pos = range(chunk.start - first, chunk.end - first)
+        yield req.token_ids[chunk.start:chunk.end], pos, table, chunk.end - first, None, False
+    start = req.num_computed_tokens
+    if item.end > start:
+        pos = req.layout.in_context(start, item.end)
+        if pos:  # keys past the last query (a finished span's tail) are not needed yet
+            tokens = [req.token_ids[i] for i in pos]
+            deltas = req.layout.key_deltas(pos[-1] + 1, torch.device("cpu"))
+            yield tokens, pos, [b.block_id for b in req.block_table], pos[-1] + 1, deltas, item.samples

@@ -5,24 +5,37 @@ running requests are served first (a decode costs one token, a prefill takes wha
 of the budget), then waiting requests are admitted FCFS. When the block pool runs dry the
 most recently admitted running request is preempted: its blocks are freed and it is
 recomputed later (its full blocks usually come back as prefix-cache hits).
+
+A prompt with position-independent spans (pic/layout.py) computes its missing spans first,
+each as a sub-sequence of its own, then the rest in context, skipping the spans' tokens.
 """
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spanserve.engine.request import Request, RequestStatus
 from spanserve.kv.manager import KVCacheManager
 
 
 @dataclass
+class SpanChunk:
+    span: int  # index in request.layout.spans
+    start: int  # token range computed this step by the span's own sub-sequence
+    end: int
+
+
+@dataclass
 class ScheduledRequest:
     request: Request
-    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    end: int  # in-context progress after this step (from request.num_computed_tokens)
+    span_chunks: list[SpanChunk] = field(default_factory=list)
+    num_tokens: int = 0  # tokens computed this step, all views together
 
     @property
     def samples(self) -> bool:
         """True if this step computes the request's last known token, so a new one is sampled."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        req = self.request
+        return self.end == req.num_tokens and req.num_computed_tokens < self.end
 
 
 class Scheduler:
@@ -51,14 +64,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_tokens = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, num_tokens):
+            item = plan(req, budget)
+            while not self.kv.allocate_slots(req, item.end):
                 victim = self.running.pop()  # newest first: it has the least work to redo
                 self._preempt(victim)
                 if victim is req:
                     return budget
-            scheduled.append(ScheduledRequest(req, num_tokens))
-            budget -= num_tokens
+            scheduled.append(item)
+            budget -= item.num_tokens
             i += 1
         return budget
 
@@ -69,24 +82,20 @@ class Scheduler:
             if req.wait_for is not None and not req.wait_for.is_finished and req.wait_for.is_prefilling:
                 skipped.append(req)  # its sibling's prompt blocks will be cache hits soon
                 continue
-            cached = self.kv.cached_prefix(req)
-            num_cached = len(cached) * self.kv.block_size
-            num_tokens = min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(req, num_tokens, cached):
+            if not self.kv.admit(req):
                 self.waiting.appendleft(req)
                 break
-            req.num_computed_tokens = num_cached
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append(ScheduledRequest(req, num_tokens))
-            budget -= num_tokens
+            item = plan(req, budget)
+            scheduled.append(item)
+            budget -= item.num_tokens
         self.waiting.extendleft(reversed(skipped))
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.span_done = [span.start for span in req.layout.spans]
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -94,8 +103,10 @@ class Scheduler:
     def after_step(self, batch: list[ScheduledRequest]) -> None:
         """Account for the tokens the runner just computed."""
         for item in batch:
-            item.request.num_computed_tokens += item.num_tokens
-            self.kv.cache_full_blocks(item.request)
+            for chunk in item.span_chunks:
+                item.request.span_done[chunk.span] = chunk.end
+            item.request.num_computed_tokens = item.end
+            self.kv.cache_computed_blocks(item.request)
 
     def finish(self, req: Request) -> None:
         """Release a finished or aborted request, wherever it is."""
@@ -104,3 +115,21 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+
+
+def plan(req: Request, budget: int) -> ScheduledRequest:
+    """What `req` computes this step within `budget` tokens: unfinished spans first, then in
+    context as far as the spans allow."""
+    layout, done = req.layout, list(req.span_done)
+    item = ScheduledRequest(req, req.num_computed_tokens)
+    for s, span in enumerate(layout.spans):
+        if done[s] < span.sub_end and item.num_tokens < budget:
+            end = min(span.sub_end, done[s] + budget - item.num_tokens)
+            item.span_chunks.append(SpanChunk(s, done[s], end))
+            item.num_tokens += end - done[s]
+            done[s] = end
+    if item.num_tokens < budget:
+        limit = min(req.num_tokens, layout.ready_limit(done))
+        item.end = max(item.end, layout.advance(item.end, budget - item.num_tokens, limit))
+        item.num_tokens += len(layout.in_context(req.num_computed_tokens, item.end))
+    return item

@@ -8,7 +8,7 @@ collision would silently serve one tenant's KV to another.
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 BlockHash = bytes
 ROOT_HASH: BlockHash = bytes(32)  # parent of a chain's first block
@@ -23,11 +23,15 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: tuple = 
 
 
 def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, cache_salt: str | None
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, cache_salt: str | None,
+    marker: Callable[[int], tuple] | None = None,
 ) -> None:
-    """Append the hashes of every full block of `token_ids` not yet in `hashes`."""
+    """Append the hashes of every full block of `token_ids` not yet in `hashes`; `marker(i)`
+    adds block i's span geometry (pic/layout.py) to its key."""
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else ROOT_HASH
         # The salt joins the first block only: the chain carries it to every later block.
         extra = (cache_salt,) if i == 0 and cache_salt else ()
+        if marker is not None:
+            extra += marker(i)
         hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra))

@@ -1,4 +1,9 @@
-"""KVCacheManager: block tables of requests, prefix-cache lookup and publication."""
+"""KVCacheManager: block tables of requests, cache lookup and publication.
+
+A request's blocks come in two views (pic/layout.py): the context view (`block_table`) and,
+for each position-independent span, the span's own view. Plain prompts have only the first,
+and then this is ordinary hash-chained prefix caching.
+"""
 
 from spanserve.kv.block_pool import Block, BlockPool
 from spanserve.kv.hashing import extend_block_hashes
@@ -13,53 +18,147 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.queried_tokens = 0  # prefix-cache hit rate = hit_tokens / queried_tokens
+        self.queried_tokens = 0  # hit rate = hit_tokens / queried_tokens (prompt tokens)
         self.hit_tokens = 0
+        self.span_queried_tokens = 0  # the same, for tokens inside spans' shared blocks
+        self.span_hit_tokens = 0
 
-    def cached_prefix(self, req) -> list[Block]:
-        """Blocks holding the longest cached prefix of `req` (vLLM semantics: the lookup
-        stops at the first miss, and the last token is always left to compute)."""
-        if not self.enable_prefix_caching:
-            return []
-        extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, req.cache_salt)
-        hits = []
-        for block_hash in req.block_hashes[: (req.num_tokens - 1) // self.block_size]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        self.queried_tokens += req.num_tokens
-        self.hit_tokens += len(hits) * self.block_size
-        return hits
+    # ---- admission ----------------------------------------------------------------------
 
-    def allocate_slots(self, req, num_new_tokens: int, cached_blocks: list[Block] = ()) -> bool:
-        """Give `req` room for `num_new_tokens` more tokens after its computed ones (and after
-        `cached_blocks`, prefix hits it adopts now). False, changing nothing, if the pool is short."""
-        num_tokens = req.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
-        new_blocks = max(0, cdiv(num_tokens, self.block_size) - len(req.block_table) - len(cached_blocks))
-        revived = sum(1 for b in cached_blocks if b.ref_cnt == 0)
-        if new_blocks + revived > self.pool.num_free:
+    def admit(self, req) -> bool:
+        """Give a waiting request blocks for all its tokens: cache hits where found, fresh
+        blocks elsewhere; set where its computation resumes. False, changing nothing, if the
+        pool is short."""
+        self._hash(req)
+        table, num_context = self._context_hits(req)
+        shadows, span_done = self._span_hits(req, table, num_context)
+        fresh_needed = table.count(None) + sum(
+            1 for s, span in enumerate(req.layout.spans) if span_done[s] < span.sub_end
+            for i in req.layout.shadow_blocks(s) if i not in shadows)
+        hits = [b for b in table if b is not None] + list(shadows.values())
+        revived = len({b.block_id for b in hits if b.ref_cnt == 0})
+        if fresh_needed + revived > self.pool.num_free:
             return False
-        self.pool.touch(cached_blocks)
-        req.block_table.extend(cached_blocks)
-        req.block_table.extend(self.pool.allocate(new_blocks))
+        self.pool.touch(hits)
+        fresh = iter(self.pool.allocate(fresh_needed))
+        req.block_table = [b if b is not None else next(fresh) for b in table]
+        for s, span in enumerate(req.layout.spans):
+            if span_done[s] < span.sub_end:
+                for i in req.layout.shadow_blocks(s):
+                    shadows.setdefault(i, next(fresh))
+        req.shadows, req.span_done = shadows, span_done
+        req.span_hashed = [d // self.block_size for d in span_done]
+        req.num_computed_tokens = num_context * self.block_size
+        req.num_hashed_blocks = num_context
+        self._count(req)
         return True
 
-    def cache_full_blocks(self, req) -> None:
+    def _hash(self, req) -> None:
+        if not self.enable_prefix_caching:
+            return
+        layout = req.layout
+        marker = layout.block_marker if layout.has_spans else None
+        extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, req.cache_salt, marker)
+        if req.local_hashes is None:
+            req.local_hashes = layout.local_hashes(req.prompt_token_ids, req.cache_salt)
+
+    def _key(self, req, i: int) -> bytes:
+        """Block i's key in the context view: span-local inside a span, else the context chain."""
+        return req.local_hashes[i] if req.layout.span_of_block(i) is not None else req.block_hashes[i]
+
+    def _context_hits(self, req) -> tuple[list[Block | None], int]:
+        """The longest run of cached blocks from the start of the context view (the last token
+        is always left to compute). Returns the table with None for blocks still to allocate."""
+        table: list[Block | None] = [None] * cdiv(req.num_tokens, self.block_size)
+        if not self.enable_prefix_caching:
+            return table, 0
+        num = 0
+        for i in range((req.num_tokens - 1) // self.block_size):
+            block = self.pool.lookup(self._key(req, i))
+            if block is None:
+                break
+            table[i], num = block, i + 1
+        return table, self._trim_to_computable_span(req, table, num)
+
+    def _trim_to_computable_span(self, req, table: list, num: int) -> int:
+        """If the run stops inside a span whose recomputed head has no cached span-local twin,
+        the span must be recomputed from its start: drop the run's blocks of that span."""
+        t = num * self.block_size
+        for s, span in enumerate(req.layout.spans):
+            if span.link_end < t < span.sub_end and not all(
+                    self.pool.lookup(req.local_hashes[i]) for i in req.layout.shadow_blocks(s)):
+                keep = span.link_end // self.block_size
+                table[keep:num] = [None] * (num - keep)
+                return keep
+        return num
+
+    def _span_hits(self, req, table: list, num_context: int) -> tuple[dict[int, Block], list[int]]:
+        """Continue each span's own chain past the context run: its cached blocks wherever they
+        are in the pool. Returns the shadow blocks found and each span's progress."""
+        shadows, done = {}, []
+        bs = self.block_size
+        if not self.enable_prefix_caching:
+            return shadows, [span.start for span in req.layout.spans]
+        for s, span in enumerate(req.layout.spans):
+            if span.sub_end <= num_context * bs:  # the context run already covers it
+                done.append(span.sub_end)
+                continue
+            shadow_ids, d = req.layout.shadow_blocks(s), span.start
+            for i in range(span.start // bs, span.sub_end // bs):
+                views = shadows if i in shadow_ids else table
+                block = (shadows.get(i) if i in shadow_ids else table[i]) or self.pool.lookup(req.local_hashes[i])
+                if block is None:
+                    break
+                views[i], d = block, (i + 1) * bs
+            done.append(d)
+        return shadows, done
+
+    def _count(self, req) -> None:
+        """Hit-rate counters; also fixes req.num_cached_tokens at its first admission."""
+        layout, n = req.layout, req.num_prompt_tokens
+        o = min(req.num_computed_tokens, n)
+        computed = len(layout.in_context(o, n))
+        for span, d in zip(layout.spans, req.span_done):
+            computed += max(0, span.end - max(d, o, span.link_end))
+            self.span_queried_tokens += span.end - span.link_end
+            self.span_hit_tokens += max(0, min(d, span.end) - span.link_end)
+        self.queried_tokens += n
+        self.hit_tokens += n - computed
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = n - computed
+
+    # ---- growth, publication, release ---------------------------------------------------
+
+    def allocate_slots(self, req, end: int) -> bool:
+        """Make room in the context view for tokens up to `end`. False, changing nothing, if
+        the pool is short."""
+        needed = cdiv(end, self.block_size) - len(req.block_table)
+        if needed <= 0:
+            return True
+        if needed > self.pool.num_free:
+            return False
+        req.block_table.extend(self.pool.allocate(needed))
+        return True
+
+    def cache_computed_blocks(self, req) -> None:
         """Publish the blocks of `req` that became full and computed in the last step."""
         if not self.enable_prefix_caching:
             return
-        num_full = req.num_computed_tokens // self.block_size
-        extend_block_hashes(
-            req.block_hashes, req.token_ids[: num_full * self.block_size], self.block_size, req.cache_salt
-        )
+        bs = self.block_size
+        for s, span in enumerate(req.layout.spans):
+            for i in range(req.span_hashed[s], min(req.span_done[s], span.end) // bs):
+                self.pool.cache(req.shadows.get(i) or req.block_table[i], req.local_hashes[i])
+            req.span_hashed[s] = max(req.span_hashed[s], min(req.span_done[s], span.end) // bs)
+        num_full = req.num_computed_tokens // bs
+        self._hash(req)
         for i in range(req.num_hashed_blocks, num_full):
-            self.pool.cache(req.block_table[i], req.block_hashes[i])
+            self.pool.cache(req.block_table[i], self._key(req, i))
         req.num_hashed_blocks = max(req.num_hashed_blocks, num_full)
 
     def free(self, req) -> None:
         self.pool.release(reversed(req.block_table))
-        req.block_table = []
+        self.pool.release(req.shadows.values())
+        req.block_table, req.shadows = [], {}
         req.num_hashed_blocks = 0
 
     def blocks_needed(self, num_tokens: int) -> int:

@@ -17,7 +17,6 @@ from starlette.exceptions import HTTPException
 from spanserve import __version__
 from spanserve.engine.async_engine import AsyncLLM
 from spanserve.errors import InvalidRequestError
-from spanserve.llm import apply_chat_template
 from spanserve.outputs import RequestOutput
 from spanserve.server import openai_format as fmt
 from spanserve.server.metrics import ServerMetrics
@@ -283,13 +282,13 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         server.check_model(body.model)
         try:
-            ids = apply_chat_template(tokenizer, body.chat_messages())
+            prompt = llm.engine.chat_prompt(body.chat_messages())
         except TemplateError as exc:  # e.g. a template that insists on alternating user/assistant turns
             raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}") from exc
-        max_tokens = server.check_length(ids, body.max_completion_tokens or body.max_tokens)
+        max_tokens = server.check_length(prompt["prompt_token_ids"], body.max_completion_tokens or body.max_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, top, vocab_size)
-        run = server.start({"prompt_token_ids": ids}, params)
+        run = server.start(prompt, params)
         server.admit()
         if body.stream:
             return sse(fmt.stream_chat(run, body, model_name, tokenizer))

@@ -1,0 +1,93 @@
+"""Prompts made of parts: ordinary text and position-independent spans.
+
+    llm.generate([system, Span(doc2), Span(doc1), question], params)
+
+Each part is tokenized on its own. A span must start on a KV block boundary and its last
+block should be full, so the text before a span and the span itself are padded with a pad
+token: then every block of the span is shared, whatever comes before or after it.
+"""
+
+from dataclasses import dataclass
+
+from spanserve.errors import InvalidRequestError
+
+_MARK = "\x00span{}\x00"  # stands in for a span while a chat template renders the messages
+
+
+@dataclass(frozen=True)
+class Span:
+    """Text whose KV is computed on its own, so a cached copy is reused at any position."""
+
+    text: str
+
+    def __post_init__(self):
+        if not isinstance(self.text, str) or not self.text:
+            raise InvalidRequestError("a Span holds non-empty text")
+
+
+def is_parts_prompt(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and any(isinstance(p, Span) for p in prompt)
+
+
+def tokenize_parts(tokenizer, parts, block_size: int, pad_id: int,
+                   add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids and [start, end) spans of a list of str / Span parts. Special tokens (a BOS
+    for models that want one) are left out for text a chat template rendered."""
+    if not isinstance(parts, (list, tuple)) or not parts:
+        raise InvalidRequestError("a prompt of parts is a non-empty list of strings and Spans")
+    ids = list(tokenizer.encode("", add_special_tokens=True)) if add_special_tokens else []
+    spans = []
+    for part in parts:
+        if isinstance(part, Span):
+            _pad(ids, block_size, pad_id)
+            start = len(ids)
+            ids.extend(tokenizer.encode(part.text, add_special_tokens=False))
+            _pad(ids, block_size, pad_id)
+            spans.append((start, len(ids)))
+        elif isinstance(part, str):
+            ids.extend(tokenizer.encode(part, add_special_tokens=False))
+        else:
+            raise InvalidRequestError(f"a prompt part is a str or a Span, got {type(part).__name__}")
+    return ids, spans
+
+
+def _pad(ids: list[int], block_size: int, pad_id: int) -> None:
+    ids.extend([pad_id] * (-len(ids) % block_size))
+
+
+def chat_parts(tokenizer, messages: list[dict]) -> list:
+    """Render a conversation whose message contents may contain spans into str / Span parts.
+
+    A content is a string or a list of parts: strings, Spans, or OpenAI-style
+    {"type": "text", "text": ..., "span": true} dicts. The chat template renders the
+    conversation with a marker in place of each span; the text is then cut at the markers.
+    """
+    spans: list[Span] = []
+    rendered = [{**m, "content": _content_with_marks(m.get("content"), spans)} for m in messages]
+    text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+    parts: list = []
+    for k, span in enumerate(spans):
+        before, _, text = text.partition(_MARK.format(k))
+        parts += [before, span] if before else [span]
+    return parts + [text] if text else parts
+
+
+def _content_with_marks(content, spans: list[Span]) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError("a message content is a string or a list of parts")
+    out = []
+    for part in content:
+        if isinstance(part, dict):
+            if part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError("a content part is {'type': 'text', 'text': str, 'span': bool}")
+            part = Span(part["text"]) if part.get("span") else part["text"]
+        if isinstance(part, Span):
+            out.append(_MARK.format(len(spans)))
+            spans.append(part)
+        elif isinstance(part, str):
+            out.append(part)
+        else:
+            raise InvalidRequestError(f"a content part is a str, a Span or a dict, got {type(part).__name__}")
+    return "".join(out)
