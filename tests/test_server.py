@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import positive_data_acceptance
 from server_utils import ServerProcess, assert_openai_error, metrics, parse_metrics, wait_for_metrics
 
-from spanserve import LLM, SamplingParams, __version__
+from spanserve import LLM, SamplingParams, Span, __version__
 
 NUM_BLOCKS = "2048"  # 32k tokens of KV cache: plenty for these tests, and light on memory
 MAX_MODEL_LEN = 512  # the tiny models' max_position_embeddings
@@ -327,6 +327,54 @@ def _assert_aborted_and_freed(url: str, before: dict, aborts: float, since: floa
     assert _idle(after)
 
 
+# ---- position-independent spans -------------------------------------------------------------
+
+DOCS = ["The capital of Zorbia is Quellen, a city of bridges. " * 4, "Mount Tarvo is 4,100 meters high. " * 5]
+
+
+def test_completion_prompt_parts_match_offline_and_reuse_reordered_documents(tiny_server, model_name, offline):
+    def parts(docs):
+        return ["Context:", *({"text": d, "span": True} for d in docs), "Question: how high is Tarvo?"]
+
+    def post(docs):
+        body = {"model": model_name, "prompt": parts(docs), "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first, second = post(DOCS), post(DOCS[::-1])
+    expected = offline.generate(["Context:", *map(Span, DOCS[::-1]), "Question: how high is Tarvo?"], greedy(6))
+    assert second["choices"][0]["text"] == expected[0].outputs[0].text
+    doc_tokens = sum(len(offline.get_tokenizer().encode(d)) for d in DOCS)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= doc_tokens - 2 * 16
+    assert first["usage"]["prompt_tokens"] == second["usage"]["prompt_tokens"]
+    samples = metrics(tiny_server.url)
+    assert samples["spanserve_span_hit_tokens_total"] >= doc_tokens - 2 * 16
+    assert 0 < samples["spanserve_span_hit_rate"] <= 1
+
+
+def test_token_prompt_spans_and_link_policy_match_offline(client, model_name, offline):
+    tokens = [7 + i % 50 for i in range(80)]
+    extra = {"spans": [[16, 64]], "link_policy": "gap", "gap_length": 16, "ignore_eos": True}
+    out = client.completions.create(model=model_name, prompt=tokens, max_tokens=6, temperature=0, extra_body=extra)
+    expected = offline.generate({"prompt_token_ids": tokens, "spans": [[16, 64]]},
+                                greedy(6, link_policy="gap", gap_length=16))
+    assert out.choices[0].text == expected[0].outputs[0].text
+
+
+def test_chat_span_parts_reuse_documents_in_any_order(client, model_name, offline):
+    def ask(docs):
+        content = [{"type": "text", "text": d, "span": True} for d in docs] + [{"type": "text", "text": "Where?"}]
+        return client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": content}],
+                                              max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+
+    ask(DOCS)
+    reordered = ask(DOCS[::-1])
+    assert reordered.usage.prompt_tokens_details.cached_tokens >= 64
+    expected = offline.chat([{"role": "user", "content": [*map(Span, DOCS[::-1]), "Where?"]}], greedy(4))
+    assert reordered.choices[0].message.content == expected[0].outputs[0].text
+
+
 # ---- errors: the right status, an OpenAI-shaped body, never a 500 ------------------------------
 
 OK = {"prompt": "hi", "max_tokens": 2}
@@ -379,6 +427,18 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "user", "content": "word " * 600}], "stream": True},
      400, "in the prompt", None),
     ("/v1/chat/completions", {**CHAT_OK, "model": "gpt-17"}, 404, "gpt-17", None),
+    # position-independent spans (extension)
+    ("/v1/completions", {**OK, "prompt": [5] * 64, "spans": [[0, 32], [16, 48]]}, 400, "spans overlap", None),
+    ("/v1/completions", {**OK, "prompt": [5] * 64, "spans": [[32, 80]]}, 400, "inside the prompt", None),
+    ("/v1/completions", {**OK, "prompt": [5] * 64, "spans": [[32, 32]]}, 400, "non-empty", None),
+    ("/v1/completions", {**OK, "prompt": [5] * 64, "spans": [[8, 32]]}, 400, "block boundary", None),
+    ("/v1/completions", {**OK, "prompt": [5] * 64, "spans": [[8]]}, 400, "spans", "spans.0"),
+    ("/v1/completions", {**OK, "spans": [[0, 16]]}, 400, "token-id prompt", None),
+    ("/v1/completions", {**OK, "prompt": [{"text": "doc", "span": "yes"}]}, 400, "prompt", None),
+    ("/v1/completions", {**OK, "link_policy": "blender"}, 400, "link_policy", "link_policy"),
+    ("/v1/completions", {**OK, "gap_length": -1}, 400, "gap_length", "gap_length"),
+    ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "doc", "span": 1}]}]}, 400, "span", None),
 ]
 
 

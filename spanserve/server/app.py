@@ -265,12 +265,13 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse, "content": _SSE}, **_ERRORS})
     async def completions(body: CompletionRequest, http: Request):
         server.check_model(body.model)
-        prompts = fmt.completion_prompts(body.prompt, tokenizer)
+        prompts = fmt.completion_prompts(body.prompt, body.spans, llm.engine)
         runs = []
-        for text, ids in prompts:  # validate every prompt before any starts
+        for text, prompt in prompts:  # validate every prompt before any starts
+            ids = prompt["prompt_token_ids"]
             max_tokens = server.check_length(ids, body.max_tokens)
             params = body.sampling_params(max_tokens, body.logprobs, vocab_size)
-            runs.append((text, ids, server.start({"prompt_token_ids": ids}, params)))
+            runs.append((text, ids, server.start(prompt, params)))
         server.admit()
         if body.stream:
             return sse(fmt.stream_completion(runs, body, model_name, tokenizer))

@@ -37,6 +37,7 @@ class ServerMetrics:
     def render(self, engine) -> str:
         kv, sched = engine.kv, engine.scheduler
         hit_rate = kv.hit_tokens / kv.queried_tokens if kv.queried_tokens else 0.0
+        span_hit_rate = kv.span_hit_tokens / kv.span_queried_tokens if kv.span_queried_tokens else 0.0
         lines = ["# TYPE spanserve_requests_total counter"]
         lines += [f'spanserve_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
         gauges = {
@@ -49,6 +50,9 @@ class ServerMetrics:
             "spanserve_kv_blocks_free": kv.pool.num_free,
             "spanserve_kv_cache_usage": round(kv.usage, 6),
             "spanserve_prefix_cache_hit_rate": round(hit_rate, 6),
+            "spanserve_span_tokens_total": kv.span_queried_tokens,  # prompt tokens inside spans
+            "spanserve_span_hit_tokens_total": kv.span_hit_tokens,  # ... whose KV was reused
+            "spanserve_span_hit_rate": round(span_hit_rate, 6),
             "spanserve_num_preemptions_total": sched.num_preemptions,
         }
         for name, value in gauges.items():

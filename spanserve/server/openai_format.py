@@ -6,17 +6,30 @@ from collections.abc import AsyncIterator
 
 from spanserve.errors import InvalidRequestError
 from spanserve.outputs import RequestOutput
+from spanserve.pic.prompt import Span
 
 
-def completion_prompts(prompt, tokenizer) -> list[tuple[str | None, list[int]]]:
-    """Normalize OpenAI's four prompt forms to (text, token ids) pairs."""
+def completion_prompts(prompt, spans, engine) -> list[tuple[str | None, dict]]:
+    """Normalize OpenAI's four prompt forms, and our list of parts, to (text, engine prompt) pairs."""
+    if spans is not None and not (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+        raise InvalidRequestError("spans go with a single token-id prompt; mark text spans with prompt parts")
+    if isinstance(prompt, list) and any(not isinstance(p, (str, int, list)) for p in prompt):
+        parts = [p if isinstance(p, str) else Span(p.text) if p.span else p.text for p in prompt]
+        if any(isinstance(p, Span) for p in parts):
+            return [(None, _token_prompt(engine.tokenize(parts)))]
+        prompt = "".join(parts)
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
-        prompt = [prompt]
+        return [(None, {"prompt_token_ids": list(prompt), "spans": spans or []})]
     if not prompt:
         raise InvalidRequestError("prompt must not be empty")
-    return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompt]
+    return [(p, {"prompt_token_ids": engine.tokenizer.encode(p)}) if isinstance(p, str)
+            else (None, {"prompt_token_ids": list(p)}) for p in prompt]
+
+
+def _token_prompt(tokenized) -> dict:
+    return {"prompt_token_ids": tokenized.token_ids, "spans": [list(s) for s in tokenized.spans]}
 
 
 def usage(finals: list[RequestOutput]) -> dict:

@@ -57,10 +57,13 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # spanserve extension: how requests with position-independent spans link them (pic/link.py)
+    link_policy: Literal["none", "gap", "full"] | None = None
+    gap_length: _int(ge=0, le=_SAFE) | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
-        optional = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-                    if getattr(self, k) is not None}
+        optional = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                                  "link_policy", "gap_length") if getattr(self, k) is not None}
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -71,10 +74,20 @@ class _SamplingFields(_Body):
         )
 
 
+class PromptPart(_Body):
+    """spanserve extension: one part of a prompt; a span's KV is computed on its own and reused anywhere."""
+
+    text: NonEmptyStr
+    span: bool = False
+
+
 class CompletionRequest(_SamplingFields):
-    # a text, texts, token ids, or lists of token ids; never empty
+    # a text, texts, token ids, lists of token ids, or (extension) one prompt as a list of parts; never empty
     prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds
-             | Annotated[list[TokenIds], Field(min_length=1)])
+             | Annotated[list[TokenIds], Field(min_length=1)]
+             | Annotated[list[NonEmptyStr | PromptPart], Field(min_length=1)])
+    # extension: position-independent [start, end) spans of a token-id prompt
+    spans: list[Annotated[list[_int(ge=0, le=_SAFE)], Field(min_length=2, max_length=2)]] | None = None
     max_tokens: _int(ge=1) | None = 16
     logprobs: _int(ge=0, le=20) | None = None
     echo: bool = False
@@ -83,6 +96,7 @@ class CompletionRequest(_SamplingFields):
 class TextContentPart(_Body):
     type: Literal["text"] = "text"
     text: str
+    span: bool = False  # spanserve extension: a position-independent span (a document, a tool output)
 
 
 class ChatMessage(_Body):
@@ -98,12 +112,14 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: _int(ge=0, le=20) | None = None
 
     def chat_messages(self) -> list[dict]:
-        """Messages as the chat template wants them; text parts of a content list are joined."""
+        """Messages as the chat template wants them; text parts of a content list are joined,
+        unless some are spans (the engine then renders the template around them)."""
         out = []
         for m in self.messages:
             content = m.content
             if isinstance(content, list):
-                content = "".join(p.text for p in content)
+                has_spans = any(p.span for p in content)
+                content = [p.model_dump() for p in content] if has_spans else "".join(p.text for p in content)
             out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
         return out
 
