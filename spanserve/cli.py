@@ -26,6 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--link-policy", default="none", choices=["none", "gap", "full"],
+                   help="default link policy of requests with position-independent spans")
+    g.add_argument("--gap-length", type=int, default=32, help="tokens recomputed at each span's head (gap)")
 
 
 def engine_config(args) -> EngineConfig:
@@ -33,7 +36,7 @@ def engine_config(args) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=not args.no_prefix_caching, link_policy=args.link_policy, gap_length=args.gap_length,
     )
 
 
@@ -72,20 +75,29 @@ def stream_text(engine, prompt, params: SamplingParams) -> Iterator[str]:
 
 
 def chat_prompt(engine, messages: list[dict]) -> dict:
-    from spanserve.llm import apply_chat_template
+    return engine.chat_prompt(messages)
 
-    return {"prompt_token_ids": apply_chat_template(engine.tokenizer, messages)}
+
+def read_docs(docs: list[str]) -> list:
+    """--doc values as Spans: literal text, or @PATH for a file's contents."""
+    from pathlib import Path
+
+    from spanserve.pic.prompt import Span
+
+    return [Span(Path(d[1:]).read_text() if d.startswith("@") else d) for d in docs]
 
 
 def cmd_generate(args) -> None:
     from spanserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_config(args))
+    docs = read_docs(args.doc)
     if args.raw:
-        prompt = args.prompt
+        prompt = [*docs, args.prompt] if docs else args.prompt
     else:
         messages = [{"role": "system", "content": args.system}] if args.system else []
-        prompt = chat_prompt(engine, [*messages, {"role": "user", "content": args.prompt}])
+        content = [*docs, args.prompt] if docs else args.prompt
+        prompt = chat_prompt(engine, [*messages, {"role": "user", "content": content}])
     for delta in stream_text(engine, prompt, sampling_params(args)):
         print(delta, end="", flush=True)
     print()
@@ -151,6 +163,30 @@ def cmd_demo(args) -> None:
     print(f"   cold: TTFT {first.metrics.ttft_s * 1000:.0f} ms, {first.num_cached_tokens} cached tokens")
     print(f"   warm: TTFT {second.metrics.ttft_s * 1000:.0f} ms, {second.num_cached_tokens} cached tokens")
     print(f"   answer: {second.outputs[0].text.strip()}")
+    demo_spans(llm)
+
+
+def demo_spans(llm) -> None:
+    """Documents as position-independent spans: cached once, reused in any order."""
+    from spanserve.pic.prompt import Span
+
+    facts = [("Orlan", "harbor", 4127), ("Vesk", "mill", 8830), ("Dunmar", "bridge", 2291),
+             ("Ilsa", "lighthouse", 6604)]
+    docs = [" ".join(f"{name} keeps the {place} of town {k}, and the {place} code there is {code + k}."
+                     for k in range(12)) for name, place, code in facts]
+    system = {"role": "system", "content": "Answer from the documents, briefly."}
+
+    def ask(order, question):
+        content = [*(Span(docs[i]) for i in order), question]
+        return llm.chat([system, {"role": "user", "content": content}], SamplingParams(temperature=0, max_tokens=24))[0]
+
+    cold = ask([0, 1, 2, 3], "Who keeps the mill?")
+    warm = ask([3, 1, 0, 2], "Who keeps the lighthouse?")
+    n = len(warm.prompt_token_ids)
+    print(f"\n4. Position-independent spans: 4 documents, {n} prompt tokens")
+    print(f"   cold, documents in order:  TTFT {cold.metrics.ttft_s * 1000:.0f} ms, {cold.num_cached_tokens} cached")
+    print(f"   warm, documents reordered: TTFT {warm.metrics.ttft_s * 1000:.0f} ms, {warm.num_cached_tokens} cached")
+    print(f"   answer: {warm.outputs[0].text.strip()}")
 
 
 def cmd_serve(args) -> None:
@@ -171,13 +207,20 @@ def cmd_serve(args) -> None:
     llm.shutdown()
 
 
+BENCHES = ["throughput", "serve"]
+
+
 def cmd_bench(args, rest: list[str]) -> None:
-    try:
-        from benchmarks import throughput
-    except ImportError:
-        sys.exit("benchmarks are not installed: run from a checkout with `make` (pip install -e .)")
-    benches = {"throughput": throughput.main}
-    benches[args.bench](rest)
+    if args.bench is None:  # `spanserve bench [--help]`: the bench parser's own help, since it has no -h
+        args.print_bench_help(None if args.bench_help else sys.stderr)
+        sys.exit(0 if args.bench_help else 2)
+    import importlib
+
+    try:  # only the chosen one: each benchmark has its own dependencies (serve needs httpx)
+        bench = importlib.import_module(f"benchmarks.{args.bench}")
+    except ImportError as exc:
+        sys.exit(f"cannot load benchmarks.{args.bench} ({exc}): run from a checkout with `make` (pip install -e .)")
+    bench.main(["--help", *rest] if args.bench_help else rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate a reply to one prompt, streamed to the terminal")
     p.add_argument("prompt")
     p.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
+    p.add_argument("--doc", action="append", default=[], metavar="TEXT|@FILE",
+                   help="a document placed before the prompt as a position-independent span (repeatable)")
     add_engine_args(p)
     add_sampling_args(p)
 
@@ -206,8 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued", type=int, default=None, help="answer 503 beyond this many waiting requests")
     add_engine_args(p)
 
-    p = sub.add_parser("bench", help="benchmarks; `spanserve bench NAME --help` for options")
-    p.add_argument("bench", choices=["throughput"])
+    # No -h of its own: `spanserve bench NAME --help` must reach NAME's parser, which owns the options.
+    p = sub.add_parser("bench", add_help=False, help="benchmarks; `spanserve bench NAME --help` for options")
+    p.add_argument("bench", nargs="?", choices=BENCHES, help="benchmark to run")
+    p.add_argument("-h", "--help", action="store_true", dest="bench_help", help="show NAME's options (or this help)")
+    p.set_defaults(print_bench_help=p.print_help)
     return parser
 
 
