@@ -30,6 +30,7 @@ class EngineConfig:
     # Defaults for requests with position-independent spans (pic/link.py).
     link_policy: str = "none"
     gap_length: int = 32
+    blend_ratio: float = 0.15
 
     def __post_init__(self):
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -38,7 +39,7 @@ class EngineConfig:
             raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
         from spanserve.pic.link import LinkPolicy
 
-        LinkPolicy(self.link_policy, self.gap_length)  # raises on bad values
+        LinkPolicy(self.link_policy, self.gap_length, self.blend_ratio)  # raises on bad values
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}; use auto or one of {sorted(_DTYPES)}")
 

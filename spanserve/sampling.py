@@ -27,8 +27,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token
     skip_special_tokens: bool = True
     # Position-independent spans (pic/link.py): None takes the engine's default.
-    link_policy: str | None = None  # none | gap | full
+    link_policy: str | None = None  # none | gap | blend | full
     gap_length: int | None = None
+    blend_ratio: float | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -64,10 +65,10 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop),
              "stop must be a non-empty string or a list of non-empty strings"),
         ]
-        if self.link_policy is not None or self.gap_length is not None:
+        if self.link_policy is not None or self.gap_length is not None or self.blend_ratio is not None:
             from spanserve.pic.link import LinkPolicy
 
-            LinkPolicy(self.link_policy or "none", self.gap_length or 0)  # raises on bad values
+            LinkPolicy(self.link_policy or "none", self.gap_length or 0, self.blend_ratio or 0.0)  # raises if bad
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)

@@ -282,3 +282,45 @@ def test_bad_spans_fail_the_request_and_nothing_else(llm, spans):
     with pytest.raises(InvalidRequestError):
         llm.generate({"prompt": "text", "spans": [[0, 16]]}, greedy(2))
     assert_engine_idle(llm)
+
+
+# ---- blend (CacheBlend) ----------------------------------------------------------------------
+
+
+def test_blend_recomputes_the_chosen_fraction_in_private_copies_of_the_shared_blocks(llm):
+    prompt = {"prompt_token_ids": random_prompt(97, seed=80), "spans": [[16, 96]]}  # 80 independent tokens
+    first = prefill(llm, prompt, link_policy="none")
+    shared = block_ids(first.block_table[1:6])
+    drain(llm)
+    kv = llm.engine.runner.kv_cache
+    before = kv[:, :, shared].clone()
+    work = record_work(llm)
+    req = prefill(llm, prompt, link_policy="blend", blend_ratio=0.15)
+    linked = [t for t in range(16, 96) if not req.layout.independent[t]]
+    assert len(linked) == 12  # ceil(0.15 * 80)
+    assert [w for w in work if w[0] or w[1]] == [([], [*linked, 96])]  # the prefix block was cached too
+    assert req.num_cached_tokens == 97 - 12 - 1
+    private = {t // 16 for t in linked}
+    for i in range(1, 6):  # private copies where tokens were linked, the shared block elsewhere
+        assert (req.block_table[i].block_id in shared) == (i not in private)
+        if i in private:
+            own, shadow = req.block_table[i].block_id, req.shadows[i].block_id
+            kept = [t % 16 for t in range(16 * i, 16 * i + 16) if req.layout.independent[t]]
+            assert torch.equal(kv[:, :, own, kept], kv[:, :, shadow, kept])  # copied, not recomputed
+    drain(llm)
+    assert torch.equal(kv[:, :, shared], before)
+
+
+def test_blend_of_every_token_equals_plain_and_blend_outputs_do_not_depend_on_the_cache(tiny_llama_path):
+    tokens = random_prompt(90, seed=81)
+    plain = token_ids(make_llm(tiny_llama_path).generate({"prompt_token_ids": tokens}, greedy(12)))
+    llm = make_llm(tiny_llama_path)
+    prompt = {"prompt_token_ids": tokens, "spans": [[16, 48], [48, 80]]}
+    assert token_ids(llm.generate(prompt, greedy(12, link_policy="blend", blend_ratio=1.0))) == plain
+    cold = token_ids(make_llm(tiny_llama_path).generate(prompt, greedy(12, link_policy="blend")))
+    assert token_ids(llm.generate(prompt, greedy(12, link_policy="blend"))) == cold  # spans now cached
+    longer = token_ids(make_llm(tiny_llama_path).generate(prompt, greedy(40, link_policy="blend")))
+    small = make_llm(tiny_llama_path, num_blocks=16, max_num_batched_tokens=16)  # chunked and preempted
+    assert token_ids(small.generate([prompt] * 3, greedy(40, link_policy="blend"))) == longer * 3
+    assert small.engine.scheduler.num_preemptions > 0
+    assert_engine_idle(small)

@@ -16,21 +16,23 @@ def layout(n, spans, policy="none", gap=0) -> PromptLayout:
 
 
 def test_a_span_reaching_the_last_token_is_cut_before_it():
-    (span,) = layout(96, [(32, 96)]).spans
-    assert (span.start, span.end, span.link_end, span.sub_end) == (32, 95, 32, 95)
+    lay = layout(96, [(32, 96)])
+    (span,) = lay.spans
+    assert (span.start, span.end, span.sub_end) == (32, 95, 95)
+    assert lay.independent.nonzero()[0].tolist() == list(range(32, 95))
 
 
 def test_gap_links_whole_blocks_at_the_head_of_each_span():
-    (span,) = layout(97, [(32, 96)], "gap", 20).spans
-    assert (span.link_end, span.sub_end) == (64, 96)
-    assert layout(97, [(32, 96)], "gap", 32).shadow_blocks(0) == range(2, 4)
+    lay = layout(97, [(32, 96)], "gap", 20)
+    assert lay.independent.nonzero()[0].tolist() == list(range(64, 96))
+    assert lay.spans[0].sub_end == 96 and lay.shadow_blocks(0) == [2, 3]
 
 
 def test_a_gap_longer_than_the_span_links_all_of_it():
     lay = layout(97, [(32, 56)], "gap", 64)
-    (span,) = lay.spans
-    assert (span.link_end, span.sub_end) == (56, 48)  # only full blocks are computed alone
+    assert lay.spans[0].sub_end == 48  # only full blocks are computed alone, for other requests
     assert lay.in_context(0, 97) == list(range(97))
+    assert lay.ready_limit([32]) > 97  # nothing in context waits for it
 
 
 def test_full_policy_ignores_spans():
@@ -52,7 +54,7 @@ def test_advance_counts_only_in_context_tokens():
     assert lay.advance(0, 1000, 16) == 16  # the span is not ready: stop at its start
 
 
-def test_ready_limit_is_the_first_unfinished_span():
+def test_ready_limit_is_the_first_independent_token_of_the_first_unfinished_span():
     lay = layout(100, [(16, 48), (48, 80)], "gap", 16)
     assert lay.ready_limit([16, 48]) == 32
     assert lay.ready_limit([48, 64]) == 64
@@ -96,11 +98,26 @@ def test_bad_spans_are_rejected_with_a_clear_message(spans, message):
         validate_spans(spans, 100, BS)
 
 
+def test_a_selecting_policy_links_the_chosen_tokens_after_its_probe():
+    lay = PromptLayout(100, [(16, 64)], LinkPolicy("blend", blend_ratio=0.1), BS)
+    assert lay.awaiting_selection and lay.ready_limit([64]) == 16
+    assert lay.shadow_blocks(0) == [1, 2, 3] and lay.span_of_block(2) is None
+    lay.link_tokens([20, 50])
+    assert not lay.awaiting_selection and lay.shadow_blocks(0) == [1, 3]
+    assert lay.span_of_block(2) == 0
+    assert lay.in_context(0, 100) == [*range(16), 20, 50, *range(64, 100)]
+    assert lay.ready_limit([40]) == 16 and lay.ready_limit([64]) > 100
+    lay.reset_selection()
+    assert lay.awaiting_selection and lay.in_context(0, 100) == [*range(16), *range(64, 100)]
+
+
 def test_bad_link_policies_are_rejected():
     with pytest.raises(InvalidRequestError, match="link_policy"):
         LinkPolicy("blend-ish")
     with pytest.raises(InvalidRequestError, match="gap_length"):
         LinkPolicy("gap", -1)
+    with pytest.raises(InvalidRequestError, match="blend_ratio"):
+        LinkPolicy("blend", blend_ratio=1.5)
 
 
 class FakeTokenizer:
@@ -124,7 +141,8 @@ def test_parts_are_padded_so_each_span_fills_whole_blocks():
 def test_chat_parts_keep_spans_inside_the_template():
     messages = [{"role": "system", "content": "s"},
                 {"role": "user", "content": [Span("doc1"), {"type": "text", "text": "doc2", "span": True}, "q?"]}]
-    assert chat_parts(FakeTokenizer(), messages) == ["<system>s</><user>", Span("doc1"), Span("doc2"), "q?</><assistant>"]
+    expected = ["<system>s</><user>", Span("doc1"), Span("doc2"), "q?</><assistant>"]
+    assert chat_parts(FakeTokenizer(), messages) == expected
 
 
 def test_an_empty_span_is_rejected():

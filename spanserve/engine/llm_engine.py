@@ -2,6 +2,7 @@
 
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -164,7 +165,8 @@ class LLMEngine:
     def link_policy(self, params: SamplingParams) -> LinkPolicy:
         """The request's link policy, each unset field taken from the engine's defaults."""
         gap = params.gap_length if params.gap_length is not None else self.config.gap_length
-        return LinkPolicy(params.link_policy or self.config.link_policy, gap)
+        ratio = params.blend_ratio if params.blend_ratio is not None else self.config.blend_ratio
+        return LinkPolicy(params.link_policy or self.config.link_policy, gap, ratio)
 
     def make_group(self, prompt: PromptInput, params: SamplingParams,
                    request_id: str | None = None) -> RequestGroup:
@@ -174,7 +176,7 @@ class LLMEngine:
         tp = self.tokenize(prompt)
         token_ids = tp.token_ids
         self._validate_tokens(token_ids, params)
-        layout = PromptLayout(len(token_ids), tp.spans, self.link_policy(params), self.config.block_size)
+        link = self.link_policy(params)
         request_id = request_id or f"req-{next(self._ids)}"
         children = []
         for i in range(params.n):
@@ -183,7 +185,8 @@ class LLMEngine:
                 child_params = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
             children.append(Request(
                 request_id=f"{request_id}-{i}" if params.n > 1 else request_id,
-                group_id=request_id, index=i, layout=layout,
+                group_id=request_id, index=i,  # a layout each: a selecting link policy changes it
+                layout=PromptLayout(len(token_ids), tp.spans, link, self.config.block_size),
                 prompt_token_ids=token_ids, params=child_params, eos_token_ids=self.eos_token_ids,
                 cache_salt=tp.cache_salt, max_total_tokens=self.max_model_len,
                 wait_for=children[0] if children and self.config.enable_prefix_caching else None,
@@ -234,6 +237,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return the outputs of requests that advanced."""
+        self._select_links()
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -251,6 +255,19 @@ class LLMEngine:
             if group.finished:
                 del self.groups[group.request_id]
         return outputs
+
+    def _select_links(self) -> None:
+        """CacheBlend (link_policy="blend"): once a request's spans and the text before them are
+        in the cache, probe which span tokens to recompute in context, and relink its blocks."""
+        for req in self.scheduler.running:
+            layout = req.layout
+            if not (layout.awaiting_selection and req.num_computed_tokens >= layout.spans[0].start
+                    and all(d >= s.sub_end for d, s in zip(req.span_done, layout.spans))):
+                continue
+            tokens, deviation = self.runner.blend_deviation(req)
+            count = min(len(tokens), math.ceil(layout.link.blend_ratio * len(tokens)))
+            chosen = sorted(tokens[i] for i in deviation.topk(count).indices.tolist())
+            self.runner.copy_blocks(self.kv.relink(req, chosen))
 
     def _append(self, req: Request, sample: Sample, detok: IncrementalDetokenizer) -> None:
         req.append_token(sample.token_id)

@@ -46,6 +46,7 @@ class Request:
         # that the link policy recomputes in context (block index -> block).
         self.span_done: list[int] = [s.start for s in self.layout.spans]
         self.span_hashed: list[int] = [0] * len(self.layout.spans)
+        self.span_cached_until: list[int] = list(self.span_done)  # progress found in the cache
         self.shadows: dict[int, Block] = {}
         self.num_cached_tokens: int | None = None  # prefix hits at first admission
         self.status = RequestStatus.WAITING

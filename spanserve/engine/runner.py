@@ -7,6 +7,7 @@ from spanserve.attention import AttentionMetadata
 from spanserve.engine.sampler import Sample, sample
 from spanserve.engine.scheduler import ScheduledRequest
 from spanserve.models.llama import LlamaModel
+from spanserve.models.rope import rotate
 
 
 class ModelRunner:
@@ -66,8 +67,52 @@ class ModelRunner:
         deltas = deltas.to(rope.cos.device)
         return rope.cos[deltas].unsqueeze(1), rope.sin[deltas].unsqueeze(1)
 
+    @torch.inference_mode()
+    def blend_deviation(self, req) -> tuple[list[int], torch.Tensor]:
+        """CacheBlend's signal for each independent span token of `req`: how far its second-
+        layer K and V move when the first layer sees the whole context instead of its span.
+
+        The first layer's keys need no recomputation (before any attention they are the same
+        in a span or in context, up to the rotation we apply anyway), so one layer of attention
+        over the cache, plus the second layer's projections, is the whole cost."""
+        layout, bs = req.layout, self.block_size
+        tokens = layout.independent.nonzero()[0].tolist()
+        span_view = [(req.shadows.get(i) or b).block_id for i, b in enumerate(req.block_table)]
+        own_view = [b.block_id for b in req.block_table]  # unused until relinked: a scratch pad
+        to = self._tensor
+        positions = to(tokens)
+        ctx_len = tokens[-1] + 1
+        meta = AttentionMetadata(
+            slot_mapping=to([own_view[t // bs] * bs + t % bs for t in tokens]), query_lens=[len(tokens)],
+            context_lens=[ctx_len], block_tables=to(span_view)[None], context_lens_tensor=to([ctx_len]),
+            positions=positions, key_rotation=[self._rotation(layout.key_deltas(ctx_len, self.device))],
+        )
+        first, second = self.model.layers[0], self.model.layers[1]
+        hidden = first(self.model.embed_tokens(to([req.token_ids[t] for t in tokens])), positions, meta)
+        k, v = second.self_attn.key_values(second.input_layernorm(hidden), positions)
+        slots = to([span_view[t // bs] * bs + t % bs for t in tokens])
+        cache = self.kv_cache[1]
+        cached_k = cache[0].flatten(0, 1)[slots]
+        cached_v = cache[1].flatten(0, 1)[slots]
+        if meta.key_rotation[0] is not None:
+            cos, sin = meta.key_rotation[0]
+            cached_k = rotate(cached_k, cos[positions], sin[positions])
+        return tokens, _relative_change(k, cached_k) + _relative_change(v, cached_v)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (every layer, K and V): src -> dst."""
+        if pairs:
+            src, dst = (self._tensor(list(ids)) for ids in zip(*pairs))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Per token: squared distance between two [T, heads, D] tensors, over old's mean square."""
+    new, old = new.float(), old.float()
+    return (new - old).pow(2).sum((1, 2)) / old.pow(2).sum((1, 2)).mean().clamp_min(1e-12)
 
 
 def _sequences(item: ScheduledRequest):

@@ -65,6 +65,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             item = plan(req, budget)
+            if not item.num_tokens:  # waiting for its link probe (engine._select_links)
+                i += 1
+                continue
             while not self.kv.allocate_slots(req, item.end):
                 victim = self.running.pop()  # newest first: it has the least work to redo
                 self._preempt(victim)
@@ -88,14 +91,16 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             item = plan(req, budget)
-            scheduled.append(item)
-            budget -= item.num_tokens
+            if item.num_tokens:
+                scheduled.append(item)
+                budget -= item.num_tokens
         self.waiting.extendleft(reversed(skipped))
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.span_done = [span.start for span in req.layout.spans]
+        req.layout.reset_selection()
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1

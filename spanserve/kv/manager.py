@@ -31,22 +31,18 @@ class KVCacheManager:
         pool is short."""
         self._hash(req)
         table, num_context = self._context_hits(req)
-        shadows, span_done = self._span_hits(req, table, num_context)
-        fresh_needed = table.count(None) + sum(
-            1 for s, span in enumerate(req.layout.spans) if span_done[s] < span.sub_end
-            for i in req.layout.shadow_blocks(s) if i not in shadows)
+        shadows, span_done, num_context = self._span_hits(req, table, num_context)
+        layout = req.layout
+        missing_shadows = [i for s, span in enumerate(layout.spans) if span_done[s] < span.sub_end
+                           for i in layout.shadow_blocks(s) if i not in shadows]
         hits = [b for b in table if b is not None] + list(shadows.values())
         revived = len({b.block_id for b in hits if b.ref_cnt == 0})
-        if fresh_needed + revived > self.pool.num_free:
+        if table.count(None) + len(missing_shadows) + revived > self.pool.num_free:
             return False
         self.pool.touch(hits)
-        fresh = iter(self.pool.allocate(fresh_needed))
-        req.block_table = [b if b is not None else next(fresh) for b in table]
-        for s, span in enumerate(req.layout.spans):
-            if span_done[s] < span.sub_end:
-                for i in req.layout.shadow_blocks(s):
-                    shadows.setdefault(i, next(fresh))
-        req.shadows, req.span_done = shadows, span_done
+        req.block_table = [b if b is not None else self.pool.allocate(1)[0] for b in table]
+        shadows.update(zip(missing_shadows, self.pool.allocate(len(missing_shadows))))
+        req.shadows, req.span_done, req.span_cached_until = shadows, span_done, list(span_done)
         req.span_hashed = [d // self.block_size for d in span_done]
         req.num_computed_tokens = num_context * self.block_size
         req.num_hashed_blocks = num_context
@@ -68,50 +64,46 @@ class KVCacheManager:
 
     def _context_hits(self, req) -> tuple[list[Block | None], int]:
         """The longest run of cached blocks from the start of the context view (the last token
-        is always left to compute). Returns the table with None for blocks still to allocate."""
+        is always left to compute; a selecting link policy decides the context view of its
+        spans later, so its run stops at the first span). Returns the table, None for blocks
+        still to allocate, and the run's length."""
         table: list[Block | None] = [None] * cdiv(req.num_tokens, self.block_size)
         if not self.enable_prefix_caching:
             return table, 0
+        limit = (req.num_tokens - 1) // self.block_size
+        if req.layout.awaiting_selection:
+            limit = min(limit, req.layout.spans[0].start // self.block_size)
         num = 0
-        for i in range((req.num_tokens - 1) // self.block_size):
+        for i in range(limit):
             block = self.pool.lookup(self._key(req, i))
             if block is None:
                 break
             table[i], num = block, i + 1
-        return table, self._trim_to_computable_span(req, table, num)
+        return table, num
 
-    def _trim_to_computable_span(self, req, table: list, num: int) -> int:
-        """If the run stops inside a span whose recomputed head has no cached span-local twin,
-        the span must be recomputed from its start: drop the run's blocks of that span."""
-        t = num * self.block_size
-        for s, span in enumerate(req.layout.spans):
-            if span.link_end < t < span.sub_end and not all(
-                    self.pool.lookup(req.local_hashes[i]) for i in req.layout.shadow_blocks(s)):
-                keep = span.link_end // self.block_size
-                table[keep:num] = [None] * (num - keep)
-                return keep
-        return num
-
-    def _span_hits(self, req, table: list, num_context: int) -> tuple[dict[int, Block], list[int]]:
+    def _span_hits(self, req, table: list, num_context: int) -> tuple[dict[int, Block], list[int], int]:
         """Continue each span's own chain past the context run: its cached blocks wherever they
-        are in the pool. Returns the shadow blocks found and each span's progress."""
-        shadows, done = {}, []
-        bs = self.block_size
+        are in the pool. Returns the shadow blocks found, each span's progress, and the context
+        run, cut back where a span must be recomputed under blocks the run had adopted."""
+        shadows, done, bs = {}, [], self.block_size
         if not self.enable_prefix_caching:
-            return shadows, [span.start for span in req.layout.spans]
+            return shadows, [span.start for span in req.layout.spans], 0
         for s, span in enumerate(req.layout.spans):
             if span.sub_end <= num_context * bs:  # the context run already covers it
                 done.append(span.sub_end)
                 continue
-            shadow_ids, d = req.layout.shadow_blocks(s), span.start
+            shadow_ids, d = set(req.layout.shadow_blocks(s)), span.start
             for i in range(span.start // bs, span.sub_end // bs):
-                views = shadows if i in shadow_ids else table
+                view = shadows if i in shadow_ids else table
                 block = (shadows.get(i) if i in shadow_ids else table[i]) or self.pool.lookup(req.local_hashes[i])
                 if block is None:
                     break
-                views[i], d = block, (i + 1) * bs
+                view[i], d = block, (i + 1) * bs
+            if d < num_context * bs:  # never recompute into adopted blocks: drop them from the run
+                table[d // bs:num_context] = [None] * (num_context - d // bs)
+                num_context = d // bs
             done.append(d)
-        return shadows, done
+        return shadows, done, num_context
 
     def _count(self, req) -> None:
         """Hit-rate counters; also fixes req.num_cached_tokens at its first admission."""
@@ -119,13 +111,35 @@ class KVCacheManager:
         o = min(req.num_computed_tokens, n)
         computed = len(layout.in_context(o, n))
         for span, d in zip(layout.spans, req.span_done):
-            computed += max(0, span.end - max(d, o, span.link_end))
-            self.span_queried_tokens += span.end - span.link_end
-            self.span_hit_tokens += max(0, min(d, span.end) - span.link_end)
+            independent = layout.independent[span.start:span.end]
+            hit = int(independent[:max(0, max(d, o) - span.start)].sum())
+            computed += int(independent.sum()) - hit
+            self.span_queried_tokens += int(independent.sum())
+            self.span_hit_tokens += hit
         self.queried_tokens += n
         self.hit_tokens += n - computed
         if req.num_cached_tokens is None:
             req.num_cached_tokens = n - computed
+
+    def relink(self, req, linked: list[int]) -> list[tuple[int, int]]:
+        """After a selecting policy's probe: move `linked` span tokens into context. Blocks left
+        with no linked token go back to their shared span-local block; blocks with some get a
+        private copy (returned as (source, destination) block ids for the runner to copy)."""
+        req.layout.link_tokens(linked)
+        copies = []
+        keep = set(i for s in range(len(req.layout.spans)) for i in req.layout.shadow_blocks(s))
+        for i, shadow in list(req.shadows.items()):
+            if i in keep:
+                copies.append((shadow.block_id, req.block_table[i].block_id))
+            else:
+                self.pool.release([req.block_table[i]])
+                req.block_table[i] = req.shadows.pop(i)
+        # Linked tokens whose span KV was a cache hit at admission were counted as cached.
+        spans = req.layout.spans
+        was_cached = sum(1 for t in linked for s, span in enumerate(spans)
+                         if span.start <= t < req.span_cached_until[s])
+        req.num_cached_tokens = max(0, (req.num_cached_tokens or 0) - was_cached)
+        return copies
 
     # ---- growth, publication, release ---------------------------------------------------
 

@@ -42,6 +42,15 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.kv_cache: torch.Tensor | None = None  # bound by the runner
 
+    def key_values(self, x, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's K (rotated) and V for hidden states x, without attending (a probe)."""
+        _, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        _, k = self.rope(positions, k, k)
+        return k, v.view(-1, self.num_kv_heads, self.head_dim)
+
     def forward(self, x, positions, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)

@@ -7,22 +7,24 @@ and shared. Every other token ("in context") attends to all tokens before it at 
 position; reading a span's keys it first rotates them by the span's start (RoPE is a rotation,
 so R(start) R(i) = R(start + i): exact repositioning, no copies, blocks stay shared).
 
-A link policy (pic/link.py) moves the first tokens of each span back into context: they are
-recomputed with full attention into blocks private to the request, while the span-local
-version of those blocks ("shadows") still exists for the span itself and for other requests.
+A link policy (pic/link.py) moves some tokens of each span back into context ("linked"): they
+are recomputed with full attention into blocks private to the request, while the span-local
+version of those blocks ("shadows") stays shared, for the span itself and other requests.
 
 Two views of the same token indices:
 - the context view (`Request.block_table`): what in-context queries read. Block i is a shared
-  span block if it lies wholly in a span's independent part, else the request's own block;
-- a span's view: the blocks its own sub-sequence reads and writes (shadows, then the shared
-  blocks, then a partial last block that lives in the context view).
+  span block if all its tokens are independent span tokens, else the request's own block;
+- a span's view: the blocks its own sub-sequence reads and writes (shadows where the context
+  view has a private block, the shared blocks, and a partial last block of the context view).
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from spanserve.errors import InvalidRequestError
 from spanserve.kv.hashing import ROOT_HASH, BlockHash, hash_block
 from spanserve.pic.link import LinkPolicy
 
@@ -31,11 +33,7 @@ from spanserve.pic.link import LinkPolicy
 class SpanRange:
     start: int  # a multiple of the block size
     end: int  # exclusive; before the prompt's last token
-    link_end: int  # [start, link_end) is recomputed in context; [link_end, end) stays independent
     sub_end: int  # the span's own sub-sequence computes [start, sub_end)
-
-    def independent(self, t: int) -> bool:
-        return self.link_end <= t < self.end
 
 
 class PromptLayout:
@@ -44,17 +42,38 @@ class PromptLayout:
         """`spans` must already be valid (see validate_spans); a span reaching the last prompt
         token is cut before it, since that token's logits must see the whole prompt."""
         self.num_tokens, self.block_size = num_tokens, block_size
-        link = link or LinkPolicy()
-        self.link = link
+        self.link = link = link or LinkPolicy()
+        self.independent = np.zeros(num_tokens, dtype=bool)  # computed alone, inside a span
         self.spans: list[SpanRange] = []
         for start, end in spans if link.uses_spans else ():
             end = min(end, num_tokens - 1)
-            if end - start < 1:
-                continue
-            link_end = link.link_end(start, end, block_size)
-            sub_end = end if link_end < end else end // block_size * block_size
-            self.spans.append(SpanRange(start, end, link_end, sub_end))
+            if end > start:
+                linked = link.linked(start, end, block_size)
+                self.independent[start:end] = True
+                self.independent[start:start + linked] = False
+                tail_independent = self.independent[end // block_size * block_size:end].any()
+                self.spans.append(SpanRange(start, end, end if tail_independent else end // block_size * block_size))
+        self.awaiting_selection = link.selects and bool(self.spans)  # blend: the probe picks links
+        self._refresh()
+
+    def reset_selection(self) -> None:
+        """Forget a selecting policy's choice (its private blocks are gone, e.g. on preemption)."""
+        if self.link.selects and self.spans:
+            for span in self.spans:
+                self.independent[span.start:span.end] = True
+            self.awaiting_selection = True
+            self._refresh()
+
+    def _refresh(self) -> None:
+        # in_context_before[t]: how many tokens before t are computed in context
+        self.in_context_before = np.concatenate([[0], np.cumsum(~self.independent)])
         self._deltas: torch.Tensor | None = None
+
+    def link_tokens(self, indices: Sequence[int]) -> None:
+        """Move span tokens into context (a selecting link policy's choice, after its probe)."""
+        self.independent[np.asarray(indices, dtype=np.int64)] = False
+        self.awaiting_selection = False
+        self._refresh()
 
     @property
     def has_spans(self) -> bool:
@@ -63,51 +82,53 @@ class PromptLayout:
     # ---- which tokens are computed where ------------------------------------------------
 
     def span_of_block(self, i: int) -> int | None:
-        """Index of the span whose independent part holds all of block i, else None."""
+        """Index of the span holding block i with every token independent, else None."""
         lo, hi = i * self.block_size, (i + 1) * self.block_size
-        for s, span in enumerate(self.spans):
-            if span.link_end <= lo and hi <= span.end:
-                return s
-        return None
+        if hi > self.num_tokens or self.awaiting_selection or not self.independent[lo:hi].all():
+            return None
+        return next(s for s, span in enumerate(self.spans) if span.start <= lo and hi <= span.end)
 
-    def shadow_blocks(self, s: int) -> range:
-        """Blocks of span s recomputed in context: their span-local version lives apart."""
+    def shadow_blocks(self, s: int) -> list[int]:
+        """Full blocks of span s that have linked tokens: their span-local version lives apart
+        from the request's private one. Before a selecting policy's probe: all of them."""
         span, bs = self.spans[s], self.block_size
-        return range(span.start // bs, min(-(-span.link_end // bs), span.sub_end // bs))
+        blocks = range(span.start // bs, span.sub_end // bs)
+        if self.awaiting_selection:
+            return list(blocks)
+        return [i for i in blocks if not self.independent[i * bs:(i + 1) * bs].all()]
 
     def in_context(self, start: int, end: int) -> list[int]:
-        """Token indices in [start, end) that are computed in context (not inside a span)."""
-        indices, t = [], start
-        for span in self.spans:
-            if span.end <= t:
-                continue
-            if span.link_end >= end:
-                break
-            indices.extend(range(t, max(t, span.link_end)))
-            t = max(t, span.end)
-        indices.extend(range(t, end))
-        return indices
+        """Token indices in [start, end) that are computed in context (not alone in a span)."""
+        n = self.num_tokens
+        inside = (np.flatnonzero(~self.independent[start:min(end, n)]) + start).tolist() if start < n else []
+        return inside + list(range(max(start, n), end))
 
     def advance(self, start: int, budget: int, limit: int) -> int:
         """The end e <= limit such that [start, e) holds `budget` in-context tokens (or fewer
         if the limit comes first); independent tokens inside are skipped for free."""
-        t = start
-        for span in self.spans:
-            if span.end <= t:
-                continue
-            room = span.link_end - t
-            if room >= budget or span.link_end >= limit:
-                break
-            budget -= max(room, 0)
-            t = span.end
-        return min(t + budget, limit)
+        counts, n = self.in_context_before, self.num_tokens
+        target = self._count_before(start) + budget
+        if target > counts[n]:
+            end = n + target - counts[n]
+        else:
+            end = int(np.searchsorted(counts, target))  # first e with target tokens before it
+        return min(end, limit)
+
+    def _count_before(self, t: int) -> int:
+        n = self.num_tokens
+        return int(self.in_context_before[t]) if t <= n else int(self.in_context_before[n]) + t - n
 
     def ready_limit(self, done: Sequence[int]) -> int:
         """How far in-context computation may go given each span's progress `done[s]`: up to
-        the start of the independent part of the first span still being computed."""
+        the first independent token of the first span still being computed (or, before a
+        selecting policy's probe, up to the first span)."""
+        if self.awaiting_selection:
+            return self.spans[0].start
         for span, d in zip(self.spans, done):
             if d < span.sub_end:
-                return span.link_end
+                independent = np.flatnonzero(self.independent[span.start:span.end])
+                if len(independent):
+                    return span.start + int(independent[0])
         return 1 << 62
 
     # ---- keys -----------------------------------------------------------------------------
@@ -119,7 +140,8 @@ class PromptLayout:
         if self._deltas is None:
             deltas = torch.zeros(self.num_tokens, dtype=torch.long)
             for span in self.spans:
-                deltas[span.link_end:span.end] = span.start
+                deltas[span.start:span.end] = span.start
+            deltas[~torch.from_numpy(self.independent)] = 0
             self._deltas = deltas.to(device)
         if length <= self.num_tokens:
             return self._deltas[:length]
@@ -128,10 +150,10 @@ class PromptLayout:
     # ---- hashes -------------------------------------------------------------------------
 
     def block_marker(self, i: int) -> tuple:
-        """Extra hash key of block i in the context chain: the span geometry inside it, so the
-        same tokens laid out differently (or linked differently) never share a key."""
+        """Extra hash key of block i in the context chain: the span geometry inside it and the
+        link policy, so the same tokens laid out or linked differently never share a key."""
         lo, hi = i * self.block_size, (i + 1) * self.block_size
-        return tuple((s.start - lo, s.end - lo, s.link_end - lo) for s in self.spans
+        return tuple((s.start - lo, s.end - lo, self.link.signature) for s in self.spans
                      if s.start < hi and lo < s.end)
 
     def local_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> dict[int, BlockHash]:
@@ -148,8 +170,6 @@ class PromptLayout:
 
 def validate_spans(spans, num_tokens: int, block_size: int) -> list[tuple[int, int]]:
     """Check user-given [start, end) spans; returns them as sorted tuples."""
-    from spanserve.errors import InvalidRequestError
-
     if not isinstance(spans, (list, tuple)):
         raise InvalidRequestError("spans must be a list of [start, end] pairs")
     out = []

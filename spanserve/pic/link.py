@@ -1,10 +1,12 @@
-"""Link policies: how much of each independently computed span to recompute in context.
+"""Link policies: which tokens of each independently computed span to recompute in context.
 
-A span computed alone never saw the text before it, so its first tokens (where attention
-to the context matters most) carry no link to it. The policies, per request:
+A span computed alone never saw the text before it, so its tokens carry no link to it. The
+policies, per request:
 - none: reuse every span block as cached;
 - gap: recompute the first `gap_length` tokens of each span with full attention (EPIC /
   Legolink), rounded up to whole 16-token blocks: the KV cache's unit of sharing;
+- blend: recompute the `blend_ratio` fraction of span tokens whose KV would change most in
+  context, measured by a cheap probe at the second layer (CacheBlend; engine/runner.py);
 - full: recompute everything, i.e. ignore the spans (the accuracy reference).
 Recomputed tokens land in blocks private to the request; the shared span blocks are never
 written.
@@ -14,27 +16,40 @@ from dataclasses import dataclass
 
 from spanserve.errors import InvalidRequestError
 
-POLICIES = ("none", "gap", "full")
+POLICIES = ("none", "gap", "blend", "full")
 
 
 @dataclass(frozen=True)
 class LinkPolicy:
     name: str = "none"
     gap_length: int = 0
+    blend_ratio: float = 0.0
 
     def __post_init__(self):
         if self.name not in POLICIES:
             raise InvalidRequestError(f"link_policy must be one of {', '.join(POLICIES)}, got {self.name!r}")
         if not isinstance(self.gap_length, int) or self.gap_length < 0:
             raise InvalidRequestError(f"gap_length must be an integer >= 0, got {self.gap_length!r}")
+        if not isinstance(self.blend_ratio, (int, float)) or not 0 <= self.blend_ratio <= 1:
+            raise InvalidRequestError(f"blend_ratio must be in [0, 1], got {self.blend_ratio!r}")
 
     @property
     def uses_spans(self) -> bool:
         return self.name != "full"
 
-    def link_end(self, start: int, end: int, block_size: int) -> int:
-        """End of the recomputed run at the head of span [start, end)."""
-        if self.name != "gap" or self.gap_length == 0:
-            return start
-        blocks = -(-self.gap_length // block_size)
-        return min(start + blocks * block_size, end)
+    @property
+    def selects(self) -> bool:
+        """True if the linked tokens are chosen by a probe of the request's own KV."""
+        return self.name == "blend" and self.blend_ratio > 0
+
+    @property
+    def signature(self) -> tuple:
+        """What decides the linked tokens, given the same context (part of cache keys)."""
+        return {"none": ("none",), "gap": ("gap", self.gap_length), "blend": ("blend", self.blend_ratio),
+                "full": ("full",)}[self.name]
+
+    def linked(self, start: int, end: int, block_size: int) -> int:
+        """How many tokens at the head of span [start, end) are recomputed in context."""
+        if self.name != "gap":
+            return 0
+        return min(-(-self.gap_length // block_size) * block_size, end - start)

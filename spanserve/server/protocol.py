@@ -58,12 +58,14 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # spanserve extension: how requests with position-independent spans link them (pic/link.py)
-    link_policy: Literal["none", "gap", "full"] | None = None
+    link_policy: Literal["none", "gap", "blend", "full"] | None = None
     gap_length: _int(ge=0, le=_SAFE) | None = None
+    blend_ratio: float | None = Field(None, ge=0, le=1)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
         optional = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                                  "link_policy", "gap_length") if getattr(self, k) is not None}
+                                                  "link_policy", "gap_length", "blend_ratio")
+                    if getattr(self, k) is not None}
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
