@@ -1,7 +1,6 @@
 """pic/ on its own: span geometry, link policies, prompt parts (no model)."""
 
 import pytest
-import torch
 
 from spanserve import InvalidRequestError, Span
 from spanserve.pic.layout import PromptLayout, validate_spans
@@ -63,9 +62,9 @@ def test_ready_limit_is_the_first_independent_token_of_the_first_unfinished_span
 
 def test_key_deltas_shift_independent_keys_by_their_span_start():
     lay = layout(100, [(32, 80)], "gap", 16)
-    deltas = lay.key_deltas(104, torch.device("cpu"))
-    assert deltas.tolist() == [0] * 48 + [32] * 32 + [0] * 24
-    assert layout(100, []).key_deltas(10, torch.device("cpu")) is None
+    assert lay.key_deltas().tolist() == [0] * 48 + [32] * 32  # up to the last independent key
+    assert lay.first_shifted_key() == 48
+    assert layout(100, []).key_deltas() is None and layout(100, [(0, 32)]).first_shifted_key() > 100
 
 
 def test_block_markers_differ_by_geometry_and_link():

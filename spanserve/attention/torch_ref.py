@@ -4,7 +4,6 @@ import torch
 import torch.nn.functional as F
 
 from spanserve.attention.backend import AttentionBackend, AttentionMetadata
-from spanserve.models.rope import rotate
 
 
 class TorchAttention(AttentionBackend):
@@ -25,7 +24,8 @@ class TorchAttention(AttentionBackend):
                 first = meta.contiguous_from[i] if meta.contiguous_from else None
                 keys, values = gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
                 if rotation is not None:
-                    keys = rotate(keys, *rotation)
+                    keys = rotation.apply(keys)
+                    keys = keys if q_len == 1 and q.device.type == "cpu" else keys.to(q.dtype)
                 if q_len == 1:  # the newest token: it sees the whole context
                     out[rows] = _single_query(q[rows], keys, values, scale)
                 else:
@@ -80,12 +80,12 @@ def causal_mask(query_idx: torch.Tensor, ctx_len: int) -> torch.Tensor:
 
 
 def _rotate_padded(keys: torch.Tensor, rotations) -> torch.Tensor:
-    """Rotate [B, L, kv_heads, D] keys by each sequence's (cos, sin); padding stays as is."""
+    """Rotate [B, L, kv_heads, D] keys by each sequence's rotation; padding stays as is."""
     keys = keys.clone()
     for i, rotation in enumerate(rotations):
         if rotation is not None:
-            n = rotation[0].shape[0]
-            keys[i, :n] = rotate(keys[i, :n], *rotation)
+            n = min(rotation.cos.shape[0], keys.shape[1])
+            keys[i, :n] = rotation.apply(keys[i, :n]).to(keys.dtype)
     return keys
 
 

@@ -3,11 +3,10 @@ token batch with its cache metadata, runs the model, and samples."""
 
 import torch
 
-from spanserve.attention import AttentionMetadata
+from spanserve.attention import AttentionMetadata, KeyRotation
 from spanserve.engine.sampler import Sample, sample
 from spanserve.engine.scheduler import ScheduledRequest
 from spanserve.models.llama import LlamaModel
-from spanserve.models.rope import rotate
 
 
 class ModelRunner:
@@ -35,7 +34,7 @@ class ModelRunner:
         input_ids, positions, slots, logit_rows = [], [], [], []
         query_lens, context_lens, contiguous_from, tables, rotations = [], [], [], [], []
         for item in batch:
-            for tokens, pos, table, ctx_len, deltas, samples in _sequences(item):
+            for tokens, pos, table, ctx_len, layout, samples in _sequences(item):
                 input_ids.extend(tokens)
                 positions.extend(pos)
                 slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
@@ -44,7 +43,7 @@ class ModelRunner:
                 contiguous_from.append(table[0] if contiguous else None)
                 query_lens.append(len(pos))
                 context_lens.append(ctx_len)
-                rotations.append(self._rotation(deltas))
+                rotations.append(self._rotation(layout, ctx_len))
                 if samples:
                     logit_rows.append(len(input_ids) - 1)
         block_tables = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.long)
@@ -59,13 +58,17 @@ class ModelRunner:
         )
         return to(input_ids), meta.positions, meta, logit_rows
 
-    def _rotation(self, deltas: torch.Tensor | None):
-        """cos/sin that move each cached key from where it was computed to where it is now."""
-        if deltas is None or not bool(deltas.any()):
+    def _rotation(self, layout, ctx_len: int) -> KeyRotation | None:
+        """What moves each cached key of a sequence from where it was computed to where it is
+        now; built once per layout (not per step) and reused while its deltas stay the same."""
+        if layout is None or ctx_len <= layout.first_shifted_key():
             return None
-        rope = self.model.rope
-        deltas = deltas.to(rope.cos.device)
-        return rope.cos[deltas].unsqueeze(1), rope.sin[deltas].unsqueeze(1)
+        rotation = layout.derived.get("key_rotation")
+        if rotation is None:
+            rope, index = self.model.rope, layout.key_deltas().to(self.model.rope.cos.device)
+            rotation = KeyRotation.from_angles(rope.cos[index], rope.sin[index], self.model.cfg.num_kv_heads)
+            layout.derived["key_rotation"] = rotation
+        return rotation
 
     @torch.inference_mode()
     def blend_deviation(self, req) -> tuple[list[int], torch.Tensor]:
@@ -85,7 +88,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=to([own_view[t // bs] * bs + t % bs for t in tokens]), query_lens=[len(tokens)],
             context_lens=[ctx_len], block_tables=to(span_view)[None], context_lens_tensor=to([ctx_len]),
-            positions=positions, key_rotation=[self._rotation(layout.key_deltas(ctx_len, self.device))],
+            positions=positions, key_rotation=[self._rotation(layout, ctx_len)],
         )
         first, second = self.model.layers[0], self.model.layers[1]
         hidden = first(self.model.embed_tokens(to([req.token_ids[t] for t in tokens])), positions, meta)
@@ -94,9 +97,9 @@ class ModelRunner:
         cache = self.kv_cache[1]
         cached_k = cache[0].flatten(0, 1)[slots]
         cached_v = cache[1].flatten(0, 1)[slots]
-        if meta.key_rotation[0] is not None:
-            cos, sin = meta.key_rotation[0]
-            cached_k = rotate(cached_k, cos[positions], sin[positions])
+        rotation = meta.key_rotation[0]
+        if rotation is not None:
+            cached_k = KeyRotation(rotation.cos[positions], rotation.sin[positions]).apply(cached_k)
         return tokens, _relative_change(k, cached_k) + _relative_change(v, cached_v)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -117,7 +120,7 @@ def _relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
 
 def _sequences(item: ScheduledRequest):
     """The attention sequences of one scheduled request: (tokens, positions, block ids,
-    context length, key position deltas, samples?). A span chunk is a sequence of its own
+    context length, layout whose span keys need rotating, samples?). A span chunk is a sequence of its own
     whose positions count from the span's start; the in-context chunk sees everything."""
     req = item.request
     for chunk in item.span_chunks:
@@ -130,5 +133,4 @@ def _sequences(item: ScheduledRequest):
         pos = req.layout.in_context(start, item.end)
         if pos:  # keys past the last query (a finished span's tail) are not needed yet
             tokens = [req.token_ids[i] for i in pos]
-            deltas = req.layout.key_deltas(pos[-1] + 1, torch.device("cpu"))
-            yield tokens, pos, [b.block_id for b in req.block_table], pos[-1] + 1, deltas, item.samples
+            yield tokens, pos, [b.block_id for b in req.block_table], pos[-1] + 1, req.layout, item.samples

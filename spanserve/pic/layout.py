@@ -68,6 +68,7 @@ class PromptLayout:
         # in_context_before[t]: how many tokens before t are computed in context
         self.in_context_before = np.concatenate([[0], np.cumsum(~self.independent)])
         self._deltas: torch.Tensor | None = None
+        self.derived: dict = {}  # what others build from this layout (a runner's key rotation)
 
     def link_tokens(self, indices: Sequence[int]) -> None:
         """Move span tokens into context (a selecting link policy's choice, after its probe)."""
@@ -133,19 +134,24 @@ class PromptLayout:
 
     # ---- keys -----------------------------------------------------------------------------
 
-    def key_deltas(self, length: int, device: torch.device) -> torch.Tensor | None:
-        """Per key in [0, length): how far its cached rotation lags its real position."""
-        if not self.spans:
+    def key_deltas(self) -> torch.Tensor | None:
+        """How far each cached key's rotation lags its real position, for keys up to the last
+        independent one (later keys: 0). None without spans. The same tensor until relinked."""
+        if not self.independent.any():
             return None
         if self._deltas is None:
             deltas = torch.zeros(self.num_tokens, dtype=torch.long)
             for span in self.spans:
                 deltas[span.start:span.end] = span.start
             deltas[~torch.from_numpy(self.independent)] = 0
-            self._deltas = deltas.to(device)
-        if length <= self.num_tokens:
-            return self._deltas[:length]
-        return torch.cat([self._deltas, self._deltas.new_zeros(length - self.num_tokens)])
+            self._deltas = deltas[:int(self.independent.nonzero()[0][-1]) + 1]
+        return self._deltas
+
+    def first_shifted_key(self) -> int:
+        """Index of the first key whose rotation must change (a large number if none)."""
+        deltas = self.key_deltas()
+        shifted = [] if deltas is None else deltas.nonzero()
+        return int(shifted[0]) if len(shifted) else 1 << 62
 
     # ---- hashes -------------------------------------------------------------------------
 
