@@ -23,6 +23,12 @@ class PromptTooLongError(InvalidRequestError):
         self.max_len = max_len
 
 
+class InvalidSpanError(InvalidRequestError):
+    """Position-independent spans that do not fit their prompt (overlapping, outside, empty...)."""
+
+    code = "invalid_span"
+
+
 class ModelNotFoundError(SpanserveError, FileNotFoundError):
     """The model path or name does not point to a loadable model."""
 

@@ -95,7 +95,8 @@ def test_metrics_prometheus_text(tiny_server, client, model_name):
     gauges = ["spanserve_prompt_tokens_total", "spanserve_generation_tokens_total",
               "spanserve_cached_prompt_tokens_total", "spanserve_num_requests_running",
               "spanserve_num_requests_waiting", "spanserve_kv_blocks_used", "spanserve_kv_blocks_free",
-              "spanserve_kv_cache_usage", "spanserve_prefix_cache_hit_rate", "spanserve_num_preemptions_total"]
+              "spanserve_kv_cache_usage", "spanserve_prefix_cache_hit_rate", "spanserve_num_preemptions_total",
+              "spanserve_span_tokens_total", "spanserve_span_hit_tokens_total", "spanserve_span_hit_rate"]
     for name in gauges:
         assert name in samples, name
         assert f"# TYPE {name} " in r.text
@@ -594,15 +595,16 @@ def test_schemathesis(case, body_validators):
     _bound_generation(case)
     # Every built-in check but positive_data_acceptance, which would demand a 2xx for every body the schema
     # allows. Whether a request fits the model also depends on how many tokens its prompt makes (prompt +
-    # max_tokens <= max_model_len) and on which model name is served, and no JSON schema can say either; the
-    # same check, minus those two answers, follows.
+    # max_tokens <= max_model_len), on which model name is served, and whether its spans fit its prompt, and
+    # no JSON schema can say any of these; the same check, minus those answers, follows.
     response = case.call_and_validate(excluded_checks=[positive_data_acceptance], timeout=60)
     validator = body_validators.get(case.operation.label)
     # (validated again: schemathesis's coverage phase has labelled numbers just past a bound as positive)
     if case.meta.generation.mode.is_positive and validator is not None and validator.is_valid(case.body):
         error = response.json().get("error", {}) if response.status_code >= 300 else {}
         assert response.status_code < 300 or (response.status_code, error.get("code")) in {
-            (400, "context_length_exceeded"), (404, "model_not_found")}, (response.status_code, response.text)
+            (400, "context_length_exceeded"), (404, "model_not_found"), (400, "invalid_span")}, (
+            response.status_code, response.text)
 
 
 # ---- the real default model ----------------------------------------------------------------------

@@ -15,7 +15,7 @@ from spanserve.engine.request import Request
 from spanserve.engine.runner import ModelRunner
 from spanserve.engine.sampler import Sample
 from spanserve.engine.scheduler import Scheduler
-from spanserve.errors import CacheFullError, InvalidRequestError, PromptTooLongError
+from spanserve.errors import CacheFullError, InvalidRequestError, InvalidSpanError, PromptTooLongError
 from spanserve.kv.manager import KVCacheManager
 from spanserve.models.config import ModelConfig
 from spanserve.models.loader import load_model, load_tokenizer, resolve_model
@@ -145,7 +145,7 @@ class LLMEngine:
                 spans = validate_spans(prompt.get("spans") or [], len(ids), self.config.block_size)
                 return TokenizedPrompt(None, list(ids), spans, salt)
             if "spans" in prompt:
-                raise InvalidRequestError("spans go with prompt_token_ids; mark text spans with Span parts")
+                raise InvalidSpanError("spans go with prompt_token_ids; mark text spans with Span parts")
             inner = self.tokenize(prompt["prompt"])
             return TokenizedPrompt(inner.text, inner.token_ids, inner.spans, salt)
         raise InvalidRequestError(

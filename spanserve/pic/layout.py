@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from spanserve.errors import InvalidRequestError
+from spanserve.errors import InvalidSpanError
 from spanserve.kv.hashing import ROOT_HASH, BlockHash, hash_block
 from spanserve.pic.link import LinkPolicy
 
@@ -177,22 +177,22 @@ class PromptLayout:
 def validate_spans(spans, num_tokens: int, block_size: int) -> list[tuple[int, int]]:
     """Check user-given [start, end) spans; returns them as sorted tuples."""
     if not isinstance(spans, (list, tuple)):
-        raise InvalidRequestError("spans must be a list of [start, end] pairs")
+        raise InvalidSpanError("spans must be a list of [start, end] pairs")
     out = []
     for span in spans:
         if not (isinstance(span, (list, tuple)) and len(span) == 2 and all(isinstance(x, int) for x in span)):
-            raise InvalidRequestError(f"each span must be a pair of integers [start, end], got {span!r}")
+            raise InvalidSpanError(f"each span must be a pair of integers [start, end], got {span!r}")
         start, end = span
         if not 0 <= start < end <= num_tokens:
-            raise InvalidRequestError(
+            raise InvalidSpanError(
                 f"span [{start}, {end}) must be non-empty and inside the prompt of {num_tokens} tokens")
         if start % block_size:
-            raise InvalidRequestError(
+            raise InvalidSpanError(
                 f"span [{start}, {end}) must start on a block boundary (a multiple of {block_size}); "
                 "text parts are padded for you, token prompts must be padded by the caller")
         out.append((start, end))
     out.sort()
     for (_, end), (start, _) in zip(out, out[1:]):
         if start < end:
-            raise InvalidRequestError(f"spans overlap: one ends at {end} after the next starts at {start}")
+            raise InvalidSpanError(f"spans overlap: one ends at {end} after the next starts at {start}")
     return out

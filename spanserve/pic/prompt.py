@@ -9,7 +9,7 @@ token: then every block of the span is shared, whatever comes before or after it
 
 from dataclasses import dataclass
 
-from spanserve.errors import InvalidRequestError
+from spanserve.errors import InvalidRequestError, InvalidSpanError
 
 _MARK = "\x00span{}\x00"  # stands in for a span while a chat template renders the messages
 
@@ -22,7 +22,7 @@ class Span:
 
     def __post_init__(self):
         if not isinstance(self.text, str) or not self.text:
-            raise InvalidRequestError("a Span holds non-empty text")
+            raise InvalidSpanError("a Span holds non-empty text")
 
 
 def is_parts_prompt(prompt) -> bool:

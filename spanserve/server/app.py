@@ -224,7 +224,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
 
     @app.exception_handler(InvalidRequestError)
     async def _bad_request(_, exc: InvalidRequestError):
-        return error_response(400, str(exc))
+        return error_response(400, str(exc), code=getattr(exc, "code", None))
 
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):

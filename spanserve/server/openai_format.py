@@ -4,7 +4,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from spanserve.errors import InvalidRequestError
+from spanserve.errors import InvalidRequestError, InvalidSpanError
 from spanserve.outputs import RequestOutput
 from spanserve.pic.prompt import Span
 
@@ -12,7 +12,7 @@ from spanserve.pic.prompt import Span
 def completion_prompts(prompt, spans, engine) -> list[tuple[str | None, dict]]:
     """Normalize OpenAI's four prompt forms, and our list of parts, to (text, engine prompt) pairs."""
     if spans is not None and not (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
-        raise InvalidRequestError("spans go with a single token-id prompt; mark text spans with prompt parts")
+        raise InvalidSpanError("spans go with a single token-id prompt; mark text spans with prompt parts")
     if isinstance(prompt, list) and any(not isinstance(p, (str, int, list)) for p in prompt):
         parts = [p if isinstance(p, str) else Span(p.text) if p.span else p.text for p in prompt]
         if any(isinstance(p, Span) for p in parts):
