@@ -53,6 +53,13 @@ class LLM:
         prompts = [self.engine.chat_prompt(c) for c in conversations]
         return self.generate(prompts, sampling_params)
 
+    def run_query(self, query, judge_arity: int | None = None, retriever=None):
+        """Run a span query (a tree from spanserve.spans, its JSON form, or JSON text) and return
+        a QueryResult: the root call's text and per-call token counts and TTFTs."""
+        from spanserve.spans.api import run_sync
+
+        return run_sync(self.engine, query, retriever=retriever, judge_arity=judge_arity)
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.engine.chat_prompt(messages)["prompt_token_ids"]
 

@@ -102,6 +102,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device)
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
         self.pad_token_id = self._span_pad_token()
+        self.derived: dict = {}  # what front ends build once from the tokenizer (a chat format)
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",

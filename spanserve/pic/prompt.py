@@ -35,19 +35,28 @@ def tokenize_parts(tokenizer, parts, block_size: int, pad_id: int,
     for models that want one) are left out for text a chat template rendered."""
     if not isinstance(parts, (list, tuple)) or not parts:
         raise InvalidRequestError("a prompt of parts is a non-empty list of strings and Spans")
-    ids = list(tokenizer.encode("", add_special_tokens=True)) if add_special_tokens else []
-    spans = []
+    pieces = [(list(tokenizer.encode("", add_special_tokens=True)) if add_special_tokens else [], False)]
     for part in parts:
-        if isinstance(part, Span):
+        if not isinstance(part, (str, Span)):
+            raise InvalidRequestError(f"a prompt part is a str or a Span, got {type(part).__name__}")
+        text = part.text if isinstance(part, Span) else part
+        pieces.append((tokenizer.encode(text, add_special_tokens=False), isinstance(part, Span)))
+    return assemble(pieces, block_size, pad_id)
+
+
+def assemble(pieces, block_size: int, pad_id: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Concatenate (token ids, is_span) pieces; pad so each span starts on a block boundary and
+    fills whole blocks. Returns the ids and the spans' [start, end) intervals."""
+    ids, spans = [], []
+    for tokens, is_span in pieces:
+        if is_span:
             _pad(ids, block_size, pad_id)
             start = len(ids)
-            ids.extend(tokenizer.encode(part.text, add_special_tokens=False))
+            ids.extend(tokens)
             _pad(ids, block_size, pad_id)
             spans.append((start, len(ids)))
-        elif isinstance(part, str):
-            ids.extend(tokenizer.encode(part, add_special_tokens=False))
         else:
-            raise InvalidRequestError(f"a prompt part is a str or a Span, got {type(part).__name__}")
+            ids.extend(tokens)
     return ids, spans
 
 

@@ -1,0 +1,99 @@
+"""Run an optimized span query: every `g` once, inner calls before the calls that read them,
+independent calls at the same time (one engine batch)."""
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+
+from spanserve.outputs import RequestOutput
+from spanserve.sampling import SamplingParams
+from spanserve.spans.ir import Generate, Node, QueryError
+from spanserve.spans.tokenize import QueryTokenizer
+
+Complete = Callable[[dict, SamplingParams], Awaitable[RequestOutput]]
+
+
+@dataclass
+class CallStats:
+    path: str  # where the g sits in the optimized tree
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    ttft_s: float | None
+
+
+@dataclass
+class QueryResult:
+    text: str  # the root call's (first) output
+    texts: list[str]  # all n outputs of the root call
+    calls: list[CallStats] = field(default_factory=list)  # inner calls first, the root last
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "texts": self.texts, "calls": [asdict(c) for c in self.calls]}
+
+
+class Executor:
+    def __init__(self, complete: Complete, tokenizer: QueryTokenizer):
+        self.complete, self.tokenizer = complete, tokenizer
+
+    async def run(self, tree: Node) -> QueryResult:
+        if not isinstance(tree, Generate):
+            raise QueryError("$", "the root of a span query is a g or a chat")
+        run = _Run(self)
+        final = await run.call(tree, "$")
+        return QueryResult(final.outputs[0].text, [c.text for c in final.outputs], run.calls)
+
+
+class _Run:
+    """One execution: each g node runs once, however many callers wait for it."""
+
+    def __init__(self, executor: Executor):
+        self.executor = executor
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.outputs: dict[int, list[list[int]]] = {}
+        self.calls: list[CallStats] = []
+
+    def call(self, node: Generate, path: str) -> asyncio.Task:
+        if id(node) not in self.tasks:
+            self.tasks[id(node)] = asyncio.ensure_future(self._call(node, path))
+        return self.tasks[id(node)]
+
+    async def _call(self, node: Generate, path: str) -> RequestOutput:
+        await asyncio.gather(*(self.call(inner, p) for p, inner in inner_calls(node.input, f"{path}.input")))
+        out = await self._generate(node, path)
+        if path != "$" and not node.bare:
+            await self._complete_last_blocks(node)
+        return out
+
+    async def _complete_last_blocks(self, node: Generate) -> None:
+        """Compute the KV of the call's last partial block as its caller will read it (output,
+        assistant footer, padding), so the caller reuses every block of the call: the span query
+        paper crops those tokens instead. Runs as a prefill of the padded sequence, whose other
+        blocks are prefix-cache hits."""
+        prefill = SamplingParams(max_tokens=1, temperature=0)
+        sequences = self.executor.tokenizer.exposed(node, self.outputs)
+        await asyncio.gather(*(self.executor.complete({"prompt_token_ids": seq}, prefill) for seq in sequences))
+
+    async def _generate(self, node: Generate, path: str) -> RequestOutput:
+        ids, spans = self.executor.tokenizer.prompt(node, self.outputs)
+        params = SamplingParams(max_tokens=node.max_tokens, temperature=node.temperature, n=node.n,
+                                seed=node.seed, stop=list(node.stop))
+        start = time.monotonic()
+        out = await self.executor.complete({"prompt_token_ids": ids, "spans": [list(s) for s in spans]}, params)
+        self.outputs[id(node)] = [c.token_ids for c in out.outputs]
+        ttft = out.metrics.ttft_s if out.metrics else None
+        self.calls.append(CallStats(path, len(ids), out.num_cached_tokens,
+                                    sum(len(c.token_ids) for c in out.outputs),
+                                    ttft if ttft is not None else time.monotonic() - start))
+        return out
+
+
+def inner_calls(node: Node, path: str):
+    """(path, g) of the calls directly inside `node` (not those inside another g)."""
+    if isinstance(node, Generate):
+        yield path, node
+        return
+    kind = type(node).__name__.lower()
+    for i, child in enumerate(node.children):
+        yield from inner_calls(child, f"{path}.{kind}[{i}]")

@@ -1,0 +1,110 @@
+"""From an optimized span query to what the engine runs: per `g`, token ids and span intervals.
+
+Messages are rendered one by one with the model's chat template (ChatFormat), so a message's
+tokens never depend on what precedes it; a `plus` child becomes a span (padded to whole
+blocks), a `cross` concatenates. An inner `g`'s output enters as the tokens it generated,
+never detokenized and retokenized: `cross(x, g(x))` renders as x, the generation prompt and
+the generated tokens, which is exactly the sequence the inner call left in the KV cache.
+"""
+
+from spanserve.errors import InvalidRequestError
+from spanserve.pic.prompt import assemble
+from spanserve.spans.ir import Cross, Fragment, Generate, Message, Node, Plus
+
+_SENTINEL = "\x00content\x00"
+
+
+class ChatFormat:
+    """The chat template at the token level: a message is header(role) + text + footer(role)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._parts = {role: self._header_footer(role) for role in ("system", "user", "assistant")}
+        base = [{"role": "system", "content": "x"}, {"role": "user", "content": "x"}]
+        without = self._render(base, False)
+        self.generation_prompt = self._encode(self._render(base, True)[len(without):])
+        self.bos = list(tokenizer.encode("", add_special_tokens=True))
+
+    def _render(self, messages, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+
+    def _header_footer(self, role: str) -> tuple[list[int], list[int]]:
+        # Rendered after a fixed system message, so templates that add a default one do not.
+        first = [{"role": "system", "content": "x"}]
+        base = self._render(first, False)
+        full = self._render([*first, {"role": role, "content": _SENTINEL}], False)
+        if not full.startswith(base) or _SENTINEL not in full:
+            raise InvalidRequestError("the model's chat template cannot be rendered message by message")
+        header, _, footer = full[len(base):].partition(_SENTINEL)
+        return self._encode(header), self._encode(footer)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def message(self, role: str, text: str) -> list[int]:
+        header, footer = self._parts[role]
+        return header + self._encode(text) + footer
+
+    def output(self, token_ids: list[int]) -> list[int]:
+        """An inner call's output as its caller sees it: after the generation prompt, the tokens
+        as generated, then the assistant footer (its first token is usually the EOS that ended
+        the generation: not repeated)."""
+        footer = self._parts["assistant"][1]
+        if footer and token_ids and token_ids[-1] == footer[0]:
+            footer = footer[1:]
+        return self.generation_prompt + list(token_ids) + footer
+
+
+class QueryTokenizer:
+    def __init__(self, fmt: ChatFormat, block_size: int, pad_id: int):
+        self.fmt, self.block_size, self.pad_id = fmt, block_size, pad_id
+
+    def prompt(self, call: Generate, outputs: dict[int, list[list[int]]]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids and spans of a `g`'s prompt; `outputs[id(g)]` holds the token ids each inner
+        g already generated (n of them)."""
+        pieces = [(self.fmt.bos, False)]
+        pieces += self._pieces(call.input, outputs)
+        pieces.append((self.fmt.generation_prompt, False))
+        return assemble(pieces, self.block_size, self.pad_id)
+
+    def exposed(self, call: Generate, outputs) -> list[list[int]]:
+        """What a caller's span holds for each output of `call` under plus distribution: the
+        call's input, the generation prompt, the output; padded to whole blocks. None if the
+        call's own prompt is not a prefix of it (spans or a BOS in it): no reuse to prepare."""
+        ids, spans = self.prompt(call, outputs)
+        if spans or self.fmt.bos:
+            return []
+        out = []
+        for seq in self._spans(Cross((call.input, call)), outputs):
+            out.append(seq + [self.pad_id] * (-len(seq) % self.block_size))
+        return out
+
+    def _pieces(self, node: Node, outputs) -> list[tuple[list[int], bool]]:
+        """(token ids, is_span) in order: a plus child is a span (one per output of an n > 1
+        call), everything else runs on in context."""
+        if isinstance(node, Plus):
+            return [(tokens, True) for child in node.items for tokens in self._spans(child, outputs)]
+        if isinstance(node, Cross):
+            return [piece for child in node.items for piece in self._pieces(child, outputs)]
+        return [(self._flat(node, outputs), False)]
+
+    def _spans(self, node: Node, outputs) -> list[list[int]]:
+        if isinstance(node, Generate):
+            return [self.fmt.output(ids) for ids in outputs[id(node)]]
+        if isinstance(node, Cross) and len(node.items) == 2 and isinstance(node.items[1], Generate):
+            head = self._flat(node.items[0], outputs)  # cross(x, g(x)): x before each output
+            return [head + tail for tail in self._spans(node.items[1], outputs)]
+        return [self._flat(node, outputs)]
+
+    def _flat(self, node: Node, outputs) -> list[int]:
+        """All of a node's tokens in order (inside a span nothing is independent any more)."""
+        if isinstance(node, Message):
+            return self.fmt.message(node.role, node.text)
+        if isinstance(node, Fragment):
+            return self.fmt.message("user", node.text)
+        if isinstance(node, Generate):
+            return [t for ids in outputs[id(node)] for t in self.fmt.output(ids)]
+        if isinstance(node, (Cross, Plus)):
+            return [t for child in node.items for t in self._flat(child, outputs)]
+        raise InvalidRequestError(f"cannot tokenize a {type(node).__name__} node (optimize the query first)")

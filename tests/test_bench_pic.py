@@ -1,0 +1,105 @@
+"""The span benchmarks (benchmarks/rag.py, benchmarks/accuracy.py) run end to end on a tiny random model
+and report every condition in the documented shape."""
+
+import argparse
+import json
+
+import pytest
+
+from benchmarks import accuracy, rag
+
+
+def _args(module, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def rag_result(tiny_llama_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rag") / "rag.json"
+    args = _args(rag, ["--model", str(tiny_llama_path), "--dtype", "float32", "--docs", "1,3", "--doc-tokens", "40",
+                       "--repeats", "2", "--answer-tokens", "4", "--out", str(out)])
+    return rag.run(args), out
+
+
+def test_rag_reports_every_condition_with_positive_times(rag_result):
+    data, out = rag_result
+    assert set(data["summary"]) == {1, 3}
+    conditions = ["spans_off_cold", "spans_off_warm_shuffled", "spans_cold[none]", "spans_warm_shuffled[none]",
+                  "spans_cold[gap32]", "spans_warm_shuffled[gap32]"]
+    for n, summary in data["summary"].items():
+        for condition in conditions:
+            assert summary[condition] > 0, (n, condition)
+            runs = data["results"][n]["runs"][condition]
+            assert len(runs) == 2 and all(r["ttft_s"] > 0 and r["wall_s"] >= r["ttft_s"] for r in runs)
+        assert summary["prompt_tokens"] > 3 * 30 if n == 3 else summary["prompt_tokens"] > 30
+        assert summary["off_warm/spans_warm[none]"] > 0
+    assert out.exists() and out.with_suffix(".png").exists()
+    assert json.loads(out.read_text())["benchmark"] == "rag"
+
+
+def test_rag_reuses_cached_spans_for_shuffled_documents(rag_result):
+    data, _ = rag_result
+    runs = data["results"][3]["runs"]
+    for cold, warm in zip(runs["spans_cold[none]"], runs["spans_warm_shuffled[none]"]):
+        assert warm["order"] != cold["order"]
+        assert cold["cached_tokens"] < warm["cached_tokens"]  # only the system prompt was cached when cold
+    # Without spans a reordered prompt shares only the text before the first document.
+    off = runs["spans_off_warm_shuffled"][0]
+    assert off["cached_tokens"] < runs["spans_warm_shuffled[none]"][0]["cached_tokens"]
+
+
+def test_rag_records_answers_per_condition(rag_result):
+    data, _ = rag_result
+    answers = data["results"][3]["answers"]
+    assert answers["expected"] and answers["question"].startswith("What is the capital of")
+    assert {"spans_off", "spans[none]", "spans[gap32]"} <= set(answers)
+
+
+def test_rag_documents_are_distinct_and_sized(tiny_llama_path):
+    from spanserve.models.loader import load_tokenizer
+
+    maker = rag.DocumentMaker(load_tokenizer(tiny_llama_path), 120, seed=3)
+    docs = maker.documents(5)
+    assert len({d["text"] for d in docs}) == 5 and len({d["place"] for d in docs}) == 5
+    for d in docs:
+        assert 60 < maker.count(d["text"]) <= 120
+        assert f"The capital of {d['place']} is {d['capital']}." in d["text"]
+
+
+@pytest.fixture(scope="module")
+def accuracy_result(tiny_llama_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("accuracy") / "accuracy.json"
+    args = _args(accuracy, ["--model", str(tiny_llama_path), "--dtype", "float32", "--docs", "2,3",
+                            "--doc-tokens", "48", "--questions", "2", "--max-tokens", "3", "--out", str(out)])
+    return accuracy.run(args), out
+
+
+def test_accuracy_reports_every_condition_in_range(accuracy_result):
+    data, out = accuracy_result
+    overall = data["summary"]["prefix"]["overall"]
+    assert set(overall) == set(accuracy.CONDITIONS)
+    for condition, row in overall.items():
+        assert row["questions"] == 2 * 2 * len(accuracy.DEPTHS)
+        for key in ("accuracy", "first_token_agreement", "answer_agreement", "output_agreement"):
+            assert 0.0 <= row[key] <= 1.0, (condition, key)
+    assert set(data["summary"]["prefix"]["cells"]) == {f"N={n} {d}" for n in (2, 3) for d in accuracy.DEPTHS}
+    assert json.loads(out.read_text())["benchmark"] == "accuracy"
+
+
+def test_accuracy_full_policy_equals_spans_off(accuracy_result):
+    data, _ = accuracy_result
+    overall = data["summary"]["prefix"]["overall"]
+    assert overall["full"]["accuracy"] == overall["spans_off"]["accuracy"]
+    assert overall["full"]["first_token_agreement"] == 1.0
+    records = data["questions"]["prefix"]
+    assert all(q["full"]["text"] == q["spans_off"]["text"] for q in records)
+    assert data["goals"]["full == spans off"]["met"]
+
+
+def test_accuracy_puts_the_answer_at_each_depth():
+    q = {"docs": [{}] * 5, "target": 3}
+    assert [accuracy.order_for(q, d).index(3) for d in accuracy.DEPTHS] == [0, 2, 4]
+    assert all(sorted(accuracy.order_for(q, d)) == list(range(5)) for d in accuracy.DEPTHS)
+    assert accuracy.first_number(" 4821. The") == "4821" and accuracy.first_number("none") is None
