@@ -28,6 +28,7 @@ class QueryResult:
     text: str  # the root call's (first) output
     texts: list[str]  # all n outputs of the root call
     calls: list[CallStats] = field(default_factory=list)  # inner calls first, the root last
+    outputs: dict[str, list[list[int]]] = field(default_factory=dict)  # token ids of each call, by path
 
     def to_json(self) -> dict:
         return {"text": self.text, "texts": self.texts, "calls": [asdict(c) for c in self.calls]}
@@ -42,7 +43,8 @@ class Executor:
             raise QueryError("$", "the root of a span query is a g or a chat")
         run = _Run(self)
         final = await run.call(tree, "$")
-        return QueryResult(final.outputs[0].text, [c.text for c in final.outputs], run.calls)
+        outputs = {c.path: run.outputs[id(node)] for c, node in zip(run.calls, run.nodes)}
+        return QueryResult(final.outputs[0].text, [c.text for c in final.outputs], run.calls, outputs)
 
 
 class _Run:
@@ -53,6 +55,7 @@ class _Run:
         self.tasks: dict[int, asyncio.Task] = {}
         self.outputs: dict[int, list[list[int]]] = {}
         self.calls: list[CallStats] = []
+        self.nodes: list[Generate] = []  # the node of each entry in calls
 
     def call(self, node: Generate, path: str) -> asyncio.Task:
         if id(node) not in self.tasks:
@@ -83,6 +86,7 @@ class _Run:
         out = await self.executor.complete({"prompt_token_ids": ids, "spans": [list(s) for s in spans]}, params)
         self.outputs[id(node)] = [c.token_ids for c in out.outputs]
         ttft = out.metrics.ttft_s if out.metrics else None
+        self.nodes.append(node)
         self.calls.append(CallStats(path, len(ids), out.num_cached_tokens,
                                     sum(len(c.token_ids) for c in out.outputs),
                                     ttft if ttft is not None else time.monotonic() - start))
