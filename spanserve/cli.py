@@ -209,7 +209,36 @@ def cmd_serve(args) -> None:
     llm.shutdown()
 
 
-BENCHES = ["throughput", "serve"]
+BENCHES = ["throughput", "serve", "rag", "accuracy"]
+
+
+def cmd_query(args) -> None:
+    import json
+    from pathlib import Path
+
+    from spanserve.spans.api import as_tree, prepare
+    from spanserve.spans.ir import pretty
+
+    text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+    query = json.loads(text)
+    if args.explain:
+        optimized = prepare(query, judge_arity=args.judge_arity)
+        print("before:\n" + pretty(as_tree(query)))
+        print("\nafter:\n" + pretty(optimized.tree))
+        print("\nrules fired: " + (", ".join(optimized.fired) or "none"))
+        return
+    from spanserve.llm import LLM
+
+    llm = LLM(**engine_config(args).__dict__)
+    result = llm.run_query(query, judge_arity=args.judge_arity)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+        return
+    print(result.text)
+    for call in result.calls:
+        ttft = f"{call.ttft_s * 1000:.0f} ms" if call.ttft_s is not None else "-"
+        print(f"  {call.path}: {call.prompt_tokens} prompt ({call.cached_tokens} cached), "
+              f"{call.generated_tokens} generated, TTFT {ttft}", file=sys.stderr)
 
 
 def cmd_bench(args, rest: list[str]) -> None:
@@ -245,6 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="a short showcase on the default model")
     add_engine_args(p)
 
+    p = sub.add_parser("query", help="run a span query (JSON) and print the answer")
+    p.add_argument("file", help="the query as JSON (a file, or - for stdin)")
+    p.add_argument("--explain", action="store_true", help="print the tree before and after optimization, and stop")
+    p.add_argument("--json", action="store_true", help="print {text, calls: [...]} as JSON")
+    p.add_argument("--judge-arity", type=int, default=None, help="judge at most k candidates per call (a tree)")
+    add_engine_args(p)
+
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -273,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "bench":
             cmd_bench(args, rest)
         else:
-            commands = {"generate": cmd_generate, "chat": cmd_chat, "demo": cmd_demo, "serve": cmd_serve}
+            commands = {"generate": cmd_generate, "chat": cmd_chat, "demo": cmd_demo, "serve": cmd_serve,
+                        "query": cmd_query}
             commands[args.command](args)
     except SpanserveError as exc:
         sys.exit(f"error: {exc}")
