@@ -14,6 +14,8 @@ class InvalidRequestError(SpanserveError, ValueError):
 
 
 class PromptTooLongError(InvalidRequestError):
+    code = "context_length_exceeded"
+
     def __init__(self, num_tokens: int, max_len: int):
         super().__init__(
             f"prompt has {num_tokens} tokens but max_model_len={max_len}: a prompt may have at most "

@@ -6,6 +6,7 @@ Greedy (and seeded) results over HTTP must equal the offline `LLM` API's for the
 
 import asyncio
 import itertools
+import json
 import threading
 import time
 
@@ -595,15 +596,17 @@ def test_schemathesis(case, body_validators):
     _bound_generation(case)
     # Every built-in check but positive_data_acceptance, which would demand a 2xx for every body the schema
     # allows. Whether a request fits the model also depends on how many tokens its prompt makes (prompt +
-    # max_tokens <= max_model_len), on which model name is served, and whether its spans fit its prompt, and
-    # no JSON schema can say any of these; the same check, minus those answers, follows.
+    # max_tokens <= max_model_len), on which model name is served, whether its spans fit its prompt, and
+    # whether a span query is well formed (its tree is free JSON), and no JSON schema can say any of these;
+    # the same check, minus those answers, follows.
     response = case.call_and_validate(excluded_checks=[positive_data_acceptance], timeout=60)
     validator = body_validators.get(case.operation.label)
     # (validated again: schemathesis's coverage phase has labelled numbers just past a bound as positive)
     if case.meta.generation.mode.is_positive and validator is not None and validator.is_valid(case.body):
         error = response.json().get("error", {}) if response.status_code >= 300 else {}
         assert response.status_code < 300 or (response.status_code, error.get("code")) in {
-            (400, "context_length_exceeded"), (404, "model_not_found"), (400, "invalid_span")}, (
+            (400, "context_length_exceeded"), (404, "model_not_found"), (400, "invalid_span"),
+            (400, "invalid_query")}, (
             response.status_code, response.text)
 
 
@@ -626,3 +629,42 @@ def test_default_model_server(tmp_path, smollm2_llm):
             assert streamed == want
     finally:
         server.stop()
+
+
+# ---- span queries --------------------------------------------------------------------------------
+
+JUDGE = {"g": {"input": {"cross": [
+    {"system": "You judge ideas."},
+    {"plus": [{"g": {"input": {"user": f"Idea number {i}."}, "max_tokens": 6, "seed": i, "temperature": 0.5}}
+              for i in range(3)]},
+    {"user": "Which is best?"}]}, "max_tokens": 5}}
+
+
+def test_span_query_endpoint_matches_offline_and_reuses_inner_calls(tiny_server, model_name, offline):
+    r = httpx.post(f"{tiny_server.url}/v1/spans", json={"model": model_name, "query": JUDGE}, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expected = offline.run_query(JUDGE)
+    assert body["text"] == expected.text and len(body["calls"]) == 4
+    assert body["calls"][-1]["path"] == "$" and body["calls"][-1]["cached_tokens"] >= 3 * 16
+
+
+def test_span_query_streams_the_root_output(tiny_server, offline):
+    with httpx.stream("POST", f"{tiny_server.url}/v1/spans", json={"query": JUDGE, "stream": True},
+                      timeout=120) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    result = chunks[-1]["result"]
+    assert "".join(c["delta"] for c in chunks[:-1]) == result["text"] == offline.run_query(JUDGE).text
+
+
+@pytest.mark.parametrize("query, path", [
+    ({"g": {"input": {"cross": [{"user": "a"}, {"usr": "b"}]}}}, "$.g.input.cross[1]"),
+    ({"user": "not a call"}, "$"),
+    ({"g": {"input": {"user": "a"}, "max_tokens": 0}}, "$.g.max_tokens"),
+])
+def test_bad_span_queries_are_400_naming_the_node(tiny_server, query, path):
+    r = httpx.post(f"{tiny_server.url}/v1/spans", json={"query": query})
+    assert assert_openai_error(r, 400, path)["message"].startswith(path)

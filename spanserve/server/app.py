@@ -28,8 +28,12 @@ from spanserve.server.protocol import (
     ErrorResponse,
     Health,
     ModelList,
+    SpanQueryRequest,
+    SpanQueryResponse,
     Version,
 )
+from spanserve.spans.api import prepare, run_async
+from spanserve.spans.ir import Generate, QueryError
 
 log = logging.getLogger("spanserve.server")
 
@@ -294,6 +298,49 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         if body.stream:
             return sse(fmt.stream_chat(run, body, model_name, tokenizer))
         return fmt.chat_response(await final_output(run, http), body, model_name, tokenizer)
+
+    @app.post("/v1/spans", responses={200: {"model": SpanQueryResponse, "content": _SSE}, **_ERRORS})
+    async def span_query(body: SpanQueryRequest, http: Request):
+        """Run a span query: inner calls batched, their KV reused by the calls that read them."""
+        server.check_model(body.model)
+        tree = prepare(body.query, judge_arity=body.judge_arity).tree  # a bad query is a 400 here
+        if not isinstance(tree, Generate):
+            raise QueryError("$", "the root of a span query is a g or a chat")
+        if body.stream:
+            return sse(_stream_query(tree))
+        task = asyncio.create_task(run_async(llm, tree))
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await http.is_disconnected():
+                task.cancel()  # aborts every call still running
+        return _query_body(task.result())
+
+    async def _stream_query(tree) -> AsyncIterator[dict]:
+        deltas: asyncio.Queue = asyncio.Queue()
+        shown = 0
+
+        def on_root(out: RequestOutput) -> None:
+            nonlocal shown
+            text = out.outputs[0].text
+            if len(text) > shown:
+                deltas.put_nowait({"delta": text[shown:]})
+                shown = len(text)
+
+        task = asyncio.create_task(run_async(llm, tree, on_root))
+        try:
+            while not task.done() or not deltas.empty():
+                getter = asyncio.create_task(deltas.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+            yield {"result": _query_body(task.result())}
+        finally:
+            task.cancel()
+
+    def _query_body(result) -> dict:
+        return {"object": "span_query", "model": model_name, **result.to_json()}
 
     generate_openapi = app.openapi
 

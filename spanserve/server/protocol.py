@@ -126,6 +126,15 @@ class ChatCompletionRequest(_SamplingFields):
         return out
 
 
+class SpanQueryRequest(_Body):
+    """spanserve extension: run a span query (see the README): its JSON tree under `query`."""
+
+    model: str | None = None
+    query: dict
+    judge_arity: _int(ge=2, le=1024) | None = None
+    stream: bool = False
+
+
 # ---- responses (documentation of what the routes return) -------------------------------
 
 class ErrorInfo(BaseModel):
@@ -217,6 +226,25 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+class SpanCall(BaseModel):
+    path: str
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    ttft_s: float | None
+
+
+class SpanQueryResponse(BaseModel):
+    """The result of a span query; with stream=true, `data:` events {"delta": text} for the root
+    call's output, then one {"result": <this object>}, then `data: [DONE]`."""
+
+    object: Literal["span_query"]
+    model: str
+    text: str
+    texts: list[str]
+    calls: list[SpanCall]
 
 
 class ModelCard(BaseModel):

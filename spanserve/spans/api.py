@@ -30,17 +30,18 @@ def query_tokenizer(engine: LLMEngine) -> QueryTokenizer:
     return QueryTokenizer(fmt, engine.config.block_size, engine.pad_token_id)
 
 
-async def run_async(llm, query, retriever: Retriever | None = None, judge_arity: int | None = None) -> QueryResult:
-    """Run a query on an AsyncLLM (the server's engine)."""
+async def run_async(llm, tree: Node, on_root_output=None) -> QueryResult:
+    """Run an optimized query on an AsyncLLM (the server's engine)."""
 
-    async def complete(prompt: dict, params: SamplingParams) -> RequestOutput:
+    async def complete(prompt: dict, params: SamplingParams, on_output=None) -> RequestOutput:
         final = None
         async for out in llm.generate(prompt, params):
             final = out
+            if on_output is not None:
+                on_output(out)
         return final
 
-    tree = prepare(query, retriever, judge_arity).tree
-    return await Executor(complete, query_tokenizer(llm.engine)).run(tree)
+    return await Executor(complete, query_tokenizer(llm.engine)).run(tree, on_root_output)
 
 
 def run_sync(engine: LLMEngine, query, retriever: Retriever | None = None,
@@ -58,7 +59,7 @@ class _Driver:
         self.engine = engine
         self.pending: dict[str, asyncio.Future] = {}
 
-    async def complete(self, prompt: dict, params: SamplingParams) -> RequestOutput:
+    async def complete(self, prompt: dict, params: SamplingParams, on_output=None) -> RequestOutput:
         group = self.engine.make_group(prompt, params)
         self.engine.add_group(group)
         future = asyncio.get_running_loop().create_future()

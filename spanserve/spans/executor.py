@@ -11,7 +11,9 @@ from spanserve.sampling import SamplingParams
 from spanserve.spans.ir import Generate, Node, QueryError
 from spanserve.spans.tokenize import QueryTokenizer
 
-Complete = Callable[[dict, SamplingParams], Awaitable[RequestOutput]]
+# complete(prompt, params, on_output): run one request to the end; on_output, if given, sees
+# every cumulative output on the way (to stream the root call).
+Complete = Callable[..., Awaitable[RequestOutput]]
 
 
 @dataclass
@@ -38,10 +40,10 @@ class Executor:
     def __init__(self, complete: Complete, tokenizer: QueryTokenizer):
         self.complete, self.tokenizer = complete, tokenizer
 
-    async def run(self, tree: Node) -> QueryResult:
+    async def run(self, tree: Node, on_root_output: Callable[[RequestOutput], None] | None = None) -> QueryResult:
         if not isinstance(tree, Generate):
             raise QueryError("$", "the root of a span query is a g or a chat")
-        run = _Run(self)
+        run = _Run(self, on_root_output)
         final = await run.call(tree, "$")
         outputs = {c.path: run.outputs[id(node)] for c, node in zip(run.calls, run.nodes)}
         return QueryResult(final.outputs[0].text, [c.text for c in final.outputs], run.calls, outputs)
@@ -50,8 +52,8 @@ class Executor:
 class _Run:
     """One execution: each g node runs once, however many callers wait for it."""
 
-    def __init__(self, executor: Executor):
-        self.executor = executor
+    def __init__(self, executor: Executor, on_root_output=None):
+        self.executor, self.on_root_output = executor, on_root_output
         self.tasks: dict[int, asyncio.Task] = {}
         self.outputs: dict[int, list[list[int]]] = {}
         self.calls: list[CallStats] = []
@@ -83,7 +85,8 @@ class _Run:
         params = SamplingParams(max_tokens=node.max_tokens, temperature=node.temperature, n=node.n,
                                 seed=node.seed, stop=list(node.stop))
         start = time.monotonic()
-        out = await self.executor.complete({"prompt_token_ids": ids, "spans": [list(s) for s in spans]}, params)
+        prompt = {"prompt_token_ids": ids, "spans": [list(s) for s in spans]}
+        out = await self.executor.complete(prompt, params, self.on_root_output if path == "$" else None)
         self.outputs[id(node)] = [c.token_ids for c in out.outputs]
         ttft = out.metrics.ttft_s if out.metrics else None
         self.nodes.append(node)

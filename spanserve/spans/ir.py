@@ -278,6 +278,8 @@ def _short(text: str, width: int = 48) -> str:
 class QueryError(InvalidRequestError):
     """A malformed span query; the message starts with the path to the bad node."""
 
+    code = "invalid_query"
+
     def __init__(self, path: str, message: str):
         super().__init__(f"{path}: {message}")
         self.path = path
