@@ -105,7 +105,8 @@ def test_flatten_joins():
 
 
 def test_unwrap_single_child():
-    assert unwrap_single_child(plus(user("a"))) == user("a")
+    assert unwrap_single_child(cross(user("a"))) == user("a")
+    assert unwrap_single_child(plus(user("a"))) is None  # a single span is still a span
     assert unwrap_single_child(cross(user("a"), user("b"))) is None
 
 
@@ -123,7 +124,7 @@ def test_judge_tree_groups_candidates_under_bare_inner_judges():
     inner = tree.input.items[1]
     assert isinstance(inner, Plus) and len(inner.items) == 3
     assert inner.items[0] == g(cross(system("judge"), plus(*candidates[:2]), user("best?")), bare=True)
-    assert inner.items[2].input.items[1] == plus(candidates[4])
+    assert inner.items[2].input.items[1] == plus(candidates[4])  # a group of one stays a span
     assert judge_tree(8)(judge) is None
 
 

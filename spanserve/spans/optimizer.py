@@ -45,8 +45,8 @@ def flatten_joins(node: Node) -> Node | None:
 
 
 def unwrap_single_child(node: Node) -> Node | None:
-    """plus(a) -> a, cross(a) -> a"""
-    if isinstance(node, Join) and len(node.items) == 1:
+    """cross(a) -> a. Not plus(a): its one child is still an independent, reusable span."""
+    if isinstance(node, Cross) and len(node.items) == 1:
         return node.items[0]
     return None
 

@@ -1,0 +1,116 @@
+"""Judge/generator benchmark: the judge's time to first token with span queries vs plain chat.
+
+F generators write candidates (fan-out F, inner temperature T); a judge reads all of them.
+- span query: g(cross(system, plus(g(gen_1), ..., g(gen_F)), question)) through the span
+  query optimizer and executor: each candidate is a span whose KV (the generator's prompt and
+  output) is already cached when the judge starts;
+- plain: the same generators as one batch of chat requests, then the judge as a chat request
+  with the candidates' text pasted in (prefix caching on, as vLLM would run it).
+The judge's TTFT is measured by the engine from its arrival; both modes start from an empty
+cache, repeated --repeats times (median).
+
+    spanserve bench nested [--fanouts 1,4,8] [--temperatures 0,0.5] [--quick]
+"""
+
+import argparse
+import statistics
+import sys
+
+from benchmarks import harness
+
+TOPICS = ["a bakery", "a bicycle shop", "a library", "a dentist", "a ferry line", "a bookshop", "a gym",
+          "a flower market", "a museum", "a tea house", "a ski school", "a pottery studio"]
+SYSTEM = "You are a strict judge of advertising slogans."
+QUESTION = "Which of the slogans above is the most original? Quote it."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--fanouts", default="1,4,8")
+    parser.add_argument("--temperatures", default="0,0.5")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per candidate")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="fan-out 1 and 2, 16-token candidates, one repeat")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/nested.json)")
+
+
+def generator_prompt(i: int) -> str:
+    return f"Write a catchy one-paragraph slogan for {TOPICS[i % len(TOPICS)]}."
+
+
+def span_query(fanout: int, temperature: float, max_tokens: int, seed: int):
+    from spanserve.spans.ir import cross, g, plus, system, user
+
+    candidates = [g(user(generator_prompt(i)), max_tokens=max_tokens, temperature=temperature, seed=seed + i)
+                  for i in range(fanout)]
+    return g(cross(system(SYSTEM), plus(*candidates), user(QUESTION)), max_tokens=1)
+
+
+def run_span_query(llm, fanout, temperature, max_tokens, seed) -> dict:
+    result = llm.run_query(span_query(fanout, temperature, max_tokens, seed))
+    judge = result.calls[-1]
+    return {"judge_ttft_s": judge.ttft_s, "judge_prompt_tokens": judge.prompt_tokens,
+            "judge_cached_tokens": judge.cached_tokens}
+
+
+def run_plain(llm, fanout, temperature, max_tokens, seed) -> dict:
+    from spanserve import SamplingParams
+
+    conversations = [[{"role": "user", "content": generator_prompt(i)}] for i in range(fanout)]
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i) for i in range(fanout)]
+    candidates = [out.outputs[0].text for out in llm.chat(conversations, params)]
+    content = "\n\n".join(f"Slogan {i + 1}: {text}" for i, text in enumerate(candidates))
+    judge = llm.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{content}\n\n{QUESTION}"}],
+                     SamplingParams(temperature=0, max_tokens=1))[0]
+    return {"judge_ttft_s": judge.metrics.ttft_s, "judge_prompt_tokens": len(judge.prompt_token_ids),
+            "judge_cached_tokens": judge.num_cached_tokens}
+
+
+def run(args) -> dict:
+    harness.configure_threads()
+    from spanserve import LLM
+
+    fanouts = [1, 2] if args.quick else [int(x) for x in args.fanouts.split(",")]
+    temperatures = [float(x) for x in args.temperatures.split(",")]
+    max_tokens, repeats = (16, 1) if args.quick else (args.max_tokens, args.repeats)
+    llm = LLM(model=args.model, dtype=args.dtype)
+    rows, results = [], []
+    for fanout in fanouts:
+        for temperature in temperatures:
+            runs = {"span query": [], "plain": []}
+            for r in range(repeats):  # modes take turns so load changes hit both alike
+                for mode, fn in (("span query", run_span_query), ("plain", run_plain)):
+                    llm.engine.kv.pool.reset_cache()
+                    runs[mode].append(fn(llm, fanout, temperature, max_tokens, seed=100 * r))
+            entry = {"fanout": fanout, "temperature": temperature, "runs": runs}
+            for mode in runs:
+                entry[mode] = {k: statistics.median(x[k] for x in runs[mode]) for k in runs[mode][0]}
+            entry["speedup"] = entry["plain"]["judge_ttft_s"] / entry["span query"]["judge_ttft_s"]
+            results.append(entry)
+            span, plain = entry["span query"], entry["plain"]
+            rows.append([fanout, temperature, plain["judge_prompt_tokens"], plain["judge_ttft_s"] * 1000,
+                         span["judge_ttft_s"] * 1000, f"{span['judge_cached_tokens']}/{span['judge_prompt_tokens']}",
+                         f"{entry['speedup']:.1f}x"])
+    headers = ["fan-out", "temp", "judge prompt", "plain TTFT ms", "span query TTFT ms", "span cached/prompt",
+               "speedup"]
+    harness.print_table(headers, rows, title="Judge TTFT, median of runs (goal: >= 8x at fan-out 8, temp 0.5)")
+    data = {"benchmark": "nested", "args": vars(args), "machine": harness.machine_info(), "results": results}
+    harness.write_json(data, "nested", args.out)
+    if not args.quick:
+        labels = [f"F={e['fanout']} T={e['temperature']}" for e in results]
+        series = {mode: [e[mode]["judge_ttft_s"] * 1000 for e in results] for mode in ("plain", "span query")}
+        png = harness.result_path("nested", ".png")
+        harness.bar_chart(png, "Judge TTFT (ms)", labels, series, "ms", log_scale=True)
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spanserve bench nested", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
