@@ -64,14 +64,17 @@ def sampling_params(args) -> SamplingParams:
 def stream_text(engine, prompt, params: SamplingParams) -> Iterator[str]:
     """Run one request on the synchronous engine, yielding text as it is produced."""
     request_id = engine.add_request(prompt, params)
+    # Hold back what could be the start of a stop string: it is cut from the final text.
+    hold = max((len(s) for s in params.stop), default=1) - 1
     shown = 0
     try:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.request_id == request_id:
                     text = out.outputs[0].text
-                    yield text[shown:]
-                    shown = len(text)
+                    ready = len(text) if out.finished else max(shown, len(text) - hold)
+                    yield text[shown:ready]
+                    shown = ready
     finally:
         engine.abort_request(request_id)
 
@@ -209,7 +212,7 @@ def cmd_serve(args) -> None:
     llm.shutdown()
 
 
-BENCHES = ["throughput", "serve", "rag", "accuracy"]
+BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality"]
 
 
 def cmd_query(args) -> None:
@@ -218,11 +221,13 @@ def cmd_query(args) -> None:
 
     from spanserve.spans.api import as_tree, prepare
     from spanserve.spans.ir import pretty
+    from spanserve.spans.retrieval import Retriever
 
     text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
     query = json.loads(text)
+    retriever = Retriever(args.corpus)  # loads the embedding model only if the query retrieves
     if args.explain:
-        optimized = prepare(query, judge_arity=args.judge_arity)
+        optimized = prepare(query, retriever=retriever, judge_arity=args.judge_arity)
         print("before:\n" + pretty(as_tree(query)))
         print("\nafter:\n" + pretty(optimized.tree))
         print("\nrules fired: " + (", ".join(optimized.fired) or "none"))
@@ -230,7 +235,7 @@ def cmd_query(args) -> None:
     from spanserve.llm import LLM
 
     llm = LLM(**engine_config(args).__dict__)
-    result = llm.run_query(query, judge_arity=args.judge_arity)
+    result = llm.run_query(query, judge_arity=args.judge_arity, retriever=retriever)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
         return
@@ -239,6 +244,14 @@ def cmd_query(args) -> None:
         ttft = f"{call.ttft_s * 1000:.0f} ms" if call.ttft_s is not None else "-"
         print(f"  {call.path}: {call.prompt_tokens} prompt ({call.cached_tokens} cached), "
               f"{call.generated_tokens} generated, TTFT {ttft}", file=sys.stderr)
+
+
+def cmd_index(args) -> None:
+    from spanserve.spans.retrieval import build_index
+
+    stats = build_index(args.dir, args.out, args.fragment_tokens)
+    action = "reused" if stats.reused else f"built ({stats.embedded} fragments embedded)"
+    print(f"{stats.index_dir}: {stats.files} files, {stats.fragments} fragments, {action} in {stats.seconds:.1f}s")
 
 
 def cmd_bench(args, rest: list[str]) -> None:
@@ -279,7 +292,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--explain", action="store_true", help="print the tree before and after optimization, and stop")
     p.add_argument("--json", action="store_true", help="print {text, calls: [...]} as JSON")
     p.add_argument("--judge-arity", type=int, default=None, help="judge at most k candidates per call (a tree)")
+    p.add_argument("--corpus", default=None, metavar="DIR", help="corpus or index directory of retrieve nodes "
+                   "that name none (default: SPANSERVE_CORPUS)")
     add_engine_args(p)
+
+    p = sub.add_parser("index", help="split a directory of .txt/.md files into fragments and embed them "
+                       "(reuses the index if the files are unchanged)")
+    p.add_argument("dir", help="the corpus directory")
+    p.add_argument("--out", default=None, metavar="INDEX_DIR", help="where the index goes "
+                   "(default: DIR/.spanserve-index)")
+    p.add_argument("--fragment-tokens", type=int, default=200, help="fragment size, in embedding-model tokens")
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1")
@@ -310,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
             cmd_bench(args, rest)
         else:
             commands = {"generate": cmd_generate, "chat": cmd_chat, "demo": cmd_demo, "serve": cmd_serve,
-                        "query": cmd_query}
+                        "query": cmd_query, "index": cmd_index}
             commands[args.command](args)
     except SpanserveError as exc:
         sys.exit(f"error: {exc}")
