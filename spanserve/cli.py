@@ -206,7 +206,12 @@ def cmd_serve(args) -> None:
 
     name = args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL)
     llm = AsyncLLM(LLMEngine(engine_config(args)))
-    app = create_app(llm, name, api_key=args.api_key, max_queued=args.max_queued)
+    retriever = None
+    if args.corpus:
+        from spanserve.spans.retrieval import Retriever
+
+        retriever = Retriever(args.corpus, confine=True)
+    app = create_app(llm, name, api_key=args.api_key, max_queued=args.max_queued, retriever=retriever)
     print(f"spanserve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
     llm.shutdown()
@@ -309,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     p.add_argument("--served-model-name", default=None, help="the model name clients pass")
     p.add_argument("--max-queued", type=int, default=None, help="answer 503 beyond this many waiting requests")
+    p.add_argument("--corpus", default=None, metavar="DIR",
+                   help="corpus (or index) directory that retrieve nodes of /v1/spans queries search")
     add_engine_args(p)
 
     # No -h of its own: `spanserve bench NAME --help` must reach NAME's parser, which owns the options.

@@ -211,3 +211,22 @@ def test_a_file_without_text_is_listed_but_gives_no_fragment(tmp_path):
     (tmp_path / "chess.md").write_text(TOPICS["chess.md"])
     stats = build_index(tmp_path)
     assert (stats.files, stats.fragments, stats.embedded) == (3, 2, 1)
+
+
+def test_a_confined_retriever_only_serves_its_own_corpus(tmp_path):
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "sub" / "tides.md").write_text("The moon's gravity causes the tides of the oceans.")
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "secret" / "x.txt").write_text("Private notes about passwords.")
+    retriever = Retriever(str(corpus), confine=True)
+    assert retriever("tides", None, 1)[0].source == "sub/tides.md#0"
+    assert retriever("tides", "sub", 1)[0].source == "tides.md#0"  # a directory inside the root
+    for outside in (str(tmp_path / "secret"), "../secret", "/etc"):
+        with pytest.raises(QueryError, match="not served here"):
+            retriever("passwords", outside, 1)
+
+
+def test_without_a_retriever_a_retrieving_query_is_a_clear_error():
+    with pytest.raises(QueryError, match="no corpus is configured"):
+        prepare({"chat": {"messages": [{"retrieve": "anything"}, {"user": "q"}]}})

@@ -664,6 +664,7 @@ def test_span_query_streams_the_root_output(tiny_server, offline):
     ({"g": {"input": {"cross": [{"user": "a"}, {"usr": "b"}]}}}, "$.g.input.cross[1]"),
     ({"user": "not a call"}, "$"),
     ({"g": {"input": {"user": "a"}, "max_tokens": 0}}, "$.g.max_tokens"),
+    ({"chat": {"messages": [{"retrieve": "tides"}, {"user": "q"}]}}, "$"),  # this server has no --corpus
 ])
 def test_bad_span_queries_are_400_naming_the_node(tiny_server, query, path):
     r = httpx.post(f"{tiny_server.url}/v1/spans", json={"query": query})

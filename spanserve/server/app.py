@@ -213,7 +213,7 @@ _SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
 
 
 def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
-               max_queued: int | None = None) -> FastAPI:
+               max_queued: int | None = None, retriever=None) -> FastAPI:
     app = FastAPI(title="spanserve", version=__version__,
                   description="OpenAI-compatible LLM server with span-aware KV caching")
     server = Server(llm, model_name, max_queued)
@@ -303,7 +303,8 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     async def span_query(body: SpanQueryRequest, http: Request):
         """Run a span query: inner calls batched, their KV reused by the calls that read them."""
         server.check_model(body.model)
-        tree = prepare(body.query, judge_arity=body.judge_arity).tree  # a bad query is a 400 here
+        # A bad query is a 400 here; retrieval embeds text, so it runs off the event loop.
+        tree = (await asyncio.to_thread(prepare, body.query, retriever, body.judge_arity)).tree
         if not isinstance(tree, Generate):
             raise QueryError("$", "the root of a span query is a g or a chat")
         if body.stream:

@@ -10,7 +10,7 @@ which rules fired.
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from spanserve.spans.ir import Chat, Cross, Fragment, Generate, Join, Node, Plus, Retrieve
+from spanserve.spans.ir import Chat, Cross, Fragment, Generate, Join, Node, Plus, QueryError, Retrieve
 
 Rule = Callable[[Node], Node | None]
 Retriever = Callable[[str, str | None, int], list[Fragment]]
@@ -86,6 +86,11 @@ def _with_item(node: Generate, i: int, item: Node) -> Generate:
     return replace(node, input=Cross(items[:i] + (item,) + items[i + 1:]))
 
 
+def _no_retriever(query: str, corpus: str | None, k: int) -> list[Fragment]:
+    raise QueryError("$", "this query retrieves, but no corpus is configured: pass a retriever "
+                          "(spanserve query --corpus DIR, spanserve serve --corpus DIR)")
+
+
 @dataclass
 class Optimized:
     tree: Node
@@ -93,10 +98,7 @@ class Optimized:
 
 
 def default_rules(retriever: Retriever | None = None, judge_arity: int | None = None) -> list[Rule]:
-    rules = [desugar_chat]
-    if retriever is not None:
-        rules.append(desugar_retrieve(retriever))
-    rules += [flatten_joins, unwrap_single_child]
+    rules = [desugar_chat, desugar_retrieve(retriever or _no_retriever), flatten_joins, unwrap_single_child]
     if judge_arity:
         rules.append(judge_tree(judge_arity))
     rules.append(distribute_plus)

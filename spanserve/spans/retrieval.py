@@ -333,19 +333,33 @@ class Retriever:
     """The optimizer's retriever: retriever(query, corpus, k) -> the k nearest fragments, best first.
 
     `corpus` is an index directory or a corpus directory; None means `default_corpus`, else the
-    SPANSERVE_CORPUS environment variable (read when the retriever is made)."""
+    SPANSERVE_CORPUS environment variable (read when the retriever is made). A server passes
+    confine=True: then a query may only name directories inside the default corpus."""
 
     def __init__(self, default_corpus: str | os.PathLike | None = None,
-                 fragment_tokens: int = DEFAULT_FRAGMENT_TOKENS):
+                 fragment_tokens: int = DEFAULT_FRAGMENT_TOKENS, confine: bool = False):
         self.default_corpus = default_corpus if default_corpus is not None else os.environ.get(ENV_CORPUS) or None
         self.fragment_tokens = fragment_tokens
+        self.confine = confine
 
     def __call__(self, query: str, corpus: str | None, k: int) -> list[Fragment]:
+        if corpus is not None and self.confine:
+            corpus = self._inside_default(corpus)
         corpus = corpus if corpus is not None else self.default_corpus
         if corpus is None:
             raise QueryError("$", "retrieve needs a corpus: give the node a corpus directory, "
                                   f"or run with --corpus DIR (or set {ENV_CORPUS})")
         return open_index(corpus, self.fragment_tokens).search(query, k)
+
+    def _inside_default(self, corpus: str) -> str:
+        """`corpus` as a path inside the default corpus (relative names are taken from there)."""
+        if self.default_corpus is not None:
+            root = Path(self.default_corpus).resolve()
+            path = (root / corpus).resolve()
+            if path == root or root in path.parents:
+                return str(path)
+        raise QueryError("$", f"corpus {corpus!r} is not served here: retrieve from the server's --corpus "
+                              "(omit the corpus field) or a directory inside it")
 
 
 # ---- files -----------------------------------------------------------------------------------
