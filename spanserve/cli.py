@@ -229,8 +229,10 @@ def cmd_query(args) -> None:
     from spanserve.spans.retrieval import Retriever
 
     text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
-    query = json.loads(text)
     retriever = Retriever(args.corpus)  # loads the embedding model only if the query retrieves
+    if args.bulk:
+        return query_bulk(args, text, retriever)
+    query = json.loads(text)
     if args.explain:
         optimized = prepare(query, retriever=retriever, judge_arity=args.judge_arity)
         print("before:\n" + pretty(as_tree(query)))
@@ -249,6 +251,28 @@ def cmd_query(args) -> None:
         ttft = f"{call.ttft_s * 1000:.0f} ms" if call.ttft_s is not None else "-"
         print(f"  {call.path}: {call.prompt_tokens} prompt ({call.cached_tokens} cached), "
               f"{call.generated_tokens} generated, TTFT {ttft}", file=sys.stderr)
+
+
+def query_bulk(args, text: str, retriever) -> None:
+    """Run every query of a JSONL file twice, in the given order and clustered by shared
+    fragments, each from an empty cache; report time and cache hit rate of both."""
+    import json
+
+    from spanserve.llm import LLM
+    from spanserve.spans.api import prepare
+    from spanserve.spans.bulk import greedy_order, run_bulk, shared_units
+
+    lines = [line for line in text.splitlines() if line.strip()]
+    trees = [prepare(json.loads(line), retriever, args.judge_arity).tree for line in lines]
+    llm = LLM(**engine_config(args).__dict__)
+    results = None
+    for name, order in (("given", list(range(len(trees)))), ("clustered", greedy_order(map(shared_units, trees)))):
+        llm.engine.kv.pool.reset_cache()
+        report, results = run_bulk(llm, trees, order)
+        print(f"{name:>9} order: {report.seconds:7.2f} s, {report.prompt_tokens} prompt tokens, "
+              f"hit rate {report.hit_rate:.1%}", file=sys.stderr)
+    for result in results:
+        print(json.dumps(result.to_json()) if args.json else result.text)
 
 
 def cmd_index(args) -> None:
@@ -297,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--explain", action="store_true", help="print the tree before and after optimization, and stop")
     p.add_argument("--json", action="store_true", help="print {text, calls: [...]} as JSON")
     p.add_argument("--judge-arity", type=int, default=None, help="judge at most k candidates per call (a tree)")
+    p.add_argument("--bulk", action="store_true", help="FILE holds one query per line (JSONL): run them all, "
+                   "in the given order and clustered by shared fragments, and compare")
     p.add_argument("--corpus", default=None, metavar="DIR", help="corpus or index directory of retrieve nodes "
                    "that name none (default: SPANSERVE_CORPUS)")
     add_engine_args(p)

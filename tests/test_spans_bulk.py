@@ -34,3 +34,19 @@ def test_clustered_order_hits_more_on_a_small_cache(tiny_llama_path):
         assert_engine_idle(llm)
     assert reports["greedy"].prompt_tokens == reports["given"].prompt_tokens
     assert reports["greedy"].hit_rate > reports["given"].hit_rate, reports
+
+
+def test_cli_bulk_reports_both_orders(tiny_llama_path, tmp_path, capsys):
+    import json
+
+    from spanserve.cli import main
+    from spanserve.spans.ir import to_json
+
+    queries = tmp_path / "queries.jsonl"
+    trees = [g(cross(plus(user(f"doc {k} " * 20)), user(f"q{n}")), max_tokens=2) for n, k in enumerate("ABAB")]
+    queries.write_text("".join(json.dumps(to_json(t)) + "\n" for t in trees))
+    main(["query", str(queries), "--bulk", "--json", "--model", str(tiny_llama_path), "--dtype", "float32",
+          "--num-blocks", "64"])
+    out, err = capsys.readouterr()
+    assert "given order" in err and "clustered order" in err
+    assert [len(json.loads(line)["calls"]) for line in out.splitlines()] == [1, 1, 1, 1]

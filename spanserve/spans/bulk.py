@@ -21,9 +21,10 @@ def shared_units(tree: Node) -> frozenset[str]:
     return frozenset(units)
 
 
-def greedy_order(units: list[frozenset[str]]) -> list[int]:
+def greedy_order(units) -> list[int]:
     """Visit order: start with the query sharing most with the others, then always take the
     unvisited query that shares the most units with the one just run (ties: input order)."""
+    units = list(units)
     if not units:
         return []
     left = set(range(len(units)))
