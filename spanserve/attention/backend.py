@@ -58,10 +58,6 @@ class AttentionMetadata:
     # case for a fresh request), else None: lets a backend slice the cache instead of gathering.
     contiguous_from: list[int | None] | None = None
 
-    @property
-    def decode_only(self) -> bool:
-        return all(n == 1 for n in self.query_lens)
-
 
 class AttentionBackend(ABC):
     @abstractmethod

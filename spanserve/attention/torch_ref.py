@@ -10,43 +10,63 @@ class TorchAttention(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        if meta.decode_only and len(meta.query_lens) > 1:
-            return self._decode(q, k_cache, v_cache, meta, scale)
+        starts = [0]
+        for q_len in meta.query_lens:
+            starts.append(starts[-1] + q_len)
+        # Sequences decoding one token go through one batched call, even beside prefills.
+        decoding = [i for i, q_len in enumerate(meta.query_lens) if q_len == 1]
+        if len(decoding) < 2:
+            decoding = []
+        if len(decoding) == len(meta.query_lens):
+            return self._decode(q, k_cache, v_cache, meta, scale, None)
         out = torch.empty_like(q)
-        start = 0
-        for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens)):
-            rows = slice(start, start + q_len)
-            rotation = meta.key_rotation[i] if meta.key_rotation else None
-            if q_len == ctx_len and rotation is None:
-                # Whole context is in this batch: plain causal attention, no cache gather.
-                out[rows] = _sdpa(q[rows], k[rows], v[rows], None, scale, causal=True)
-            else:
-                first = meta.contiguous_from[i] if meta.contiguous_from else None
-                keys, values = gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
-                if rotation is not None:
-                    keys = rotation.apply(keys)
-                    keys = keys if q_len == 1 and q.device.type == "cpu" else keys.to(q.dtype)
-                if q_len == 1:  # the newest token: it sees the whole context
-                    out[rows] = _single_query(q[rows], keys, values, scale)
-                else:
-                    mask = causal_mask(meta.positions[rows], ctx_len)
-                    out[rows] = _sdpa(q[rows], keys, values, mask, scale)
-            start += q_len
+        if decoding:
+            rows = torch.tensor([starts[i] for i in decoding], device=q.device)
+            out[rows] = self._decode(q[rows], k_cache, v_cache, meta, scale, decoding)
+        skip = set(decoding)
+        for i in range(len(meta.query_lens)):
+            if i not in skip:
+                rows = slice(starts[i], starts[i + 1])
+                out[rows] = self._one_sequence(i, q[rows], k[rows], v[rows], meta.positions[rows],
+                                               k_cache, v_cache, meta, scale)
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        # One query per sequence: gather every sequence's blocks at once, mask the padding.
-        num_seqs, block_size = len(meta.query_lens), k_cache.shape[1]
-        max_len = max(meta.context_lens)
-        tables = meta.block_tables[:, : -(-max_len // block_size)]
+    def _one_sequence(self, i, q, k, v, positions, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        q_len, ctx_len = len(q), meta.context_lens[i]
+        rotation = meta.key_rotation[i] if meta.key_rotation else None
+        if q_len == ctx_len and rotation is None:
+            # Whole context is in this batch: plain causal attention, no cache gather.
+            return _sdpa(q, k, v, None, scale, causal=True)
+        first = meta.contiguous_from[i] if meta.contiguous_from else None
+        keys, values = gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
+        if rotation is not None:
+            keys = rotation.apply(keys)
+            keys = keys if q_len == 1 and q.device.type == "cpu" else keys.to(q.dtype)
+        if q_len == 1:  # the newest token: it sees the whole context
+            return _single_query(q, keys, values, scale)
+        return _sdpa(q, keys, values, causal_mask(positions, ctx_len), scale)
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, seqs: list[int] | None):
+        """One query per sequence (`seqs`, or all): gather every sequence's blocks at once,
+        mask the padding."""
+        block_size = k_cache.shape[1]
+        tables, lens = meta.block_tables, meta.context_lens_tensor
+        rotations = meta.key_rotation
+        if seqs is not None:
+            index = torch.tensor(seqs, device=tables.device)
+            tables, lens = tables[index], lens[index]
+            rotations = [rotations[i] for i in seqs] if rotations else None
+        num_seqs = len(lens)
+        max_len = int(lens.max())
+        tables = tables[:, : -(-max_len // block_size)]
         keys = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, kv_heads, D]
         values = v_cache[tables].flatten(1, 2)[:, :max_len]
         if q.device.type == "cpu":  # the CPU kernel is ~6x faster on one query in float32 than bf16
             q, keys, values = q.float(), keys.float(), values.float()
-        if meta.key_rotation is not None:
-            keys = _rotate_padded(keys, meta.key_rotation)
+        if rotations is not None and any(r is not None for r in rotations):
+            keys = _rotate_padded(keys, rotations)
         key_idx = torch.arange(max_len, device=q.device)
-        mask = key_idx[None, :] < meta.context_lens_tensor[:, None]
+        mask = key_idx[None, :] < lens[:, None]
         out = F.scaled_dot_product_attention(
             q.view(num_seqs, 1, *q.shape[1:]).transpose(1, 2),
             keys.transpose(1, 2),
