@@ -31,6 +31,7 @@ class EngineConfig:
     link_policy: str = "none"
     gap_length: int = 32
     blend_ratio: float = 0.15
+    span_anchor: bool = True  # compute spans after a fixed anchor block (pic/layout.py)
 
     def __post_init__(self):
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

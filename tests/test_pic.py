@@ -58,13 +58,19 @@ def cached_ids(llm: LLM, hashes) -> list[int]:
 # ---- hashing and reuse ---------------------------------------------------------------------
 
 
-def test_a_chunk_hashes_the_same_at_positions_16_and_48_and_both_requests_share_its_blocks(llm):
-    warm = prefill(llm, {"prompt_token_ids": CHUNK + SUFFIX})  # the chunk alone, as a plain prompt
-    warm_ids = block_ids(warm.block_table[:2])
+def warm_chunk(llm: LLM) -> list[int]:
+    """Compute CHUNK as a span (after one block of padding) and return its cached block ids."""
+    warm = prefill(llm, spanned([0] * 16))
+    ids = block_ids(warm.block_table[1:3])
     drain(llm)
+    return ids
+
+
+def test_a_chunk_hashes_the_same_at_positions_16_and_48_and_both_requests_share_its_blocks(llm):
+    warm_ids = warm_chunk(llm)
     a = prefill(llm, spanned(random_prompt(16, seed=1)))
     b = prefill(llm, spanned(random_prompt(48, seed=2)))  # both running at once
-    assert [a.local_hashes[1], a.local_hashes[2]] == [b.local_hashes[3], b.local_hashes[4]] == warm.block_hashes[:2]
+    assert [a.local_hashes[1], a.local_hashes[2]] == [b.local_hashes[3], b.local_hashes[4]]
     assert block_ids(a.block_table[1:3]) == block_ids(b.block_table[3:5]) == warm_ids
     assert (a.num_cached_tokens, b.num_cached_tokens) == (32, 32)
     drain(llm)
@@ -72,9 +78,7 @@ def test_a_chunk_hashes_the_same_at_positions_16_and_48_and_both_requests_share_
 
 def test_a_span_boundary_resets_the_hash_chain(llm):
     tokens = random_prompt(32, seed=3) + CHUNK
-    warm = prefill(llm, {"prompt_token_ids": CHUNK + SUFFIX})
-    warm_id = warm.block_table[0].block_id
-    drain(llm)
+    warm_id = warm_chunk(llm)[0]
     plain = prefill(llm, {"prompt_token_ids": tokens})
     plain_id = plain.block_table[2].block_id
     drain(llm)
@@ -85,16 +89,15 @@ def test_a_span_boundary_resets_the_hash_chain(llm):
     # The span is cut before the prompt's last token: its one full block [32, 48) is the hit;
     # the marked run also finds the plain run's two prefix blocks.
     assert plain_id != warm_id and marked.block_table[2].block_id == warm_id
-    assert (plain.num_cached_tokens, marked.num_cached_tokens) == (0, 32 + 16)
+    assert marked.num_cached_tokens == 32 + 16
     drain(llm)
 
 
 def test_fan_in_two_prefixes_hit_one_warm_chunk_and_keep_their_own_prefix_blocks(llm):
-    prefill(llm, {"prompt_token_ids": CHUNK + SUFFIX})
-    drain(llm)
+    warm_ids = warm_chunk(llm)
     x = prefill(llm, spanned(random_prompt(16, seed=4)))
     y = prefill(llm, spanned(random_prompt(16, seed=5)))
-    assert block_ids(x.block_table[1:3]) == block_ids(y.block_table[1:3])
+    assert block_ids(x.block_table[1:3]) == block_ids(y.block_table[1:3]) == warm_ids
     assert x.block_table[0].block_id != y.block_table[0].block_id
     assert (x.num_cached_tokens, y.num_cached_tokens) == (32, 32)
     drain(llm)
@@ -170,23 +173,41 @@ def test_spans_that_change_nothing_give_plain_outputs(tiny_llama_path):
     assert_engine_idle(llm)
 
 
-def hf_logprobs(model, tokens: list[int], spans) -> torch.Tensor:
-    """Log-probs from transformers with span tokens masked off everything before their span."""
-    n = len(tokens)
-    allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))
+def hf_logprobs(model, tokens: list[int], spans, anchor: list[int]) -> torch.Tensor:
+    """Log-probs from transformers of `tokens`, each span's tokens seeing only their span and,
+    for a span not at 0, a copy of the anchor just before it. The copies go in front of the
+    sequence with position ids that put them right before their span: RoPE only sees distances."""
+    copies = [start for start, _ in spans if start > 0]
+    a, n = len(anchor), len(tokens)
+    total = a * len(copies) + n
+    allowed = torch.zeros(total, total, dtype=torch.bool)
+    positions = []
+    for k, start in enumerate(copies):
+        rows = slice(k * a, (k + 1) * a)
+        allowed[rows, rows] = torch.tril(torch.ones(a, a, dtype=torch.bool))
+        positions += range(start - a, start)
+    base = a * len(copies)
+    allowed[base:, base:] = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    positions += range(n)
     for start, end in spans:
-        allowed[start:end, :start] = False
-    mask = torch.zeros(n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        allowed[base + start:base + end, base:base + start] = False
+        if start > 0:
+            k = copies.index(start)
+            allowed[base + start:base + end, k * a:(k + 1) * a] = True
+    mask = torch.zeros(total, total).masked_fill(~allowed, torch.finfo(torch.float32).min)
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([tokens]), attention_mask=mask[None, None],
-                       position_ids=torch.arange(n)[None]).logits[0]
+        logits = model(input_ids=torch.tensor([anchor * len(copies) + tokens]), attention_mask=mask[None, None],
+                       position_ids=torch.tensor([positions])).logits[0, base:]
     return torch.log_softmax(logits.float(), -1)
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_path", "tiny_qwen3_path"])
-def test_reused_span_kv_is_exact_at_any_position(model_fixture, request):
+@pytest.mark.parametrize("anchor", [True, False])
+def test_reused_span_kv_is_exact_at_any_position(model_fixture, anchor, request):
     path = request.getfixturevalue(model_fixture)
-    llm = make_llm(path)
+    llm = make_llm(path, span_anchor=anchor)
+    anchor_tokens = llm.engine._anchor_tokens if anchor else []
+    assert bool(anchor_tokens) == anchor
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
     prefixes = [random_prompt(16, seed=11), random_prompt(48, seed=12)]
@@ -196,7 +217,7 @@ def test_reused_span_kv_is_exact_at_any_position(model_fixture, request):
         tokens, n = prompt["prompt_token_ids"], len(prompt["prompt_token_ids"])
         generated = out.outputs[0].token_ids
         # The engine cuts spans before the last prompt token; here the span ends well before it.
-        reference = hf_logprobs(hf, tokens + generated, prompt["spans"])
+        reference = hf_logprobs(hf, tokens + generated, prompt["spans"], anchor_tokens)
         for i, top in enumerate(out.outputs[0].logprobs):
             assert int(reference[n - 1 + i].argmax()) == generated[i]
             for token, logprob in top.items():

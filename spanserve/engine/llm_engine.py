@@ -16,11 +16,12 @@ from spanserve.engine.runner import ModelRunner
 from spanserve.engine.sampler import Sample
 from spanserve.engine.scheduler import Scheduler
 from spanserve.errors import CacheFullError, InvalidRequestError, InvalidSpanError, PromptTooLongError
+from spanserve.kv.hashing import extend_block_hashes
 from spanserve.kv.manager import KVCacheManager
 from spanserve.models.config import ModelConfig
 from spanserve.models.loader import load_model, load_tokenizer, resolve_model
 from spanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from spanserve.pic.layout import PromptLayout, validate_spans
+from spanserve.pic.layout import Anchor, PromptLayout, validate_spans
 from spanserve.pic.link import LinkPolicy
 from spanserve.pic.prompt import chat_parts, is_parts_prompt, tokenize_parts
 from spanserve.sampling import SamplingParams
@@ -102,11 +103,43 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device)
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
         self.pad_token_id = self._span_pad_token()
+        self.anchor = self._make_anchor() if config.span_anchor else None
+        if self.anchor and self.kv.pool.num_blocks >= 64:  # small pools pin it only when needed
+            self._materialize_anchor()
         self.derived: dict = {}  # what front ends build once from the tokenizer (a chat format)
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
                  path.name, self.dtype, self.device, num_blocks, config.block_size, self.max_model_len)
+
+    def _make_anchor(self) -> Anchor | None:
+        """The span anchor: a short system message as the chat template renders it (or the
+        BOS), padded to whole blocks. Its KV is computed when a request first needs it."""
+        tok = self.tokenizer
+        if tok.chat_template:
+            text = tok.apply_chat_template([{"role": "system", "content": "You are a helpful assistant."}],
+                                           tokenize=False)
+            tokens = tok.encode(text, add_special_tokens=False)
+        else:
+            tokens = tok.encode("", add_special_tokens=True)
+        bs = self.config.block_size
+        tokens += [self.pad_token_id] * (-len(tokens) % bs)
+        if not tokens or len(tokens) // bs * 4 > self.kv.pool.num_blocks:  # a pool too small to spare it
+            return None
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, tokens, bs, None)
+        self._anchor_tokens = tokens
+        return Anchor(len(tokens), hashes[-1])
+
+    def _materialize_anchor(self) -> None:
+        """Pin the anchor's blocks and compute its KV, once, before the first request needing it."""
+        if self.kv.anchor_blocks:
+            return
+        needed = self.anchor.num_tokens // self.config.block_size
+        if needed > self.kv.pool.num_free:
+            raise CacheFullError("the KV pool is full: no room yet for the span anchor; retry shortly")
+        blocks = self.kv.pin(needed)
+        self.runner.prefill_pinned(self._anchor_tokens, [b.block_id for b in blocks])
 
     def _span_pad_token(self) -> int:
         """Pads spans to whole blocks: a newline where it is one token (it reads as a blank
@@ -176,8 +209,9 @@ class LLMEngine:
             raise InvalidRequestError("sampling_params must be a SamplingParams")
         tp = self.tokenize(prompt)
         token_ids = tp.token_ids
-        self._validate_tokens(token_ids, params)
         link = self.link_policy(params)
+        anchored = self.anchor is not None and link.uses_spans and any(start > 0 for start, _ in tp.spans)
+        self._validate_tokens(token_ids, params, self.anchor.num_tokens // self.config.block_size if anchored else 0)
         request_id = request_id or f"req-{next(self._ids)}"
         children = []
         for i in range(params.n):
@@ -187,7 +221,7 @@ class LLMEngine:
             children.append(Request(
                 request_id=f"{request_id}-{i}" if params.n > 1 else request_id,
                 group_id=request_id, index=i,  # a layout each: a selecting link policy changes it
-                layout=PromptLayout(len(token_ids), tp.spans, link, self.config.block_size),
+                layout=PromptLayout(len(token_ids), tp.spans, link, self.config.block_size, self.anchor),
                 prompt_token_ids=token_ids, params=child_params, eos_token_ids=self.eos_token_ids,
                 cache_salt=tp.cache_salt, max_total_tokens=self.max_model_len,
                 wait_for=children[0] if children and self.config.enable_prefix_caching else None,
@@ -195,7 +229,7 @@ class LLMEngine:
         detoks = [IncrementalDetokenizer(self.tokenizer, token_ids, r.params) for r in children]
         return RequestGroup(request_id, tp.text, children, detoks)
 
-    def _validate_tokens(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _validate_tokens(self, token_ids: list[int], params: SamplingParams, reserved_blocks: int = 0) -> None:
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
         vocab = self.model_config.vocab_size
@@ -206,14 +240,17 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(token_ids), self.max_model_len)
         needed = self.kv.blocks_needed(min(len(token_ids) + params.max_tokens, self.max_model_len))
-        if needed > self.kv.pool.num_blocks:
+        usable = self.kv.pool.num_blocks - reserved_blocks
+        if needed > usable:
             raise CacheFullError(
-                f"request needs {needed} KV blocks but the pool has {self.kv.pool.num_blocks}; "
+                f"request needs {needed} KV blocks but the pool has {usable}; "
                 f"lower max_tokens or raise num_blocks / kv_cache_memory_gb")
 
     def add_group(self, group: RequestGroup) -> None:
         if group.request_id in self.groups:
             raise InvalidRequestError(f"request id {group.request_id!r} is already running")
+        if any(s.offset for s in group.children[0].layout.spans):
+            self._materialize_anchor()
         self.groups[group.request_id] = group
         for req in group.children:
             self.scheduler.add(req)

@@ -48,6 +48,7 @@ class Request:
         self.span_hashed: list[int] = [0] * len(self.layout.spans)
         self.span_cached_until: list[int] = list(self.span_done)  # progress found in the cache
         self.shadows: dict[int, Block] = {}
+        self.anchor_blocks: list[Block] = []  # the engine's pinned anchor (pic/layout.py), if any
         self.num_cached_tokens: int | None = None  # prefix hits at first admission
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
@@ -80,9 +81,11 @@ class Request:
         return self.num_computed_tokens < self.num_prompt_tokens
 
     def span_table(self, s: int) -> list[Block]:
-        """The blocks span s's own sub-sequence reads and writes, from its first token on."""
+        """The blocks span s's own sub-sequence reads and writes: the anchor's, if it has one,
+        then its own from its first token on."""
         span, bs = self.layout.spans[s], self.layout.block_size
-        return [self.shadows.get(i) or self.block_table[i] for i in range(span.start // bs, -(-span.sub_end // bs))]
+        own = [self.shadows.get(i) or self.block_table[i] for i in range(span.start // bs, -(-span.sub_end // bs))]
+        return (self.anchor_blocks if span.offset else []) + own
 
     def append_token(self, token_id: int) -> None:
         if self.first_token_time is None:

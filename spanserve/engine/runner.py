@@ -65,10 +65,24 @@ class ModelRunner:
             return None
         rotation = layout.derived.get("key_rotation")
         if rotation is None:
-            rope, index = self.model.rope, layout.key_deltas().to(self.model.rope.cos.device)
-            rotation = KeyRotation.from_angles(rope.cos[index], rope.sin[index], self.model.cfg.num_kv_heads)
+            rope, deltas = self.model.rope, layout.key_deltas().to(self.model.rope.cos.device)
+            index, sign = deltas.abs(), deltas.sign().unsqueeze(-1).float()  # R(-a): cos a, -sin a
+            rotation = KeyRotation.from_angles(rope.cos[index], sign * rope.sin[index], self.model.cfg.num_kv_heads)
             layout.derived["key_rotation"] = rotation
         return rotation
+
+    @torch.inference_mode()
+    def prefill_pinned(self, token_ids: list[int], block_ids: list[int]) -> None:
+        """Compute the KV of a fixed token sequence from position 0 into blocks the engine keeps
+        for good (the span anchor)."""
+        bs, n = self.block_size, len(token_ids)
+        positions = self._tensor(list(range(n)))
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor([block_ids[p // bs] * bs + p % bs for p in range(n)]), query_lens=[n],
+            context_lens=[n], block_tables=self._tensor(block_ids)[None], context_lens_tensor=self._tensor([n]),
+            positions=positions,
+        )
+        self.model(self._tensor(token_ids), positions, meta)
 
     @torch.inference_mode()
     def blend_deviation(self, req) -> tuple[list[int], torch.Tensor]:
@@ -124,10 +138,11 @@ def _sequences(item: ScheduledRequest):
     whose positions count from the span's start; the in-context chunk sees everything."""
     req = item.request
     for chunk in item.span_chunks:
-        first = req.layout.spans[chunk.span].start
+        span = req.layout.spans[chunk.span]
+        shift = span.start - span.offset  # token t sits at t - shift in its own sub-sequence
         table = [b.block_id for b in req.span_table(chunk.span)]
-        pos = range(chunk.start - first, chunk.end - first)
-        yield req.token_ids[chunk.start:chunk.end], pos, table, chunk.end - first, None, False
+        pos = range(chunk.start - shift, chunk.end - shift)
+        yield req.token_ids[chunk.start:chunk.end], pos, table, chunk.end - shift, None, False
     start = req.num_computed_tokens
     if item.end > start:
         pos = req.layout.in_context(start, item.end)

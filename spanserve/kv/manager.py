@@ -22,6 +22,12 @@ class KVCacheManager:
         self.hit_tokens = 0
         self.span_queried_tokens = 0  # the same, for tokens inside spans' shared blocks
         self.span_hit_tokens = 0
+        self.anchor_blocks: list[Block] = []  # pinned for good by pin()
+
+    def pin(self, num_blocks: int) -> list[Block]:
+        """Blocks the engine keeps for good (never freed, never cached): the span anchor."""
+        self.anchor_blocks = self.pool.allocate(num_blocks)
+        return self.anchor_blocks
 
     # ---- admission ----------------------------------------------------------------------
 
@@ -43,6 +49,7 @@ class KVCacheManager:
         req.block_table = [b if b is not None else self.pool.allocate(1)[0] for b in table]
         shadows.update(zip(missing_shadows, self.pool.allocate(len(missing_shadows))))
         req.shadows, req.span_done, req.span_cached_until = shadows, span_done, list(span_done)
+        req.anchor_blocks = self.anchor_blocks if layout.anchor else []
         req.span_hashed = [d // self.block_size for d in span_done]
         req.num_computed_tokens = num_context * self.block_size
         req.num_hashed_blocks = num_context

@@ -34,14 +34,26 @@ class SpanRange:
     start: int  # a multiple of the block size
     end: int  # exclusive; before the prompt's last token
     sub_end: int  # the span's own sub-sequence computes [start, sub_end)
+    offset: int = 0  # position of its first token in its own sub-sequence (after the anchor)
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """Whole blocks of fixed tokens every span (but one at the prompt's start) is computed
+    after, so a span's first token is not the sink its attention falls on: the anchor's is,
+    as the prompt's first token is in context (spans then lose far less accuracy)."""
+
+    num_tokens: int  # a multiple of the block size
+    last_hash: bytes  # the chain hash of its last block: the parent of anchored spans' chains
 
 
 class PromptLayout:
     def __init__(self, num_tokens: int, spans: Sequence[tuple[int, int]] = (),
-                 link: LinkPolicy | None = None, block_size: int = 16):
+                 link: LinkPolicy | None = None, block_size: int = 16, anchor: Anchor | None = None):
         """`spans` must already be valid (see validate_spans); a span reaching the last prompt
-        token is cut before it, since that token's logits must see the whole prompt."""
-        self.num_tokens, self.block_size = num_tokens, block_size
+        token is cut before it, since that token's logits must see the whole prompt. A span at
+        0 needs no anchor: it starts the prompt (and then equals a plain prefix)."""
+        self.num_tokens, self.block_size, self.anchor = num_tokens, block_size, anchor
         self.link = link = link or LinkPolicy()
         self.independent = np.zeros(num_tokens, dtype=bool)  # computed alone, inside a span
         self.spans: list[SpanRange] = []
@@ -52,7 +64,9 @@ class PromptLayout:
                 self.independent[start:end] = True
                 self.independent[start:start + linked] = False
                 tail_independent = self.independent[end // block_size * block_size:end].any()
-                self.spans.append(SpanRange(start, end, end if tail_independent else end // block_size * block_size))
+                sub_end = end if tail_independent else end // block_size * block_size
+                offset = anchor.num_tokens if anchor and start > 0 else 0
+                self.spans.append(SpanRange(start, end, sub_end, offset))
         self.awaiting_selection = link.selects and bool(self.spans)  # blend: the probe picks links
         self._refresh()
 
@@ -135,14 +149,15 @@ class PromptLayout:
     # ---- keys -----------------------------------------------------------------------------
 
     def key_deltas(self) -> torch.Tensor | None:
-        """How far each cached key's rotation lags its real position, for keys up to the last
-        independent one (later keys: 0). None without spans. The same tensor until relinked."""
+        """How far each cached key's rotation lags its real position (negative for a span
+        computed after an anchor longer than its start), for keys up to the last independent one
+        (later keys: 0). None without spans. The same tensor until relinked."""
         if not self.independent.any():
             return None
         if self._deltas is None:
             deltas = torch.zeros(self.num_tokens, dtype=torch.long)
             for span in self.spans:
-                deltas[span.start:span.end] = span.start
+                deltas[span.start:span.end] = span.start - span.offset
             deltas[~torch.from_numpy(self.independent)] = 0
             self._deltas = deltas[:int(self.independent.nonzero()[0][-1]) + 1]
         return self._deltas
@@ -167,7 +182,7 @@ class PromptLayout:
         chain restarts at the root, exactly as if the span were a prompt of its own."""
         bs, out = self.block_size, {}
         for span in self.spans:
-            parent = ROOT_HASH
+            parent = self.anchor.last_hash if span.offset else ROOT_HASH
             for i in range(span.start // bs, span.end // bs):
                 extra = (cache_salt,) if i == span.start // bs and cache_salt else ()
                 parent = out[i] = hash_block(parent, token_ids[i * bs:(i + 1) * bs], extra)
