@@ -33,7 +33,8 @@ def test_summarize():
     assert s["ttft_p50_ms"] == pytest.approx(200) and s["ttft_p99_ms"] == pytest.approx(298)
     assert s["itl_p50_ms"] == pytest.approx(20) and s["itl_p99_ms"] == pytest.approx(29.7)
     assert s["tpot_p50_ms"] == pytest.approx(20) and s["e2e_p50_ms"] == pytest.approx(240)
-    assert serve.summarize([failed], 1.0)["ttft_p50_ms"] is None
+    none = serve.summarize([failed], 1.0)
+    assert none["ttft_p50_ms"] is None and none["cached_tokens"] is None  # unknown, not 0
 
 
 def test_workload_is_seeded_and_balanced():

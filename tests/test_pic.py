@@ -206,7 +206,7 @@ def hf_logprobs(model, tokens: list[int], spans, anchor: list[int]) -> torch.Ten
 def test_reused_span_kv_is_exact_at_any_position(model_fixture, anchor, request):
     path = request.getfixturevalue(model_fixture)
     llm = make_llm(path, span_anchor=anchor)
-    anchor_tokens = llm.engine._anchor_tokens if anchor else []
+    anchor_tokens = llm.engine.anchor_tokens if anchor else []
     assert bool(anchor_tokens) == anchor
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)

@@ -128,7 +128,7 @@ class LLMEngine:
             return None
         hashes: list[bytes] = []
         extend_block_hashes(hashes, tokens, bs, None)
-        self._anchor_tokens = tokens
+        self.anchor_tokens = tokens
         return Anchor(len(tokens), hashes[-1])
 
     def _materialize_anchor(self) -> None:
@@ -139,7 +139,12 @@ class LLMEngine:
         if needed > self.kv.pool.num_free:
             raise CacheFullError("the KV pool is full: no room yet for the span anchor; retry shortly")
         blocks = self.kv.pin(needed)
-        self.runner.prefill_pinned(self._anchor_tokens, [b.block_id for b in blocks])
+        self.runner.prefill_pinned(self.anchor_tokens, [b.block_id for b in blocks])
+        # Published too: a prompt that starts with the anchor (an inner call of a span query) hits it.
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, self.anchor_tokens, self.config.block_size, None)
+        for block, block_hash in zip(blocks, hashes):
+            self.kv.pool.cache(block, block_hash)
 
     def _span_pad_token(self) -> int:
         """Pads spans to whole blocks: a newline where it is one token (it reads as a blank

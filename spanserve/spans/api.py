@@ -27,7 +27,8 @@ def query_tokenizer(engine: LLMEngine) -> QueryTokenizer:
     fmt = engine.derived.get("chat_format")
     if fmt is None:
         fmt = engine.derived["chat_format"] = ChatFormat(engine.tokenizer)
-    return QueryTokenizer(fmt, engine.config.block_size, engine.pad_token_id)
+    anchor = engine.anchor_tokens if engine.anchor else None
+    return QueryTokenizer(fmt, engine.config.block_size, engine.pad_token_id, anchor)
 
 
 async def run_async(llm, tree: Node, on_root_output=None) -> QueryResult:

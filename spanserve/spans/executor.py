@@ -81,7 +81,8 @@ class _Run:
         await asyncio.gather(*(self.executor.complete({"prompt_token_ids": seq}, prefill) for seq in sequences))
 
     async def _generate(self, node: Generate, path: str) -> RequestOutput:
-        ids, spans = self.executor.tokenizer.prompt(node, self.outputs)
+        exposed = path != "$" and not node.bare  # a caller reads it as a span
+        ids, spans = self.executor.tokenizer.prompt(node, self.outputs, exposed)
         params = SamplingParams(max_tokens=node.max_tokens, temperature=node.temperature, n=node.n,
                                 seed=node.seed, stop=list(node.stop))
         start = time.monotonic()

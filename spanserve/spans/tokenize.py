@@ -57,27 +57,32 @@ class ChatFormat:
 
 
 class QueryTokenizer:
-    def __init__(self, fmt: ChatFormat, block_size: int, pad_id: int):
+    def __init__(self, fmt: ChatFormat, block_size: int, pad_id: int, anchor: list[int] | None = None):
         self.fmt, self.block_size, self.pad_id = fmt, block_size, pad_id
+        self.anchor = anchor or []  # the engine's span anchor (pic/layout.py), if it has one
 
-    def prompt(self, call: Generate, outputs: dict[int, list[list[int]]]) -> tuple[list[int], list[tuple[int, int]]]:
+    def prompt(self, call: Generate, outputs: dict[int, list[list[int]]],
+               exposed: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids and spans of a `g`'s prompt; `outputs[id(g)]` holds the token ids each inner
-        g already generated (n of them)."""
-        pieces = [(self.fmt.bos, False)]
+        g already generated (n of them). An exposed call (a caller will read it as a span) starts
+        with the engine's span anchor: its KV is then exactly what the caller's span needs."""
+        head = self.anchor if exposed and self.anchor else self.fmt.bos
+        pieces = [(head, False)]
         pieces += self._pieces(call.input, outputs)
         pieces.append((self.fmt.generation_prompt, False))
         return assemble(pieces, self.block_size, self.pad_id)
 
     def exposed(self, call: Generate, outputs) -> list[list[int]]:
-        """What a caller's span holds for each output of `call` under plus distribution: the
-        call's input, the generation prompt, the output; padded to whole blocks. None if the
-        call's own prompt is not a prefix of it (spans or a BOS in it): no reuse to prepare."""
-        ids, spans = self.prompt(call, outputs)
-        if spans or self.fmt.bos:
+        """The sequences that hold, after the anchor, what a caller's span reads for each output
+        of `call` under plus distribution (the call's input, the generation prompt, the output),
+        padded to whole blocks. Empty if the call's own prompt is not a prefix of them (it has
+        spans, or a BOS and no anchor): then there is no reuse to prepare."""
+        ids, spans = self.prompt(call, outputs, exposed=True)
+        if spans or (self.fmt.bos and not self.anchor):
             return []
         out = []
         for seq in self._spans(Cross((call.input, call)), outputs):
-            out.append(seq + [self.pad_id] * (-len(seq) % self.block_size))
+            out.append(self.anchor + seq + [self.pad_id] * (-len(seq) % self.block_size))
         return out
 
     def _pieces(self, node: Node, outputs) -> list[tuple[list[int], bool]]:
