@@ -44,6 +44,8 @@ class TorchAttention(AttentionBackend):
             keys = keys if q_len == 1 and q.device.type == "cpu" else keys.to(q.dtype)
         if q_len == 1:  # the newest token: it sees the whole context
             return _single_query(q, keys, values, scale)
+        if q.device.type == "cpu" and meta.query_runs is not None:
+            return _by_runs(q, keys.to(q.dtype), values, meta.query_runs[i], scale)
         return _sdpa(q, keys, values, causal_mask(positions, ctx_len), scale)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, seqs: list[int] | None):
@@ -97,6 +99,33 @@ def causal_mask(query_idx: torch.Tensor, ctx_len: int) -> torch.Tensor:
     """Each query sees the keys up to its own index."""
     key_idx = torch.arange(ctx_len, device=query_idx.device)
     return key_idx[None, :] <= query_idx[:, None]
+
+
+def _by_runs(q, keys, values, runs, scale):
+    """Attention of runs of consecutive queries, each seeing every key before it and itself
+    causally: per run, a flash pass over the keys before the run and a causal flash pass over
+    the run, merged by their log-sum-exps. Twice as fast as an explicit mask on CPU, which
+    falls off the flash kernel and computes every masked score."""
+    groups = q.shape[1] // keys.shape[1]
+    keys = keys.transpose(0, 1).repeat_interleave(groups, 0)[None]  # [1, heads, ctx, D]
+    values = values.transpose(0, 1).repeat_interleave(groups, 0)[None]
+    out = torch.empty_like(q)
+    for row, end, first in runs:
+        qr = q[row:end].transpose(0, 1)[None]
+        last = first + end - row
+        o, lse = _flash(qr, keys[:, :, first:last], values[:, :, first:last], True, scale)
+        if first:
+            o_prefix, lse_prefix = _flash(qr, keys[:, :, :first], values[:, :, :first], False, scale)
+            top = torch.maximum(lse, lse_prefix)
+            w, w_prefix = (lse - top).exp()[..., None], (lse_prefix - top).exp()[..., None]
+            o = (o.float() * w + o_prefix.float() * w_prefix) / (w + w_prefix)
+        out[row:end] = o[0].transpose(0, 1).to(q.dtype)
+    return out
+
+
+def _flash(q, k, v, causal: bool, scale: float):
+    """The CPU flash kernel, which also returns the log-sum-exp of each query's scores."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal, scale=scale)
 
 
 def _rotate_padded(keys: torch.Tensor, rotations) -> torch.Tensor:
