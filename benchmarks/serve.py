@@ -184,13 +184,15 @@ def summarize(records: list[dict], duration_s: float) -> dict:
     e2e = [r["e2e_s"] for r in ok]
     prompt_tokens = sum(r["prompt_tokens"] or 0 for r in ok)
     output_tokens = sum(r["output_tokens"] or 0 for r in ok)
+    # None, not 0, when the server never reports them (vLLM does only with --enable-prompt-tokens-details)
+    cached = [r["cached_tokens"] for r in ok if r["cached_tokens"] is not None]
     return {
         "requests": len(records), "completed": len(ok), "errors": len(records) - len(ok),
         "duration_s": duration_s,
         "requests_per_s": len(ok) / duration_s, "output_tok_s": output_tokens / duration_s,
         "total_tok_s": (prompt_tokens + output_tokens) / duration_s,
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-        "cached_tokens": sum(r["cached_tokens"] or 0 for r in ok),
+        "cached_tokens": sum(cached) if cached else None,
         "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
         "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99),
         "tpot_p50_ms": ms(tpot, 50), "e2e_p50_ms": ms(e2e, 50), "e2e_p99_ms": ms(e2e, 99),
