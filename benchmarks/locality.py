@@ -1,0 +1,186 @@
+"""Attention locality: a needle-in-a-haystack judge, flat vs the judge tree (`judge_arity=2`).
+
+The span query paper's microbenchmark (section 6, figure 17): each of N candidates (--candidates,
+default 4) holds a known name (the needle) among random filler words (the hay); a judge reads all
+the candidates and must list the names. The hay grows (--hay-lengths, words before and after each
+needle) and we count the runs whose answer holds every name (all found) and the mean fraction of
+names found (partial credit). Two queries over the same candidates, run for run:
+- flat: g(cross(system, plus(c_1, ..., c_N), question)), one judge attends to all N candidates;
+- tree: the same query with `judge_arity=2`: judges over 2 candidates each, whose answers (bare) an
+  outer judge reads; per judge the hay is halved, but the outer judge must merge the lists.
+
+A candidate is a user message "<hay>\\nName <i>: <name>\\n<hay>" with hay drawn from a list of 48
+lowercase words, and the question is "List the names." (greedy, --max-tokens). A name counts as
+found if it occurs as a word in the root's answer; extra or invented names cost nothing. Each
+point runs --runs queries per variant, built from a seed, submitted to the engine together (their
+calls share engine steps; the queries are independent). The engine's link policy
+(--link-policy, default full: spans reused for their KV but attention as in a plain prompt) applies
+to every call.
+
+What works and what does not on SmolLM2-135M-Instruct (Q4_1), found by trying before writing this:
+- the candidates are fixed text, not inner `g` calls: asked to repeat a hay+needle text, the model
+  lost the name in 10 of 12 runs at 40 words of hay (4 of 12 at 10 words); asked to write filler
+  and then a name, it wrote the name first and repeated it, so the hay was not hay.
+- flat judges do the task at short hay only with keyed needles ("Name 3: Priya"), a terse question
+  ("List the names.") and link policy full. Free-text needles ("The secret name is ..."), few-shot
+  examples (the example names leak into answers), sentence-shaped hay (copied back), digits or
+  made-up syllables as hay, and asking to copy lines verbatim all did worse. Link policy none
+  (spans never see one another) breaks even the 2-list merge; gap 32 is better but well below
+  full as soon as the hay is longer than the gap.
+- the tree's inner judges usually find their two names, but the model does not stop after them: it
+  keeps listing hay words or repeats a name, and the outer judge copies the first list and its
+  filler to the token limit. So all-found for the tree stays near zero at every hay length; the
+  partial credit is where the tree can hold up as the hay grows while the flat judge falls.
+
+    OMP_WAIT_POLICY=PASSIVE spanserve bench locality [--hay-lengths 10,100,300,500] [--runs 20] [--quick]
+"""
+
+import argparse
+import asyncio
+import random
+import re
+import statistics
+import sys
+from pathlib import Path
+
+from benchmarks import harness
+
+NAMES = ["Marisol", "Thaddeus", "Ingrid", "Kofi", "Beatrix", "Osvaldo", "Yuki", "Fenwick", "Priya", "Lazlo",
+         "Henrike", "Dashiell", "Noor", "Tobias", "Quentin", "Saoirse", "Rafferty", "Ottilie", "Cosimo", "Wren"]
+HAY_WORDS = ("the a river stone cloud green quiet table window bread slow warm paper garden road blue small old music "
+             "rain morning light cold tree water field soft yellow chair basket candle wooden bright long evening "
+             "hill market glass silver quick round empty heavy").split()
+SYSTEM = "You copy facts exactly."
+QUESTION = "List the names."
+VARIANTS = {"flat": None, "tree": 2}  # judge_arity
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--hay-lengths", default="10,100,300,500", help="hay words before and after each needle")
+    parser.add_argument("--candidates", type=int, default=4, help="candidates (one needle each) per judge query")
+    parser.add_argument("--runs", type=int, default=20, help="queries per hay length and variant")
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per judge answer")
+    parser.add_argument("--link-policy", default="full", choices=["none", "gap", "blend", "full"])
+    parser.add_argument("--gap-length", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="3 runs at hay lengths 5 and 20 (a smoke test)")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/locality.json)")
+
+
+def hay(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(HAY_WORDS) for _ in range(words))
+
+
+def make_query(rng: random.Random, hay_words: int, candidates: int, max_tokens: int):
+    """One judge query over `candidates` hay+needle texts; returns (tree, needles)."""
+    from spanserve.spans.ir import cross, g, plus, system, user
+
+    names = rng.sample(NAMES, candidates)
+    texts = [user(f"{hay(rng, hay_words)}\nName {i + 1}: {name}\n{hay(rng, hay_words)}")
+             for i, name in enumerate(names)]
+    return g(cross(system(SYSTEM), plus(*texts), user(QUESTION)), max_tokens=max_tokens), names
+
+
+def found(text: str, names: list[str]) -> list[str]:
+    return [n for n in names if re.search(rf"\b{re.escape(n)}\b", text, re.IGNORECASE)]
+
+
+def inner_found(llm, result, names: list[str], arity: int) -> list[set[str]]:
+    """Names each first-level judge of a tree found among its own candidates (plus[j] reads j*arity...)."""
+    tokenizer = llm.get_tokenizer()
+    out = []
+    for path, ids in result.outputs.items():
+        if (m := re.fullmatch(r"\$\.input\.cross\[1\]\.plus\[(\d+)\]", path)):
+            j = int(m.group(1))
+            out.append(set(found(tokenizer.decode(ids[0]), names[j * arity:(j + 1) * arity])))
+    return out
+
+
+def run_queries(llm, trees: list, judge_arity: int | None) -> list:
+    """Run span queries together on the offline engine (llm.run_query runs one at a time): the
+    executor of each issues its calls level by level, and one driver steps the engine for all."""
+    from spanserve.spans.api import _Driver, prepare, query_tokenizer
+    from spanserve.spans.executor import Executor
+
+    tokenizer = query_tokenizer(llm.engine)
+    driver = _Driver(llm.engine)
+
+    async def all_queries():
+        return await asyncio.gather(*(Executor(driver.complete, tokenizer).run(prepare(t, judge_arity=judge_arity).tree)
+                                      for t in trees))
+
+    return asyncio.run(driver.drive(all_queries()))
+
+
+def measure(llm, hay_words: int, args, runs: int) -> dict:
+    rng = random.Random(f"{args.seed}-{hay_words}")
+    queries = [make_query(rng, hay_words, args.candidates, args.max_tokens) for _ in range(runs)]
+    trees, needles = [q[0] for q in queries], [q[1] for q in queries]
+    entry = {"hay_words": hay_words, "needles": needles}
+    for variant, arity in VARIANTS.items():
+        with harness.Timer() as timer:
+            results = run_queries(llm, trees, arity)
+        hits = [found(r.text, names) for r, names in zip(results, needles)]
+        if arity:  # what the inner judges found: all of it would reach the root if it merged their lists
+            inner = [inner_found(llm, r, names, arity) for r, names in zip(results, needles)]
+            entry["tree_inner"] = {
+                "all_found": sum(len(set().union(*i)) == len(n) for i, n in zip(inner, needles)) / runs,
+                "mean_found": statistics.fmean(len(set().union(*i)) / len(n) for i, n in zip(inner, needles)),
+                "found": [[sorted(x) for x in i] for i in inner],
+            }
+        entry[variant] = {
+            "all_found": sum(len(h) == len(n) for h, n in zip(hits, needles)) / runs,
+            "mean_found": statistics.fmean(len(h) / len(n) for h, n in zip(hits, needles)),
+            "calls": statistics.fmean(len(r.calls) for r in results),
+            "root_prompt_tokens": statistics.fmean(r.calls[-1].prompt_tokens for r in results),
+            "max_judge_prompt_tokens": max(c.prompt_tokens for r in results for c in r.calls),
+            "seconds": timer.seconds,
+            "answers": [r.text for r in results],
+            "found": hits,
+        }
+    return entry
+
+
+def run(args) -> dict:
+    harness.configure_threads()
+    from spanserve import LLM
+
+    hay_lengths = [5, 20] if args.quick else [int(x) for x in args.hay_lengths.split(",")]
+    runs = 3 if args.quick else args.runs
+    llm = LLM(model=args.model, dtype=args.dtype, link_policy=args.link_policy, gap_length=args.gap_length)
+    results, rows = [], []
+    for hay_words in hay_lengths:
+        entry = measure(llm, hay_words, args, runs)
+        results.append(entry)
+        flat, tree = entry["flat"], entry["tree"]
+        inner = entry["tree_inner"]
+        rows.append([hay_words, round(flat["root_prompt_tokens"]), round(tree["max_judge_prompt_tokens"]),
+                     f"{flat['all_found']:.0%}", f"{tree['all_found']:.0%}", f"{inner['all_found']:.0%}",
+                     f"{flat['mean_found']:.0%}", f"{tree['mean_found']:.0%}", f"{inner['mean_found']:.0%}",
+                     f"{flat['seconds'] + tree['seconds']:.0f}"])
+    headers = ["hay words", "flat prompt tok", "tree max judge tok", "flat all", "tree all", "inner all", "flat mean",
+               "tree mean", "inner mean", "s"]
+    harness.print_table(headers, rows, title=f"Needles found, {args.candidates} candidates, {runs} runs per point, "
+                                             f"link policy {args.link_policy} (all: every name; mean: fraction)")
+    data = {"benchmark": "locality", "args": vars(args), "runs": runs, "machine": harness.machine_info(),
+            "results": results}
+    out = harness.write_json(data, "locality", args.out)
+    if not args.quick:
+        series = {f"{v} {k}": [100 * e[v][f"{k}_found"] for e in results] for k in ("all", "mean") for v in VARIANTS}
+        title = f"Needles found (%), {args.candidates} candidates, flat vs judge_arity=2"
+        harness.bar_chart(Path(out).with_suffix(".png"), title, [f"{h} hay words" for h in hay_lengths], series,
+                          "% of runs (all) / of names (mean)")
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spanserve bench locality", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
