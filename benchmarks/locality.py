@@ -9,28 +9,40 @@ names found (partial credit). Two queries over the same candidates, run for run:
 - tree: the same query with `judge_arity=2`: judges over 2 candidates each, whose answers (bare) an
   outer judge reads; per judge the hay is halved, but the outer judge must merge the lists.
 
-A candidate is a user message "<hay>\\nName <i>: <name>\\n<hay>" with hay drawn from a list of 48
+A candidate is a user message "<hay>\\nName <i>: <name>\\n<hay>" with hay drawn from a list of 43
 lowercase words, and the question is "List the names." (greedy, --max-tokens). A name counts as
-found if it occurs as a word in the root's answer; extra or invented names cost nothing. Each
-point runs --runs queries per variant, built from a seed, submitted to the engine together (their
-calls share engine steps; the queries are independent). The engine's link policy
-(--link-policy, default full: spans reused for their KV but attention as in a plain prompt) applies
-to every call.
+found if it occurs as a word in the root's answer; extra or invented names cost nothing. The tree
+also reports what its first-level judges found together ("inner": what a perfect merge would
+give). Each point runs --runs queries per variant, built from a seed, submitted to the engine
+together (their calls share engine steps; the queries are independent). The engine's link policy
+(--link-policy, default full: spans reused for their KV, attention as in a plain prompt) applies to
+every call.
 
-What works and what does not on SmolLM2-135M-Instruct (Q4_1), found by trying before writing this:
-- the candidates are fixed text, not inner `g` calls: asked to repeat a hay+needle text, the model
-  lost the name in 10 of 12 runs at 40 words of hay (4 of 12 at 10 words); asked to write filler
-  and then a name, it wrote the name first and repeated it, so the hay was not hay.
-- flat judges do the task at short hay only with keyed needles ("Name 3: Priya"), a terse question
-  ("List the names.") and link policy full. Free-text needles ("The secret name is ..."), few-shot
-  examples (the example names leak into answers), sentence-shaped hay (copied back), digits or
-  made-up syllables as hay, and asking to copy lines verbatim all did worse. Link policy none
-  (spans never see one another) breaks even the 2-list merge; gap 32 is better but well below
-  full as soon as the hay is longer than the gap.
-- the tree's inner judges usually find their two names, but the model does not stop after them: it
-  keeps listing hay words or repeats a name, and the outer judge copies the first list and its
-  filler to the token limit. So all-found for the tree stays near zero at every hay length; the
-  partial credit is where the tree can hold up as the hay grows while the flat judge falls.
+Result on SmolLM2-135M-Instruct (Q4_1, 2 shared cores, 20 runs, about 11 minutes): the tree does
+NOT hold up. Flat all-found goes 60% (10 hay words), 50% (100), 0% (300), 0% (500); the tree's
+root never lists all four names (0% everywhere) and its partial credit (29-39%, 15% at 500) stays
+below the flat one's (84%, 74%, 41%, 26%). Attention locality does show one level down: the
+first-level judges, each reading half the hay, find all names between them in 30% of the runs at
+300 words where the flat judge finds them in none (62% vs 41% of the names). The loss is the merge:
+this model does not stop after the names it found, it goes on listing hay words or repeating a
+name, and the outer judge copies the first list with its filler up to the token limit.
+
+What was tried on this model before settling on the above:
+- candidates are fixed text, not inner `g` calls: asked to repeat a hay+needle text, the model lost
+  the name in 10 of 12 runs at 40 words of hay (4 of 12 at 10 words); asked to write filler and
+  then a name, it wrote the name first and repeated it, so there was no hay.
+- a flat judge does the task at short hay only with keyed needles ("Name 3: Priya"), a terse
+  question and link policy full; user messages beat assistant ones. Free-text needles ("The secret
+  name is ..." gets one name back), few-shot examples (their names leak into the answers), sentence
+  hay (copied back), digits or symbols as hay (listed back), comma-separated answers and asking to
+  copy the lines verbatim all did worse. Made-up syllables as hay did as well for the flat judge at
+  20 words (7 of 10 runs) but come back as invented names, and the tree was no better with them.
+- given clean keyed lists ("Name 1: A\\nName 2: B" and "Name 3: C\\nName 4: D") a judge merges them
+  in 10 of 12 runs, but no question made the inner judges write such lists: asked for "Name 1,
+  Name 2 and the other names", the second one renumbers from 1 or invents names up to 4.
+- link policy none (spans never attend to one another) fails even at 10 hay words; with gap 32
+  (10 runs) the flat judge finds 82% of the names at 10 words (full: 84%) but all four in no run
+  from 100 words on, and the tree's root is no better (0% all-found, 22-32% of the names).
 
     OMP_WAIT_POLICY=PASSIVE spanserve bench locality [--hay-lengths 10,100,300,500] [--runs 20] [--quick]
 """
@@ -168,11 +180,19 @@ def run(args) -> dict:
             "results": results}
     out = harness.write_json(data, "locality", args.out)
     if not args.quick:
-        series = {f"{v} {k}": [100 * e[v][f"{k}_found"] for e in results] for k in ("all", "mean") for v in VARIANTS}
-        title = f"Needles found (%), {args.candidates} candidates, flat vs judge_arity=2"
-        harness.bar_chart(Path(out).with_suffix(".png"), title, [f"{h} hay words" for h in hay_lengths], series,
-                          "% of runs (all) / of names (mean)")
+        chart(data, Path(out).with_suffix(".png"))
     return data
+
+
+def chart(data: dict, path: Path) -> None:
+    results = data["results"]
+    labels = {"flat": "flat", "tree": "tree (root)", "tree_inner": "tree, first-level judges"}
+    series = {f"{label} {k}": [100 * e[v][f"{k}_found"] for e in results]
+              for k in ("all", "mean") for v, label in labels.items()}
+    title = (f"Needles found (%), {data['args']['candidates']} candidates, flat vs judge_arity=2, "
+             f"link policy {data['args']['link_policy']}")
+    harness.bar_chart(path, title, [f"{e['hay_words']} hay words" for e in results], series,
+                      "% of runs with all names / % of names")
 
 
 def main(argv: list[str] | None = None) -> int:
