@@ -337,10 +337,7 @@ def _records(items: list[dict], results: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="spanserve bench accuracy", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0
+    return harness.cli_main("accuracy", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

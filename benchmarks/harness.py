@@ -5,6 +5,7 @@ optionally a PNG chart next to it. Nothing here imports torch at module load, so
 `configure_threads()` can still set the OpenMP environment before torch starts.
 """
 
+import argparse
 import json
 import os
 import platform
@@ -131,6 +132,14 @@ def bar_chart(path: str | Path, title: str, categories: Sequence[str], series: d
     plt.close(fig)
     print(f"wrote {path}")
     return path
+
+
+def cli_main(name: str, doc: str, add_arguments: Callable, run: Callable, argv: list[str] | None) -> int:
+    """`spanserve bench NAME`: parse the benchmark's arguments and run it."""
+    parser = argparse.ArgumentParser(prog=f"spanserve bench {name}", description=doc.split("\n\n")[0])
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0
 
 
 def machine_info() -> dict:

@@ -196,10 +196,7 @@ def chart(data: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="spanserve bench locality", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0
+    return harness.cli_main("locality", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

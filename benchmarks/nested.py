@@ -106,10 +106,7 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="spanserve bench nested", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0
+    return harness.cli_main("nested", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

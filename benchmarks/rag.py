@@ -550,10 +550,7 @@ def chart(per_n: dict, policies: list[str], with_vllm: bool, path: Path, model: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="spanserve bench rag", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0
+    return harness.cli_main("rag", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

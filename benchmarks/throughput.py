@@ -414,10 +414,7 @@ def _loadavg() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="spanserve bench throughput", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0
+    return harness.cli_main("throughput", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
