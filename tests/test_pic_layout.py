@@ -42,6 +42,8 @@ def test_in_context_skips_the_independent_part_of_each_span():
     lay = layout(100, [(16, 40), (48, 64)], "gap", 16)  # the second span is all gap
     assert lay.in_context(0, 100) == [t for t in range(100) if not 32 <= t < 40]
     assert lay.in_context(33, 45) == [40, 41, 42, 43, 44]
+    for start, end in ((0, 100), (33, 45), (35, 38), (90, 120), (50, 40)):
+        assert lay.count_in_context(start, end) == len(lay.in_context(start, end))
 
 
 def test_advance_counts_only_in_context_tokens():

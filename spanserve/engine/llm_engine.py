@@ -126,10 +126,9 @@ class LLMEngine:
         tokens += [self.pad_token_id] * (-len(tokens) % bs)
         if not tokens or len(tokens) // bs * 4 > self.kv.pool.num_blocks:  # a pool too small to spare it
             return None
-        hashes: list[bytes] = []
-        extend_block_hashes(hashes, tokens, bs, None)
-        self.anchor_tokens = tokens
-        return Anchor(len(tokens), hashes[-1])
+        self.anchor_tokens, self._anchor_hashes = tokens, []
+        extend_block_hashes(self._anchor_hashes, tokens, bs, None)
+        return Anchor(len(tokens), self._anchor_hashes[-1])
 
     def _materialize_anchor(self) -> None:
         """Pin the anchor's blocks and compute its KV, once, before the first request needing it."""
@@ -141,9 +140,7 @@ class LLMEngine:
         blocks = self.kv.pin(needed)
         self.runner.prefill_pinned(self.anchor_tokens, [b.block_id for b in blocks])
         # Published too: a prompt that starts with the anchor (an inner call of a span query) hits it.
-        hashes: list[bytes] = []
-        extend_block_hashes(hashes, self.anchor_tokens, self.config.block_size, None)
-        for block, block_hash in zip(blocks, hashes):
+        for block, block_hash in zip(blocks, self._anchor_hashes):
             self.kv.pool.cache(block, block_hash)
 
     def _span_pad_token(self) -> int:

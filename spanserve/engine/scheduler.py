@@ -136,5 +136,5 @@ def plan(req: Request, budget: int) -> ScheduledRequest:
     if item.num_tokens < budget:
         limit = min(req.num_tokens, layout.ready_limit(done))
         item.end = max(item.end, layout.advance(item.end, budget - item.num_tokens, limit))
-        item.num_tokens += len(layout.in_context(req.num_computed_tokens, item.end))
+        item.num_tokens += layout.count_in_context(req.num_computed_tokens, item.end)
     return item

@@ -116,7 +116,7 @@ class KVCacheManager:
         """Hit-rate counters; also fixes req.num_cached_tokens at its first admission."""
         layout, n = req.layout, req.num_prompt_tokens
         o = min(req.num_computed_tokens, n)
-        computed = len(layout.in_context(o, n))
+        computed = layout.count_in_context(o, n)
         for span, d in zip(layout.spans, req.span_done):
             independent = layout.independent[span.start:span.end]
             hit = int(independent[:max(0, max(d, o) - span.start)].sum())

@@ -118,6 +118,10 @@ class PromptLayout:
         inside = (np.flatnonzero(~self.independent[start:min(end, n)]) + start).tolist() if start < n else []
         return inside + list(range(max(start, n), end))
 
+    def count_in_context(self, start: int, end: int) -> int:
+        """len(in_context(start, end)), without building the list."""
+        return self._count_before(end) - self._count_before(start) if end > start else 0
+
     def advance(self, start: int, budget: int, limit: int) -> int:
         """The end e <= limit such that [start, e) holds `budget` in-context tokens (or fewer
         if the limit comes first); independent tokens inside are skipped for free."""
@@ -164,9 +168,11 @@ class PromptLayout:
 
     def first_shifted_key(self) -> int:
         """Index of the first key whose rotation must change (a large number if none)."""
-        deltas = self.key_deltas()
-        shifted = [] if deltas is None else deltas.nonzero()
-        return int(shifted[0]) if len(shifted) else 1 << 62
+        if "first_shifted_key" not in self.derived:
+            deltas = self.key_deltas()
+            shifted = [] if deltas is None else deltas.nonzero()
+            self.derived["first_shifted_key"] = int(shifted[0]) if len(shifted) else 1 << 62
+        return self.derived["first_shifted_key"]
 
     # ---- hashes -------------------------------------------------------------------------
 
