@@ -27,12 +27,15 @@ class KeyRotation:
         return cls(expand(torch.cat([cos, cos], -1)), expand(torch.cat([-sin, sin], -1)))
 
     def apply(self, keys: torch.Tensor) -> torch.Tensor:
-        """Float32 copy of keys [context_len, kv_heads, head_dim], its first n keys rotated."""
-        out = keys.to(torch.float32, copy=True)
-        n = min(len(out), len(self.cos))
-        x, half = out[:n], out.shape[-1] // 2
-        out[:n] = torch.addcmul(x * self.cos[:n], torch.cat([x[..., half:], x[..., :half]], -1), self.sin[:n])
-        return out
+        """Float32 keys [context_len, kv_heads, head_dim], the first n of them rotated (a new tensor)."""
+        x = keys.float()
+        n, half = min(len(x), len(self.cos)), x.shape[-1] // 2
+        head = x[:n]
+        rotated = torch.addcmul(head * self.cos[:n], torch.cat([head[..., half:], head[..., :half]], -1),
+                                self.sin[:n])
+        if n == len(x):
+            return rotated
+        return torch.cat([rotated, x[n:]])
 
 
 @dataclass

@@ -106,21 +106,37 @@ def _by_runs(q, keys, values, runs, scale):
     causally: per run, a flash pass over the keys before the run and a causal flash pass over
     the run, merged by their log-sum-exps. Twice as fast as an explicit mask on CPU, which
     falls off the flash kernel and computes every masked score."""
-    groups = q.shape[1] // keys.shape[1]
-    keys = keys.transpose(0, 1).repeat_interleave(groups, 0)[None]  # [1, heads, ctx, D]
-    values = values.transpose(0, 1).repeat_interleave(groups, 0)[None]
+    kv_heads = keys.shape[1]
+    keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, kv_heads, ctx, D]
     out = torch.empty_like(q)
     for row, end, first in runs:
-        qr = q[row:end].transpose(0, 1)[None]
+        qr = q[row:end].transpose(0, 1)[None]  # [1, heads, run, D]
         last = first + end - row
-        o, lse = _flash(qr, keys[:, :, first:last], values[:, :, first:last], True, scale)
+        o, lse = _flash(qr, *_expand_heads(keys[:, :, first:last], values[:, :, first:last], q.shape[1]),
+                        True, scale)
         if first:
-            o_prefix, lse_prefix = _flash(qr, keys[:, :, :first], values[:, :, :first], False, scale)
+            o_prefix, lse_prefix = _flash_grouped(qr, keys[:, :, :first], values[:, :, :first], kv_heads, scale)
             top = torch.maximum(lse, lse_prefix)
             w, w_prefix = (lse - top).exp()[..., None], (lse_prefix - top).exp()[..., None]
             o = (o.float() * w + o_prefix.float() * w_prefix) / (w + w_prefix)
         out[row:end] = o[0].transpose(0, 1).to(q.dtype)
     return out
+
+
+def _expand_heads(keys, values, heads: int):
+    """Grouped-query keys/values [1, kv_heads, n, D] repeated to one per query head."""
+    groups = heads // keys.shape[1]
+    return keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+
+
+def _flash_grouped(q, keys, values, kv_heads: int, scale: float):
+    """Non-causal flash pass of q [1, heads, n, D] over grouped-query keys [1, kv_heads, m, D]
+    without repeating them: each kv head's query heads are folded into one longer query run
+    (exact, as no query is masked), so the keys are read once per kv head."""
+    _, heads, n, dim = q.shape
+    folded = q.reshape(1, kv_heads, heads // kv_heads * n, dim)
+    o, lse = _flash(folded, keys, values, False, scale)
+    return o.reshape(1, heads, n, dim), lse.reshape(1, heads, n)
 
 
 def _flash(q, k, v, causal: bool, scale: float):
