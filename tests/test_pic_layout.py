@@ -1,8 +1,11 @@
 """pic/ on its own: span geometry, link policies, prompt parts (no model)."""
 
 import pytest
+import torch
 
 from spanserve import InvalidRequestError, Span
+from spanserve.attention import KeyRotation
+from spanserve.models.rope import RotaryEmbedding
 from spanserve.pic.layout import PromptLayout, validate_spans
 from spanserve.pic.link import LinkPolicy
 from spanserve.pic.prompt import chat_parts, tokenize_parts
@@ -149,3 +152,22 @@ def test_chat_parts_keep_spans_inside_the_template():
 def test_an_empty_span_is_rejected():
     with pytest.raises(InvalidRequestError):
         Span("")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_rotation_moves_keys_to_their_new_position_in_their_own_dtype(dtype):
+    """Rotating keys computed at p by delta equals computing them at p + delta (to the
+    precision of the keys' dtype); keys past the rotation's length stay as they are."""
+    rope = RotaryEmbedding(64, 512, 10000.0, {})
+    raw = torch.randn(40, 3, 64)
+    at = torch.arange(40)
+    _, stored = rope(at, raw, raw)
+    deltas = torch.tensor([100] * 20 + [-7] * 10)
+    sign = deltas.sign().unsqueeze(-1).float()
+    rotation = KeyRotation.from_angles(rope.cos[deltas.abs()], sign * rope.sin[deltas.abs()], 3)
+    moved = rotation.apply(stored.to(dtype))
+    assert moved.dtype == dtype
+    _, expected = rope(at + torch.cat([deltas, torch.zeros(10, dtype=torch.long)]), raw, raw)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (moved.float() - expected).abs().max() < tolerance * expected.abs().max()
+    assert torch.equal(moved[30:], stored[30:].to(dtype))

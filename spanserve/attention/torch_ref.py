@@ -39,13 +39,12 @@ class TorchAttention(AttentionBackend):
             return _sdpa(q, k, v, None, scale, causal=True)
         first = meta.contiguous_from[i] if meta.contiguous_from else None
         keys, values = gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
+        if q_len == 1:  # the newest token: it sees the whole context
+            return _single_query(q, keys, values, scale, rotation)
         if rotation is not None:
             keys = rotation.apply(keys)
-            keys = keys if q_len == 1 and q.device.type == "cpu" else keys.to(q.dtype)
-        if q_len == 1:  # the newest token: it sees the whole context
-            return _single_query(q, keys, values, scale)
         if q.device.type == "cpu" and meta.query_runs is not None:
-            return _by_runs(q, keys.to(q.dtype), values, meta.query_runs[i], scale)
+            return _by_runs(q, keys, values, meta.query_runs[i], scale)
         return _sdpa(q, keys, values, causal_mask(positions, ctx_len), scale)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, seqs: list[int] | None):
@@ -61,8 +60,8 @@ class TorchAttention(AttentionBackend):
         num_seqs = len(lens)
         max_len = int(lens.max())
         tables = tables[:, : -(-max_len // block_size)]
-        keys = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, kv_heads, D]
-        values = v_cache[tables].flatten(1, 2)[:, :max_len]
+        keys = gather_blocks(k_cache, tables).flatten(1, 2)[:, :max_len]  # [B, L, kv_heads, D]
+        values = gather_blocks(v_cache, tables).flatten(1, 2)[:, :max_len]
         if q.device.type == "cpu":  # the CPU kernel is ~6x faster on one query in float32 than bf16
             q, keys, values = q.float(), keys.float(), values.float()
         if rotations is not None and any(r is not None for r in rotations):
@@ -90,9 +89,15 @@ def gather_context(k_cache, v_cache, block_table, ctx_len, first_block=None):
     num_blocks = -(-ctx_len // k_cache.shape[1])
     if first_block is not None:  # a contiguous run: a view, no copy
         blocks = slice(first_block, first_block + num_blocks)
-    else:
-        blocks = block_table[:num_blocks]
-    return k_cache[blocks].flatten(0, 1)[:ctx_len], v_cache[blocks].flatten(0, 1)[:ctx_len]
+        return k_cache[blocks].flatten(0, 1)[:ctx_len], v_cache[blocks].flatten(0, 1)[:ctx_len]
+    blocks = block_table[:num_blocks]
+    return (gather_blocks(k_cache, blocks).flatten(0, 1)[:ctx_len],
+            gather_blocks(v_cache, blocks).flatten(0, 1)[:ctx_len])
+
+
+def gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """cache[table] for a block table of any shape; index_select is 2.5x faster than indexing."""
+    return torch.index_select(cache, 0, table.flatten()).view(*table.shape, *cache.shape[1:])
 
 
 def causal_mask(query_idx: torch.Tensor, ctx_len: int) -> torch.Tensor:
@@ -154,11 +159,13 @@ def _rotate_padded(keys: torch.Tensor, rotations) -> torch.Tensor:
     return keys
 
 
-def _single_query(q, k, v, scale):
+def _single_query(q, k, v, scale, rotation=None):
     """One decode token attending to its whole context: no mask needed."""
+    dtype = q.dtype
     if q.device.type == "cpu":  # the CPU kernel is ~6x faster on one query in float32 than bf16
-        return _sdpa(q.float(), k.float(), v.float(), None, scale).to(q.dtype)
-    return _sdpa(q, k, v, None, scale)
+        q, k, v = q.float(), k.float(), v.float()
+    k = k if rotation is None else rotation.apply(k)
+    return _sdpa(q, k, v, None, scale).to(dtype)
 
 
 def _sdpa(q, k, v, mask, scale, causal=False):
