@@ -6,6 +6,11 @@ import torch.nn.functional as F
 from spanserve.attention.backend import AttentionBackend, AttentionMetadata
 
 
+# Queries in more runs than this (CacheBlend's scattered tokens) take one masked pass: two
+# flash passes per run would re-read the keys before every run.
+MAX_RUNS = 8
+
+
 class TorchAttention(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -43,8 +48,9 @@ class TorchAttention(AttentionBackend):
             return _single_query(q, keys, values, scale, rotation)
         if rotation is not None:
             keys = rotation.apply(keys)
-        if q.device.type == "cpu" and meta.query_runs is not None:
-            return _by_runs(q, keys, values, meta.query_runs[i], scale)
+        runs = meta.query_runs[i] if meta.query_runs is not None else None
+        if q.device.type == "cpu" and runs is not None and len(runs) <= MAX_RUNS:
+            return _by_runs(q, keys, values, runs, scale)
         return _sdpa(q, keys, values, causal_mask(positions, ctx_len), scale)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, seqs: list[int] | None):
