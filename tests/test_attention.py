@@ -1,0 +1,31 @@
+"""The CPU attention paths agree with a plain masked softmax attention."""
+
+import torch
+
+from spanserve.attention.torch_ref import _by_runs, _sdpa, causal_mask
+from spanserve.engine.runner import _runs
+
+
+def reference(q, keys, values, positions, scale):
+    """Each query sees the keys up to its own position (explicit softmax, float64)."""
+    groups = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(groups, 1)
+    v = values.double().repeat_interleave(groups, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    scores = scores.masked_fill(~causal_mask(positions, len(keys))[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def test_run_by_run_and_masked_attention_equal_the_reference():
+    torch.manual_seed(0)
+    positions = torch.tensor([3, 4, 5, 10, 11, 20, 21, 22, 23, 40])  # four runs, one of a single query
+    ctx, heads, kv_heads, dim = 41, 6, 2, 16
+    q = torch.randn(len(positions), heads, dim)
+    keys, values = torch.randn(ctx, kv_heads, dim), torch.randn(ctx, kv_heads, dim)
+    expected = reference(q, keys, values, positions, 0.25)
+    runs = _runs(positions.tolist())
+    assert len(runs) == 4
+    by_runs = _by_runs(q, keys, values, runs, 0.25)
+    masked = _sdpa(q, keys, values, causal_mask(positions, ctx), 0.25)
+    assert (by_runs.double() - expected).abs().max() < 1e-5
+    assert (masked.double() - expected).abs().max() < 1e-5
