@@ -11,6 +11,7 @@ padded to whole KV blocks):
   spans off   no spans: an ordinary prompt
   none        spans reused as computed alone
   gap16/gap32 the first 16/32 tokens of every span recomputed in context
+  blend0.15   CacheBlend: the 15% of span tokens whose layer-1 K/V deviate most recomputed
   full        spans ignored: must equal spans off (the reference of the first-token agreement)
   text        (extra) the documents as plain text without block padding: what a user would send
 The cache is reset before each condition. Greedy decoding, --max-tokens; exact match when the first
@@ -32,7 +33,7 @@ from benchmarks import harness
 from benchmarks.rag import _TEMPLATES, DocumentMaker, git_state, policy_params
 
 DEPTHS = ("first", "middle", "last")
-CONDITIONS = ("spans_off", "none", "gap16", "gap32", "full", "text")
+CONDITIONS = ("spans_off", "none", "gap16", "gap32", "blend0.15", "full", "text")
 GOAL_POINTS = 2.0  # gap policies: exact-match accuracy within this many points of spans off
 
 # Prompt styles tried on SmolLM2-135M with spans off (--styles all --questions 6 --max-tokens 24: 36 questions,

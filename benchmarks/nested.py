@@ -114,11 +114,12 @@ def run(args) -> dict:
             entry["speedup"] = entry["plain"]["judge_ttft_s"] / entry["span query"]["judge_ttft_s"]
             results.append(entry)
             span, plain = entry["span query"], entry["plain"]
-            rows.append([fanout, temperature, round(plain["candidate_tokens"]), plain["judge_prompt_tokens"], plain["judge_ttft_s"] * 1000,
+            rows.append([fanout, temperature, round(plain["candidate_tokens"]),
+                         plain["judge_prompt_tokens"], plain["judge_ttft_s"] * 1000,
                          span["judge_ttft_s"] * 1000, f"{span['judge_cached_tokens']}/{span['judge_prompt_tokens']}",
                          f"{entry['speedup']:.1f}x"])
-    headers = ["fan-out", "temp", "candidate tok", "judge prompt", "plain TTFT ms", "span query TTFT ms", "span cached/prompt",
-               "speedup"]
+    headers = ["fan-out", "temp", "candidate tok", "judge prompt", "plain TTFT ms", "span query TTFT ms",
+               "span cached/prompt", "speedup"]
     harness.print_table(headers, rows, title=f"Judge TTFT, {args.task}, {max_tokens}-token candidates, median of runs "
                        "(goal: >= 8x at fan-out 8, temp 0.5)")
     data = {"benchmark": "nested", "args": vars(args), "machine": harness.machine_info(), "results": results}

@@ -2,7 +2,7 @@
 
 import torch
 
-from spanserve.attention.torch_ref import _by_runs, _sdpa, causal_mask
+from spanserve.attention.torch_ref import _by_runs, _grouped_queries, _sdpa, causal_mask
 from spanserve.engine.runner import _runs
 
 
@@ -29,3 +29,15 @@ def test_run_by_run_and_masked_attention_equal_the_reference():
     masked = _sdpa(q, keys, values, causal_mask(positions, ctx), 0.25)
     assert (by_runs.double() - expected).abs().max() < 1e-5
     assert (masked.double() - expected).abs().max() < 1e-5
+
+
+def test_batched_decode_over_padded_contexts_equals_the_reference():
+    torch.manual_seed(1)
+    lens, heads, kv_heads, dim = [5, 17, 9], 6, 2, 16
+    q = torch.randn(len(lens), heads, dim)
+    keys, values = torch.randn(len(lens), max(lens), kv_heads, dim), torch.randn(len(lens), max(lens), kv_heads, dim)
+    mask = torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]
+    out = _grouped_queries(q, keys, values, mask[:, None, None, :], 0.25)
+    for i, n in enumerate(lens):  # the newest token sees its whole context
+        expected = reference(q[i:i + 1], keys[i, :n], values[i, :n], torch.tensor([n - 1]), 0.25)[0]
+        assert (out[i].double() - expected).abs().max() < 1e-5

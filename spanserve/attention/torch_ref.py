@@ -5,7 +5,6 @@ import torch.nn.functional as F
 
 from spanserve.attention.backend import AttentionBackend, AttentionMetadata
 
-
 # Queries in more runs than this (CacheBlend's scattered tokens) take one masked pass: two
 # flash passes per run would re-read the keys before every run.
 MAX_RUNS = 8
@@ -63,26 +62,15 @@ class TorchAttention(AttentionBackend):
             index = torch.tensor(seqs, device=tables.device)
             tables, lens = tables[index], lens[index]
             rotations = [rotations[i] for i in seqs] if rotations else None
-        num_seqs = len(lens)
         max_len = int(lens.max())
         tables = tables[:, : -(-max_len // block_size)]
         keys = gather_blocks(k_cache, tables).flatten(1, 2)[:, :max_len]  # [B, L, kv_heads, D]
         values = gather_blocks(v_cache, tables).flatten(1, 2)[:, :max_len]
-        if q.device.type == "cpu":  # the CPU kernel is ~6x faster on one query in float32 than bf16
-            q, keys, values = q.float(), keys.float(), values.float()
         if rotations is not None and any(r is not None for r in rotations):
             keys = _rotate_padded(keys, rotations)
         key_idx = torch.arange(max_len, device=q.device)
         mask = key_idx[None, :] < lens[:, None]
-        out = F.scaled_dot_product_attention(
-            q.view(num_seqs, 1, *q.shape[1:]).transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
-            scale=scale,
-            enable_gqa=True,
-        )
-        return out.transpose(1, 2).reshape(q.shape).to(k_cache.dtype)
+        return _grouped_queries(q, keys, values, mask[:, None, None, :], scale)
 
 
 def store_kv(k_cache, v_cache, k, v, slot_mapping):
@@ -167,11 +155,21 @@ def _rotate_padded(keys: torch.Tensor, rotations) -> torch.Tensor:
 
 def _single_query(q, k, v, scale, rotation=None):
     """One decode token attending to its whole context: no mask needed."""
-    dtype = q.dtype
-    if q.device.type == "cpu":  # the CPU kernel is ~6x faster on one query in float32 than bf16
-        q, k, v = q.float(), k.float(), v.float()
     k = k if rotation is None else rotation.apply(k)
-    return _sdpa(q, k, v, None, scale).to(dtype)
+    return _grouped_queries(q, k[None], v[None], None, scale)
+
+
+def _grouped_queries(q, keys, values, mask, scale):
+    """One query per sequence, q [B, heads, D], over keys/values [B, L, kv_heads, D]: the query
+    heads sharing a kv head become that head's query rows, so grouped keys are read as they are
+    (no repeat, no float copy: 2x faster on CPU than expanding them to float32)."""
+    num_seqs, heads, dim = q.shape
+    kv_heads = keys.shape[2]
+    out = F.scaled_dot_product_attention(
+        q.view(num_seqs, kv_heads, heads // kv_heads, dim), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=mask, scale=scale,
+    )
+    return out.reshape(q.shape)
 
 
 def _sdpa(q, k, v, mask, scale, causal=False):
