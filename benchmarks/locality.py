@@ -48,7 +48,6 @@ What was tried on this model before settling on the above:
 """
 
 import argparse
-import asyncio
 import random
 import re
 import statistics
@@ -110,22 +109,6 @@ def inner_found(llm, result, names: list[str], arity: int) -> list[set[str]]:
     return out
 
 
-def run_queries(llm, trees: list, judge_arity: int | None) -> list:
-    """Run span queries together on the offline engine (llm.run_query runs one at a time): the
-    executor of each issues its calls level by level, and one driver steps the engine for all."""
-    from spanserve.spans.api import _Driver, prepare, query_tokenizer
-    from spanserve.spans.executor import Executor
-
-    tokenizer = query_tokenizer(llm.engine)
-    driver = _Driver(llm.engine)
-
-    async def all_queries():
-        return await asyncio.gather(*(Executor(driver.complete, tokenizer).run(prepare(t, judge_arity=judge_arity).tree)
-                                      for t in trees))
-
-    return asyncio.run(driver.drive(all_queries()))
-
-
 def measure(llm, hay_words: int, args, runs: int) -> dict:
     rng = random.Random(f"{args.seed}-{hay_words}")
     queries = [make_query(rng, hay_words, args.candidates, args.max_tokens) for _ in range(runs)]
@@ -133,7 +116,7 @@ def measure(llm, hay_words: int, args, runs: int) -> dict:
     entry = {"hay_words": hay_words, "needles": needles}
     for variant, arity in VARIANTS.items():
         with harness.Timer() as timer:
-            results = run_queries(llm, trees, arity)
+            results = llm.run_query(trees, judge_arity=arity)
         hits = [found(r.text, names) for r, names in zip(results, needles)]
         if arity:  # what the inner judges found: all of it would reach the root if it merged their lists
             inner = [inner_found(llm, r, names, arity) for r, names in zip(results, needles)]

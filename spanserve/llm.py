@@ -55,10 +55,13 @@ class LLM:
 
     def run_query(self, query, judge_arity: int | None = None, retriever=None):
         """Run a span query (a tree from spanserve.spans, its JSON form, or JSON text) and return
-        a QueryResult: the root call's text and per-call token counts and TTFTs."""
+        a QueryResult: the root call's text and per-call token counts and TTFTs. Given a list of
+        queries, runs them together (their calls share steps) and returns a list of results."""
         from spanserve.spans.api import run_sync
 
-        return run_sync(self.engine, query, retriever=retriever, judge_arity=judge_arity)
+        queries = query if isinstance(query, list) else [query]
+        results = run_sync(self.engine, queries, retriever=retriever, judge_arity=judge_arity)
+        return results if isinstance(query, list) else results[0]
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.engine.chat_prompt(messages)["prompt_token_ids"]

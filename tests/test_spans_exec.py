@@ -109,3 +109,13 @@ def test_with_cross_instead_of_plus_the_judge_gets_no_such_reuse(llm):
     result = llm.run_query(judge_query(cross))
     assert result.calls[-1].cached_tokens == 0
     assert_engine_idle(llm)
+
+
+def test_a_list_of_queries_runs_together_with_the_results_of_each_alone(llm):
+    queries = [judge_query(plus), g(cross(system("Be brief."), user("Name a colour.")), max_tokens=6)]
+    alone = [llm.run_query(q).text for q in queries]
+    batches = record_batches(llm)
+    together = llm.run_query(queries)
+    assert [r.text for r in together] == alone
+    assert any(len(b) == 5 for b in batches)  # both queries' first calls shared a step
+    assert_engine_idle(llm)

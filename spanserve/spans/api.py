@@ -45,12 +45,17 @@ async def run_async(llm, tree: Node, on_root_output=None) -> QueryResult:
     return await Executor(complete, query_tokenizer(llm.engine)).run(tree, on_root_output)
 
 
-def run_sync(engine: LLMEngine, query, retriever: Retriever | None = None,
-             judge_arity: int | None = None) -> QueryResult:
-    """Run a query on a synchronous engine (the offline LLM): calls issued together share steps."""
-    tree = prepare(query, retriever, judge_arity).tree
-    driver = _Driver(engine)
-    return asyncio.run(driver.drive(Executor(driver.complete, query_tokenizer(engine)).run(tree)))
+def run_sync(engine: LLMEngine, queries: list, retriever: Retriever | None = None,
+             judge_arity: int | None = None) -> list[QueryResult]:
+    """Run queries on a synchronous engine (the offline LLM), all at once: the calls they issue
+    together share engine steps."""
+    trees = [prepare(query, retriever, judge_arity).tree for query in queries]
+    driver, tokenizer = _Driver(engine), query_tokenizer(engine)
+
+    async def run_all() -> list[QueryResult]:
+        return list(await asyncio.gather(*(Executor(driver.complete, tokenizer).run(tree) for tree in trees)))
+
+    return asyncio.run(driver.drive(run_all()))
 
 
 class _Driver:
