@@ -542,6 +542,35 @@ def test_overload_gives_503_with_retry_after(guarded_server):
     assert r.status_code == 200, r.text
 
 
+def test_a_burst_is_counted_at_admission_before_any_request_starts():
+    """--max-queued counts a request from the moment it is admitted, not from when its stream is
+    first read: requests admitted in one burst cannot all slip past the limit."""
+    from types import SimpleNamespace
+
+    from spanserve.server.app import APIError, Server
+
+    async def outputs():
+        yield SimpleNamespace(outputs=[], finished=True)
+
+    async def scenario():
+        server = Server(SimpleNamespace(submit=lambda prompt, params, request_id: outputs()), "m", max_queued=2)
+        server._record = lambda *args: None
+        first, second, third = (server.start("p", None) for _ in range(3))
+        server.admit([first])
+        server.admit([second])
+        with pytest.raises(APIError) as refused:
+            server.admit([third])  # none of the admitted two has started yet
+        assert refused.value.status == 503 and server.queued == 2
+        del first  # admitted, never read (its client went away): its place comes back
+        assert server.queued == 1
+        assert [out.finished async for out in second] == [True] and server.queued == 0
+        burst = [server.start("p", None), server.start("p", None)]
+        server.admit(burst)  # one request of several prompts: admitted together
+        assert server.queued == 2
+
+    asyncio.run(scenario())
+
+
 # ---- schemathesis: every operation of /openapi.json, against the live server ---------------------
 
 

@@ -6,6 +6,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -71,6 +72,22 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class _Place:
+    """A request's place among the waiting: held from admission until its first output or its end."""
+
+    def __init__(self, server: "Server"):
+        self.server, self.held = server, False
+
+    def take(self) -> None:
+        self.held = True
+        self.server.queued += 1
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.server.queued -= 1
+
+
 class Server:
     """Request handling shared by the routes: validation, admission, metrics, logging."""
 
@@ -78,16 +95,21 @@ class Server:
         self.llm, self.model_name, self.max_queued = llm, model_name, max_queued
         self.metrics = ServerMetrics()
         self.queued = 0  # admitted requests that have not produced a token yet
+        self._places: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # run -> its _Place
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            "NotFoundError", "model_not_found")
 
-    def admit(self) -> None:
+    def admit(self, runs: list) -> None:
+        """Count `runs` (from start) as waiting, or turn them away with a 503. Checking and counting
+        in one step keeps a burst of requests from all passing the check before any is counted."""
         if self.max_queued is not None and self.queued >= self.max_queued:
             raise APIError(503, f"server overloaded: {self.queued} requests waiting (--max-queued "
                            f"{self.max_queued}); retry later", "server_overloaded", headers={"Retry-After": "1"})
+        for run in runs:
+            self._places[run].take()
 
     def check_length(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         limit = self.llm.engine.max_model_len
@@ -102,17 +124,18 @@ class Server:
         """Validate one engine request now (an invalid one raises InvalidRequestError, a 400, before any
         response starts) and return its cumulative outputs, which keep the metrics and the log line."""
         request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
-        return self._run(request_id, self.llm.submit(prompt, params, request_id))
+        place = _Place(self)
+        run = self._run(request_id, self.llm.submit(prompt, params, request_id), place)
+        self._places[run] = place
+        weakref.finalize(run, place.release)  # a run that never starts (a 503, a client gone) gives it back
+        return run
 
-    async def _run(self, request_id: str, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async def _run(self, request_id: str, outputs: AsyncIterator[RequestOutput],
+                   place: "_Place") -> AsyncIterator[RequestOutput]:
         start, status, last = time.monotonic(), "abort", None
-        self.queued += 1
-        waiting = True
         try:
             async for out in outputs:
-                if waiting:
-                    waiting = False
-                    self.queued -= 1
+                place.release()
                 last = out
                 yield out
             status = "ok"
@@ -120,8 +143,7 @@ class Server:
             status = "error"
             raise
         finally:
-            if waiting:
-                self.queued -= 1
+            place.release()
             await outputs.aclose()
             self._record(request_id, status, last, time.monotonic() - start)
 
@@ -276,7 +298,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
             max_tokens = server.check_length(ids, body.max_tokens)
             params = body.sampling_params(max_tokens, body.logprobs, vocab_size)
             runs.append((text, ids, server.start(prompt, params)))
-        server.admit()
+        server.admit([run for _, _, run in runs])
         if body.stream:
             return sse(fmt.stream_completion(runs, body, model_name, tokenizer))
         finals = await asyncio.gather(*(final_output(r, http) for _, _, r in runs))
@@ -294,7 +316,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, top, vocab_size)
         run = server.start(prompt, params)
-        server.admit()
+        server.admit([run])
         if body.stream:
             return sse(fmt.stream_chat(run, body, model_name, tokenizer))
         return fmt.chat_response(await final_output(run, http), body, model_name, tokenizer)
