@@ -18,12 +18,12 @@ together (their calls share engine steps; the queries are independent). The engi
 (--link-policy, default full: spans reused for their KV, attention as in a plain prompt) applies to
 every call.
 
-Result on SmolLM2-135M-Instruct (Q4_1, 2 shared cores, 20 runs, about 11 minutes): the tree does
-NOT hold up. Flat all-found goes 60% (10 hay words), 50% (100), 0% (300), 0% (500); the tree's
-root never lists all four names (0% everywhere) and its partial credit (29-39%, 15% at 500) stays
-below the flat one's (84%, 74%, 41%, 26%). Attention locality does show one level down: the
-first-level judges, each reading half the hay, find all names between them in 30% of the runs at
-300 words where the flat judge finds them in none (62% vs 41% of the names). The loss is the merge:
+Result on SmolLM2-135M-Instruct (Q4_1, 2 shared cores, 20 runs, about 7 minutes): the tree does
+NOT hold up. Flat all-found goes 60% (10 hay words), 45% (100), 0% (300), 0% (500); the tree's
+root never lists all four names (0% everywhere) and its partial credit (28-39%, 12% at 500) stays
+below the flat one's (85%, 74%, 41%, 26%). Attention locality does show one level down: the
+first-level judges, each reading half the hay, find all names between them in 25% of the runs at
+300 words where the flat judge finds them in none (66% vs 41% of the names). The loss is the merge:
 this model does not stop after the names it found, it goes on listing hay words or repeating a
 name, and the outer judge copies the first list with its filler up to the token limit.
 
