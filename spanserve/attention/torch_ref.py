@@ -149,7 +149,7 @@ def _rotate_padded(keys: torch.Tensor, rotations) -> torch.Tensor:
     for i, rotation in enumerate(rotations):
         if rotation is not None:
             n = min(rotation.cos.shape[0], keys.shape[1])
-            keys[i, :n] = rotation.apply(keys[i, :n]).to(keys.dtype)
+            keys[i, :n] = rotation.apply(keys[i, :n])
     return keys
 
 
