@@ -41,8 +41,8 @@ What was tried on this model before settling on the above:
   in 10 of 12 runs, but no question made the inner judges write such lists: asked for "Name 1,
   Name 2 and the other names", the second one renumbers from 1 or invents names up to 4.
 - the inner judges' lists shown to the root as assistant turns, as user turns, as one user message, or
-  with "List the names above.": the root listed all four names in 0 of 20 runs at 100 and 300 words;
-  a repetition penalty of 1.3 on every judge sent flat and tree alike to 0.
+  with "List the names above." (ad-hoc runs at 100 and 300 words): the root never listed all four
+  names; a repetition penalty on every judge made flat and tree alike worse.
 - link policy none (spans never attend to one another) fails even at 10 hay words; with gap 32
   (10 runs) the flat judge finds 82% of the names at 10 words (full: 84%) but all four in no run
   from 100 words on, and the tree's root is no better (0% all-found, 22-32% of the names).
