@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from spanserve.attention.backend import AttentionBackend, AttentionMetadata
+from spanserve.threads import attention_threads
 
 # Queries in more runs than this (CacheBlend's scattered tokens) take one masked pass: two
 # flash passes per run would re-read the keys before every run.
@@ -22,17 +23,20 @@ class TorchAttention(AttentionBackend):
         if len(decoding) < 2:
             decoding = []
         if len(decoding) == len(meta.query_lens):
-            return self._decode(q, k_cache, v_cache, meta, scale, None)
+            with attention_threads(q.shape[1] * sum(meta.context_lens)):
+                return self._decode(q, k_cache, v_cache, meta, scale, None)
         out = torch.empty_like(q)
         if decoding:
             rows = torch.tensor([starts[i] for i in decoding], device=q.device)
-            out[rows] = self._decode(q[rows], k_cache, v_cache, meta, scale, decoding)
+            with attention_threads(q.shape[1] * sum(meta.context_lens[i] for i in decoding)):
+                out[rows] = self._decode(q[rows], k_cache, v_cache, meta, scale, decoding)
         skip = set(decoding)
         for i in range(len(meta.query_lens)):
             if i not in skip:
                 rows = slice(starts[i], starts[i + 1])
-                out[rows] = self._one_sequence(i, q[rows], k[rows], v[rows], meta.positions[rows],
-                                               k_cache, v_cache, meta, scale)
+                with attention_threads(meta.query_lens[i] * q.shape[1] * meta.context_lens[i]):
+                    out[rows] = self._one_sequence(i, q[rows], k[rows], v[rows], meta.positions[rows],
+                                                   k_cache, v_cache, meta, scale)
         return out
 
     def _one_sequence(self, i, q, k, v, positions, k_cache, v_cache, meta: AttentionMetadata, scale: float):

@@ -1,12 +1,15 @@
 """ModelRunner: the only place that touches tensors. Turns a scheduled batch into a flat
 token batch with its cache metadata, runs the model, and samples."""
 
+from contextlib import nullcontext
+
 import torch
 
 from spanserve.attention import AttentionMetadata, KeyRotation
 from spanserve.engine.sampler import Sample, sample
 from spanserve.engine.scheduler import ScheduledRequest
 from spanserve.models.llama import LlamaModel
+from spanserve.threads import step_threads, use_pool_for_matmuls
 
 
 class ModelRunner:
@@ -19,16 +22,22 @@ class ModelRunner:
             dtype=dtype, device=device,
         )
         model.bind_kv_cache(self.kv_cache)
+        if device.type == "cpu":
+            use_pool_for_matmuls(model)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest]) -> list[Sample]:
         """Run one step; returns one Sample per request in `batch` whose `samples` is True."""
         input_ids, positions, meta, logit_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
-        if not logit_rows:
-            return []
-        logits = self.model.compute_logits(hidden[logit_rows]).cpu()
-        return sample(logits, [item.request for item in batch if item.samples])
+        with self._threads(len(input_ids)):
+            hidden = self.model(input_ids, positions, meta)
+            if not logit_rows:
+                return []
+            logits = self.model.compute_logits(hidden[logit_rows]).cpu()
+            return sample(logits, [item.request for item in batch if item.samples])
+
+    def _threads(self, num_tokens: int):
+        return step_threads(num_tokens) if self.device.type == "cpu" else nullcontext()
 
     def _prepare(self, batch: list[ScheduledRequest]):
         input_ids, positions, slots, logit_rows = [], [], [], []
