@@ -63,6 +63,22 @@ def test_a_judge_query_shows_each_candidate_after_its_prompt_as_generated(llm, f
         assert set(ids[start + len(candidate):end]) <= {llm.engine.pad_token_id}
 
 
+def test_the_static_prefix_is_the_prompt_up_to_the_first_span_that_reads_an_inner_call(llm):
+    tokenizer = query_tokenizer(llm.engine)
+    tree = prepare(judge_query(plus)).tree
+    ids, spans = tokenizer.prompt(tree, _outputs_from_tokens(tree, [[7, 8, 9]]))
+    prefix, prefix_spans = tokenizer.static_prefix(tree)
+    assert prefix == ids[:spans[0][0]] and prefix_spans == [] and len(prefix) % BS == 0
+    assert tokenizer.static_prefix(prepare(g(plus(*judge_query(plus).input.items[1].items))).tree) == ([], [])
+    assert tokenizer.static_prefix(prepare(g(cross(system("S"), user("Q")))).tree) == ([], [])
+
+
+def _outputs_from_tokens(tree, outputs):
+    from spanserve.spans.executor import inner_calls
+
+    return {id(node): outputs for _, node in inner_calls(tree.input, "$.input")}
+
+
 def record_batches(llm) -> list[list[str]]:
     scheduler, batches = llm.engine.scheduler, []
     schedule = scheduler.schedule
@@ -86,11 +102,15 @@ def test_the_judge_reuses_every_inner_prompt_and_output_and_inner_calls_share_a_
     result = llm.run_query(judge_query(plus))
     inner, judge = result.calls[:4], result.calls[4]
     assert len({c.path for c in inner}) == 4 and judge.path == "$"
-    assert any(len(b) == 4 for b in batches)  # the four generators prefilled in one step
+    # The four generators and the judge's static prefix (its system message) prefilled in one step.
+    assert any(len(b) == 5 for b in batches)
     tokenizer = query_tokenizer(llm.engine)
     tree = prepare(judge_query(plus)).tree
     span_tokens = sum(end - start for start, end in tokenizer.prompt(tree, _outputs_from(result, tree))[1])
-    assert judge.cached_tokens == span_tokens  # every block of every candidate span was a hit
+    prefix = len(tokenizer.static_prefix(tree)[0])
+    assert prefix > 0
+    assert judge.cached_tokens == prefix + span_tokens  # and every block of every candidate span was a hit
+    assert all(c.ready_s == c.ttft_s for c in inner) and judge.ready_s >= judge.ttft_s > 0
     anchor = len(tokenizer.anchor)  # inner calls start with the span anchor, which spans leave out
     assert anchor and judge.cached_tokens >= sum(c.prompt_tokens - anchor + c.generated_tokens for c in inner) - 4
     assert_engine_idle(llm)
@@ -107,7 +127,8 @@ def _outputs_from(result, tree):
 def test_with_cross_instead_of_plus_the_judge_gets_no_such_reuse(llm):
     llm.engine.kv.pool.reset_cache()
     result = llm.run_query(judge_query(cross))
-    assert result.calls[-1].cached_tokens == 0
+    static = len(query_tokenizer(llm.engine).static_prefix(prepare(judge_query(cross)).tree)[0])
+    assert result.calls[-1].cached_tokens == static < BS  # at most a prefetched system message
     assert_engine_idle(llm)
 
 
@@ -117,5 +138,5 @@ def test_a_list_of_queries_runs_together_with_the_results_of_each_alone(llm):
     batches = record_batches(llm)
     together = llm.run_query(queries)
     assert [r.text for r in together] == alone
-    assert any(len(b) == 5 for b in batches)  # both queries' first calls shared a step
+    assert any(len(b) == 6 for b in batches)  # both queries' first calls (and the judge's prefix) shared a step
     assert_engine_idle(llm)

@@ -23,6 +23,10 @@ class CallStats:
     cached_tokens: int
     generated_tokens: int
     ttft_s: float | None
+    # From the moment its inputs were ready (the last inner call's last token; its arrival if
+    # it has none) to its first token: TTFT plus what ran in between (the inner calls' last
+    # blocks), as a caller of the query waits for it.
+    ready_s: float | None = None
 
 
 @dataclass
@@ -56,6 +60,7 @@ class _Run:
         self.executor, self.on_root_output = executor, on_root_output
         self.tasks: dict[int, asyncio.Task] = {}
         self.outputs: dict[int, list[list[int]]] = {}
+        self.finished: dict[int, float] = {}  # monotonic time each call's generation ended
         self.calls: list[CallStats] = []
         self.nodes: list[Generate] = []  # the node of each entry in calls
 
@@ -65,11 +70,22 @@ class _Run:
         return self.tasks[id(node)]
 
     async def _call(self, node: Generate, path: str) -> RequestOutput:
-        await asyncio.gather(*(self.call(inner, p) for p, inner in inner_calls(node.input, f"{path}.input")))
-        out = await self._generate(node, path)
+        inner = [(self.call(g, p), g) for p, g in inner_calls(node.input, f"{path}.input")]
+        prefetch = [self._prefill_static_prefix(node, path)] if inner else []
+        await asyncio.gather(*(task for task, _ in inner), *prefetch)
+        ready = max((self.finished[id(g)] for _, g in inner), default=None)
+        out = await self._generate(node, path, ready)
         if path != "$" and not node.bare:
             await self._complete_last_blocks(node)
         return out
+
+    async def _prefill_static_prefix(self, node: Generate, path: str) -> None:
+        """Prefill the start of the call's prompt that its inner calls do not change (a judge's
+        system message) while they run, so the call finds it cached."""
+        ids, spans = self.executor.tokenizer.static_prefix(node, exposed=path != "$" and not node.bare)
+        if ids:
+            prompt = {"prompt_token_ids": ids, "spans": [list(s) for s in spans]}
+            await self.executor.complete(prompt, SamplingParams(max_tokens=1, temperature=0))
 
     async def _complete_last_blocks(self, node: Generate) -> None:
         """Compute the KV of the call's last partial block as its caller will read it (output,
@@ -80,7 +96,7 @@ class _Run:
         sequences = self.executor.tokenizer.exposed(node, self.outputs)
         await asyncio.gather(*(self.executor.complete({"prompt_token_ids": seq}, prefill) for seq in sequences))
 
-    async def _generate(self, node: Generate, path: str) -> RequestOutput:
+    async def _generate(self, node: Generate, path: str, ready: float | None = None) -> RequestOutput:
         exposed = path != "$" and not node.bare  # a caller reads it as a span
         ids, spans = self.executor.tokenizer.prompt(node, self.outputs, exposed)
         params = SamplingParams(max_tokens=node.max_tokens, temperature=node.temperature, n=node.n,
@@ -89,11 +105,14 @@ class _Run:
         prompt = {"prompt_token_ids": ids, "spans": [list(s) for s in spans]}
         out = await self.executor.complete(prompt, params, self.on_root_output if path == "$" else None)
         self.outputs[id(node)] = [c.token_ids for c in out.outputs]
-        ttft = out.metrics.ttft_s if out.metrics else None
+        metrics = out.metrics
+        self.finished[id(node)] = metrics.finish_time if metrics and metrics.finish_time else time.monotonic()
+        first = metrics.first_token_time if metrics and metrics.first_token_time else time.monotonic()
+        ttft = first - (metrics.arrival_time if metrics else start)
         self.nodes.append(node)
         self.calls.append(CallStats(path, len(ids), out.num_cached_tokens,
-                                    sum(len(c.token_ids) for c in out.outputs),
-                                    ttft if ttft is not None else time.monotonic() - start))
+                                    sum(len(c.token_ids) for c in out.outputs), ttft,
+                                    first - ready if ready is not None else ttft))
         return out
 
 

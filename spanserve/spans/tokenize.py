@@ -72,6 +72,22 @@ class QueryTokenizer:
         pieces.append((self.fmt.generation_prompt, False))
         return assemble(pieces, self.block_size, self.pad_id)
 
+    def static_prefix(self, call: Generate, exposed: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
+        """The start of a `g`'s prompt that no inner call's output changes, in whole blocks, with
+        its spans: it can be prefilled while the inner calls run. Empty if the input has no
+        inner call or starts with one."""
+        items = call.input.items if isinstance(call.input, Cross) else (call.input,)
+        pieces = [(self.anchor if exposed and self.anchor else self.fmt.bos, False)]
+        for item in items:
+            if _has_call(item):
+                if isinstance(item, Plus):  # its spans start on a block boundary: pad up to it
+                    pieces.append(([], True))
+                ids, spans = assemble(pieces, self.block_size, self.pad_id)
+                whole = len(ids) - len(ids) % self.block_size
+                return ids[:whole], [(a, b) for a, b in spans if a < b <= whole]
+            pieces += self._pieces(item, {})
+        return [], []
+
     def exposed(self, call: Generate, outputs) -> list[list[int]]:
         """The sequences that hold, after the anchor, what a caller's span reads for each output
         of `call` under plus distribution (the call's input, the generation prompt, the output),
@@ -113,3 +129,7 @@ class QueryTokenizer:
         if isinstance(node, (Cross, Plus)):
             return [t for child in node.items for t in self._flat(child, outputs)]
         raise InvalidRequestError(f"cannot tokenize a {type(node).__name__} node (optimize the query first)")
+
+
+def _has_call(node: Node) -> bool:
+    return isinstance(node, Generate) or any(_has_call(child) for child in node.children)
