@@ -132,11 +132,11 @@ def run(args) -> dict:
     print("TTFT: from the judge's arrival. ready: from the last candidate's last token to the judge's first token, "
           "which for span queries also counts completing the candidates' last blocks")
     data = {"benchmark": "nested", "args": vars(args), "machine": harness.machine_info(), "results": results}
-    harness.write_json(data, "nested", args.out)
+    out = harness.write_json(data, "nested", args.out)
     if not args.quick:
         labels = [f"F={e['fanout']} T={e['temperature']}" for e in results]
         series = {mode: [e[mode]["judge_ttft_s"] * 1000 for e in results] for mode in ("plain", "span query")}
-        png = harness.result_path("nested", ".png")
+        png = out.with_suffix(".png")
         harness.bar_chart(png, "Judge TTFT (ms)", labels, series, "ms", log_scale=True)
     return data
 

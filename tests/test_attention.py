@@ -2,7 +2,15 @@
 
 import torch
 
-from spanserve.attention.torch_ref import _by_runs, _grouped_queries, _sdpa, causal_mask
+from spanserve.attention import AttentionMetadata
+from spanserve.attention.torch_ref import (
+    BATCH_MAX_QUERIES,
+    TorchAttention,
+    _by_runs,
+    _grouped_queries,
+    _sdpa,
+    causal_mask,
+)
 from spanserve.engine.runner import _runs
 
 
@@ -37,7 +45,34 @@ def test_batched_decode_over_padded_contexts_equals_the_reference():
     q = torch.randn(len(lens), heads, dim)
     keys, values = torch.randn(len(lens), max(lens), kv_heads, dim), torch.randn(len(lens), max(lens), kv_heads, dim)
     mask = torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]
-    out = _grouped_queries(q, keys, values, mask[:, None, None, :], 0.25)
+    out = _grouped_queries(q[:, None], keys, values, mask[:, None, None, :], 0.25)[:, 0]
     for i, n in enumerate(lens):  # the newest token sees its whole context
         expected = reference(q[i:i + 1], keys[i, :n], values[i, :n], torch.tensor([n - 1]), 0.25)[0]
         assert (out[i].double() - expected).abs().max() < 1e-5
+
+
+def test_a_step_of_decodes_short_and_long_prefills_over_the_paged_cache_equals_the_reference():
+    """Decode tokens and short chunks go through one padded, masked call; the long chunk alone."""
+    torch.manual_seed(2)
+    block_size, heads, kv_heads, dim = 4, 6, 2, 16
+    query_lens, context_lens = [1, 4, BATCH_MAX_QUERIES + 8, 7, 1], [9, 13, 45, 7, 22]
+    cache = torch.zeros(2, 64, block_size, kv_heads, dim)
+    free = torch.randperm(64).tolist()
+    tables, qs, ks, vs, positions, slots, expected = [], [], [], [], [], [], []
+    for n, ctx in zip(query_lens, context_lens):
+        table = [free.pop() for _ in range(-(-ctx // block_size))]
+        tables.append(table + [0] * (16 - len(table)))
+        keys, values, q = torch.randn(ctx, kv_heads, dim), torch.randn(ctx, kv_heads, dim), torch.randn(n, heads, dim)
+        slot = [table[t // block_size] * block_size + t % block_size for t in range(ctx)]
+        cache[0].view(-1, kv_heads, dim)[slot[:ctx - n]] = keys[:ctx - n]  # cached before this step
+        cache[1].view(-1, kv_heads, dim)[slot[:ctx - n]] = values[:ctx - n]
+        pos = torch.arange(ctx - n, ctx)
+        expected.append(reference(q, keys, values, pos, 0.25))
+        qs.append(q), ks.append(keys[ctx - n:]), vs.append(values[ctx - n:]), positions.append(pos)
+        slots += slot[ctx - n:]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_lens=query_lens, context_lens=context_lens,
+        block_tables=torch.tensor(tables), context_lens_tensor=torch.tensor(context_lens),
+        positions=torch.cat(positions))
+    out = TorchAttention().forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, 0.25)
+    assert (out.double() - torch.cat(expected)).abs().max() < 1e-5

@@ -9,6 +9,9 @@ from spanserve.threads import attention_threads
 # Queries in more runs than this (CacheBlend's scattered tokens) take one masked pass: two
 # flash passes per run would re-read the keys before every run.
 MAX_RUNS = 8
+# Sequences computing at most this many queries in a step (decode tokens, short prefill chunks)
+# share one padded, masked call when there are two or more of them.
+BATCH_MAX_QUERIES = 32
 
 
 class TorchAttention(AttentionBackend):
@@ -18,19 +21,20 @@ class TorchAttention(AttentionBackend):
         starts = [0]
         for q_len in meta.query_lens:
             starts.append(starts[-1] + q_len)
-        # Sequences decoding one token go through one batched call, even beside prefills.
-        decoding = [i for i, q_len in enumerate(meta.query_lens) if q_len == 1]
-        if len(decoding) < 2:
-            decoding = []
-        if len(decoding) == len(meta.query_lens):
+        # Decode tokens and short prefill chunks go through one padded, masked call, even
+        # beside long prefills: per-sequence calls would cost more than their work.
+        short = [i for i, q_len in enumerate(meta.query_lens) if q_len <= BATCH_MAX_QUERIES]
+        if len(short) < 2:
+            short = []
+        if len(short) == len(meta.query_lens):
             with attention_threads(q.shape[1] * sum(meta.context_lens)):
-                return self._decode(q, k_cache, v_cache, meta, scale, None)
+                return self._batched(q, k_cache, v_cache, meta, scale, None, starts)
         out = torch.empty_like(q)
-        if decoding:
-            rows = torch.tensor([starts[i] for i in decoding], device=q.device)
-            with attention_threads(q.shape[1] * sum(meta.context_lens[i] for i in decoding)):
-                out[rows] = self._decode(q[rows], k_cache, v_cache, meta, scale, decoding)
-        skip = set(decoding)
+        if short:
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in short]).to(q.device)
+            with attention_threads(q.shape[1] * sum(meta.context_lens[i] for i in short)):
+                out[rows] = self._batched(q[rows], k_cache, v_cache, meta, scale, short, starts)
+        skip = set(short)
         for i in range(len(meta.query_lens)):
             if i not in skip:
                 rows = slice(starts[i], starts[i + 1])
@@ -56,25 +60,36 @@ class TorchAttention(AttentionBackend):
             return _by_runs(q, keys, values, runs, scale)
         return _sdpa(q, keys, values, causal_mask(positions, ctx_len), scale)
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, seqs: list[int] | None):
-        """One query per sequence (`seqs`, or all): gather every sequence's blocks at once,
-        mask the padding."""
+    def _batched(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, seqs: list[int] | None,
+                 starts: list[int]):
+        """The queries of several sequences (`seqs`, or all; q holds their rows in order) in one
+        call: each sequence's queries padded to the most any has, its blocks gathered and padded
+        to the longest context, and a mask for both."""
+        seqs = list(range(len(meta.query_lens))) if seqs is None else seqs
         block_size = k_cache.shape[1]
-        tables, lens = meta.block_tables, meta.context_lens_tensor
-        rotations = meta.key_rotation
-        if seqs is not None:
-            index = torch.tensor(seqs, device=tables.device)
-            tables, lens = tables[index], lens[index]
-            rotations = [rotations[i] for i in seqs] if rotations else None
+        index = torch.tensor(seqs, device=meta.block_tables.device)
+        tables, lens = meta.block_tables[index], meta.context_lens_tensor[index]
+        rotations = [meta.key_rotation[i] for i in seqs] if meta.key_rotation else None
         max_len = int(lens.max())
         tables = tables[:, : -(-max_len // block_size)]
         keys = gather_blocks(k_cache, tables).flatten(1, 2)[:, :max_len]  # [B, L, kv_heads, D]
         values = gather_blocks(v_cache, tables).flatten(1, 2)[:, :max_len]
         if rotations is not None and any(r is not None for r in rotations):
             keys = _rotate_padded(keys, rotations)
-        key_idx = torch.arange(max_len, device=q.device)
-        mask = key_idx[None, :] < lens[:, None]
-        return _grouped_queries(q, keys, values, mask[:, None, None, :], scale)
+        q_lens = [meta.query_lens[i] for i in seqs]
+        width = max(q_lens)
+        if width == 1:  # decode: one query per sequence, rows in order
+            mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]
+            return _grouped_queries(q[:, None], keys, values, mask[:, None, None, :], scale)[:, 0]
+        # Row of each padded query slot within q (padding repeats a sequence's last query).
+        first = torch.tensor([0, *q_lens[:-1]]).cumsum(0)
+        slot = torch.arange(width)[None, :].clamp(max=torch.tensor(q_lens)[:, None] - 1)
+        rows = (first[:, None] + slot).flatten().to(q.device)
+        positions = meta.positions[torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs]).to(q.device)]
+        mask = torch.arange(max_len, device=q.device)[None, None, :] <= positions[rows].view(len(seqs), width, 1)
+        out = _grouped_queries(q[rows].view(len(seqs), width, *q.shape[1:]), keys, values, mask[:, None], scale)
+        valid = (torch.arange(width)[None, :] < torch.tensor(q_lens)[:, None]).flatten().to(q.device)
+        return out.flatten(0, 1)[valid]
 
 
 def store_kv(k_cache, v_cache, k, v, slot_mapping):
@@ -160,20 +175,24 @@ def _rotate_padded(keys: torch.Tensor, rotations) -> torch.Tensor:
 def _single_query(q, k, v, scale, rotation=None):
     """One decode token attending to its whole context: no mask needed."""
     k = k if rotation is None else rotation.apply(k)
-    return _grouped_queries(q, k[None], v[None], None, scale)
+    return _grouped_queries(q[None], k[None], v[None], None, scale)[0]
 
 
 def _grouped_queries(q, keys, values, mask, scale):
-    """One query per sequence, q [B, heads, D], over keys/values [B, L, kv_heads, D]: the query
-    heads sharing a kv head become that head's query rows, so grouped keys are read as they are
-    (no repeat, no float copy: 2x faster on CPU than expanding them to float32)."""
-    num_seqs, heads, dim = q.shape
+    """Queries q [B, Q, heads, D] over keys/values [B, L, kv_heads, D], mask [B, 1, Q, L] or None:
+    the query heads sharing a kv head become that head's query rows, so grouped keys are read as
+    they are (no repeat, no float copy: 2x faster on CPU than expanding them to float32)."""
+    num_seqs, width, heads, dim = q.shape
     kv_heads = keys.shape[2]
-    out = F.scaled_dot_product_attention(
-        q.view(num_seqs, kv_heads, heads // kv_heads, dim), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=mask, scale=scale,
-    )
-    return out.reshape(q.shape)
+    groups = heads // kv_heads
+    folded = q.view(num_seqs, width, kv_heads, groups, dim).permute(0, 2, 3, 1, 4).reshape(
+        num_seqs, kv_heads, groups * width, dim)
+    if mask is not None and width > 1:
+        mask = mask[:, :, None].expand(num_seqs, 1, groups, width, mask.shape[-1]).reshape(
+            num_seqs, 1, groups * width, mask.shape[-1])
+    out = F.scaled_dot_product_attention(folded, keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask, scale=scale)
+    return out.view(num_seqs, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4).reshape(q.shape)
 
 
 def _sdpa(q, k, v, mask, scale, causal=False):
