@@ -676,6 +676,7 @@ def test_span_query_endpoint_matches_offline_and_reuses_inner_calls(tiny_server,
     expected = offline.run_query(JUDGE)
     assert body["text"] == expected.text and len(body["calls"]) == 4
     assert body["calls"][-1]["path"] == "$" and body["calls"][-1]["cached_tokens"] >= 3 * 16
+    assert body["calls"][-1]["ready_s"] >= body["calls"][-1]["ttft_s"] > 0
 
 
 def test_span_query_streams_the_root_output(tiny_server, offline):

@@ -234,6 +234,7 @@ class SpanCall(BaseModel):
     cached_tokens: int
     generated_tokens: int
     ttft_s: float | None
+    ready_s: float | None = None  # from the last inner call's last token to this call's first
 
 
 class SpanQueryResponse(BaseModel):
