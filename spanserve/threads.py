@@ -4,9 +4,7 @@ With OMP_WAIT_POLICY=PASSIVE, which shared machines need (spinning OpenMP thread
 other processes), every parallel region has to wake sleeping threads: about 50 us here, more
 than a small matmul, block gather or elementwise op takes on one thread. So a step that is
 not large runs on one thread, and takes the whole pool only for the calls with enough work:
-matmuls over many tokens, attention over many keys. Measured on 2 cores: the judge step of
-`bench nested` (57 tokens over 1.3k cached keys) went from 118 to 91 ms, and a step of 8
-short prefills from 200 to 125 ms.
+matmuls over many tokens, attention over many keys.
 """
 
 import threading
@@ -15,8 +13,12 @@ from contextlib import contextmanager
 import torch
 
 STEP_MIN_TOKENS = 512  # from here elementwise ops on the hidden states pay a wake-up too
-MATMUL_MIN_ROWS = 16  # below this a matmul is as fast on one thread (it reads weights)
-ATTENTION_MIN_WORK = 1 << 16  # query rows x heads x keys for one attention call to use the pool
+# Work (multiply-adds) from which one call takes the pool. A matmul is rows x weight size: the
+# layers' matmuls need 10-50 rows, the LM head (49k x 576 here) pays from one row on, as two
+# cores read its weights faster. Attention is query rows x heads x keys (8 decodes over 700
+# keys: 0.66 ms on 2 threads, 0.86 ms on 1).
+MATMUL_MIN_WORK = 1 << 24
+ATTENTION_MIN_WORK = 1 << 14
 
 _state = threading.local()  # per stepping thread: OpenMP thread counts are per thread too
 
@@ -42,10 +44,10 @@ def attention_threads(work: int):
 
 
 def use_pool_for_matmuls(model: torch.nn.Module) -> None:
-    """Hooks on every Linear of `model`: inside a step, one with MATMUL_MIN_ROWS input rows or
-    more takes the whole pool."""
+    """Hooks on every Linear of `model`: inside a step, one with MATMUL_MIN_WORK or more takes
+    the whole pool."""
     def before(module, args):
-        module._spanserve_threads = _threads_for(args[0].shape[0] >= MATMUL_MIN_ROWS)
+        module._spanserve_threads = _threads_for(args[0].shape[0] * module.weight.numel() >= MATMUL_MIN_WORK)
         module._spanserve_threads.__enter__()
 
     def after(module, args, output):

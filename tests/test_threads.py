@@ -49,7 +49,8 @@ def test_matmul_hooks_pick_threads_by_rows_and_keep_results():
         seen = []
         threads.use_pool_for_matmuls(model)
         model[0].register_forward_hook(lambda m, a, o: seen.append(torch.get_num_threads()), prepend=True)
-        small, large = torch.randn(threads.MATMUL_MIN_ROWS - 1, 8), torch.randn(threads.MATMUL_MIN_ROWS, 8)
+        rows = threads.MATMUL_MIN_WORK // model[0].weight.numel()
+        small, large = torch.randn(rows - 1, 8), torch.randn(rows, 8)
         expected = model(large)  # outside a step: plain call
         with threads.step_threads(1):
             assert torch.equal(model(large), expected)
