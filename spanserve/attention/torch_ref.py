@@ -9,9 +9,11 @@ from spanserve.threads import attention_threads
 # Queries in more runs than this (CacheBlend's scattered tokens) take one masked pass: two
 # flash passes per run would re-read the keys before every run.
 MAX_RUNS = 8
-# Sequences computing at most this many queries in a step (decode tokens, short prefill chunks)
-# share one padded, masked call when there are two or more of them.
+# Sequences computing at most this many queries in a step (decode tokens, short prefill chunks
+# over at most BATCH_MAX_CONTEXT keys) share one padded, masked call when there are two or more:
+# a longer context would pad the others' keys to its length.
 BATCH_MAX_QUERIES = 32
+BATCH_MAX_CONTEXT = 1024
 
 
 class TorchAttention(AttentionBackend):
@@ -23,7 +25,8 @@ class TorchAttention(AttentionBackend):
             starts.append(starts[-1] + q_len)
         # Decode tokens and short prefill chunks go through one padded, masked call, even
         # beside long prefills: per-sequence calls would cost more than their work.
-        short = [i for i, q_len in enumerate(meta.query_lens) if q_len <= BATCH_MAX_QUERIES]
+        short = [i for i, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens))
+                 if q_len == 1 or (q_len <= BATCH_MAX_QUERIES and ctx <= BATCH_MAX_CONTEXT)]
         if len(short) < 2:
             short = []
         if len(short) == len(meta.query_lens):
