@@ -14,6 +14,9 @@ padded to whole KV blocks):
   blend0.15   CacheBlend: the 15% of span tokens whose layer-1 K/V deviate most recomputed
   full        spans ignored: must equal spans off (the reference of the first-token agreement)
   text        (extra) the documents as plain text without block padding: what a user would send
+  first_in_context, first_span_only
+              (diagnostics, not in the default list; link policy none) only the documents after the
+              first are spans, or only the first is: which documents' independence costs accuracy
 The cache is reset before each condition. Greedy decoding, --max-tokens; exact match when the first
 number in the output is the answer. First-token agreement: the fraction of questions whose first
 generated token equals full's. Prompts go to the engine in one batch per (condition, N, depth).
@@ -124,12 +127,15 @@ def build_prompts(llm, q: dict, order: list[int], style: str) -> dict:
             "text_ids": llm.apply_chat_template(text_msgs) + tail}
 
 
+DIAGNOSTICS = {"first_in_context": slice(1, None), "first_span_only": slice(0, 1)}  # which spans stay
+
+
 def condition_prompt(prompt: dict, condition: str) -> dict:
     if condition == "text":
         return {"prompt_token_ids": prompt["text_ids"]}
     if condition == "spans_off":
         return {"prompt_token_ids": prompt["ids"]}
-    return {"prompt_token_ids": prompt["ids"], "spans": prompt["spans"]}
+    return {"prompt_token_ids": prompt["ids"], "spans": prompt["spans"][DIAGNOSTICS.get(condition, slice(None))]}
 
 
 def condition_params(condition: str, max_tokens: int):
@@ -137,7 +143,7 @@ def condition_params(condition: str, max_tokens: int):
 
     if condition in ("spans_off", "text"):
         return SamplingParams(temperature=0, max_tokens=max_tokens)
-    return policy_params(condition, max_tokens)
+    return policy_params("none" if condition in DIAGNOSTICS else condition, max_tokens)
 
 
 _NUMBER = re.compile(r"\d+")
@@ -226,7 +232,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--questions", type=int, default=17,
                         help="question sets per N; each is asked at the three depths (default: 102 in all)")
     parser.add_argument("--conditions", default=",".join(CONDITIONS),
-                        help="comma-separated: spans_off, text, or a link policy (none, full, gapK, blendR)")
+                        help="comma-separated: spans_off, text, a link policy (none, full, gapK, blendR), "
+                             "or a diagnostic (first_in_context, first_span_only)")
     parser.add_argument("--style", default=DEFAULT_STYLE, choices=list(STYLES), help="prompt phrasing")
     parser.add_argument("--styles", default=None,
                         help="compare prompt styles (comma-separated, or 'all') with spans off only, then exit")
