@@ -103,3 +103,13 @@ def test_accuracy_puts_the_answer_at_each_depth():
     assert [accuracy.order_for(q, d).index(3) for d in accuracy.DEPTHS] == [0, 2, 4]
     assert all(sorted(accuracy.order_for(q, d)) == list(range(5)) for d in accuracy.DEPTHS)
     assert accuracy.first_number(" 4821. The") == "4821" and accuracy.first_number("none") is None
+
+
+def test_accuracy_diagnostics_keep_the_spans_they_name_and_whole_document_gaps_set_no_goal():
+    prompt = {"ids": list(range(64)), "spans": [[16, 32], [32, 48], [48, 64]], "text_ids": []}
+    assert accuracy.condition_prompt(prompt, "first_in_context")["spans"] == [[32, 48], [48, 64]]
+    assert accuracy.condition_prompt(prompt, "first_span_only")["spans"] == [[16, 32]]
+    assert accuracy.condition_prompt(prompt, "gap16")["spans"] == prompt["spans"]
+    assert accuracy.condition_params("first_in_context", 4).link_policy == "none"
+    overall = {c: {"accuracy": 0.5} for c in ("spans_off", "gap16", "gap128")}
+    assert list(accuracy.check_goals({"overall": overall}, doc_tokens=128)) == ["gap16 within 2 points of spans off"]
