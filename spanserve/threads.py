@@ -61,12 +61,16 @@ def use_pool_for_matmuls(model: torch.nn.Module) -> None:
 
 @contextmanager
 def _threads_for(large: bool):
-    base = getattr(_state, "base", None)
-    want = base if base is None else (_state.pool if large else 1)
-    if want != base:
+    """Inside a step: the whole pool if `large`, else one thread; the count before comes back
+    after (so these nest). Outside a step: nothing changes."""
+    if getattr(_state, "base", None) is None:
+        yield
+        return
+    before, want = torch.get_num_threads(), (_state.pool if large else 1)
+    if want != before:
         torch.set_num_threads(want)
     try:
         yield
     finally:
-        if want != base:
-            torch.set_num_threads(base)
+        if want != before:
+            torch.set_num_threads(before)

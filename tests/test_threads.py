@@ -19,6 +19,9 @@ def test_small_step_runs_on_one_thread_and_large_work_gets_the_pool():
             assert torch.get_num_threads() == 1
             with threads.attention_threads(threads.ATTENTION_MIN_WORK):
                 assert torch.get_num_threads() == 2
+                with threads.attention_threads(1):  # nested: back to the pool after
+                    assert torch.get_num_threads() == 1
+                assert torch.get_num_threads() == 2
             assert torch.get_num_threads() == 1
             with threads.attention_threads(threads.ATTENTION_MIN_WORK - 1):
                 assert torch.get_num_threads() == 1

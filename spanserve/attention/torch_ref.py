@@ -137,9 +137,10 @@ def _by_runs(q, keys, values, runs, scale):
                         True, scale)
         if first:
             o_prefix, lse_prefix = _flash_grouped(qr, keys[:, :, :first], values[:, :, :first], kv_heads, scale)
-            top = torch.maximum(lse, lse_prefix)
-            w, w_prefix = (lse - top).exp()[..., None], (lse_prefix - top).exp()[..., None]
-            o = (o.float() * w + o_prefix.float() * w_prefix) / (w + w_prefix)
+            with attention_threads(o.numel()):  # small: not worth waking the pool
+                top = torch.maximum(lse, lse_prefix)
+                w, w_prefix = (lse - top).exp()[..., None], (lse_prefix - top).exp()[..., None]
+                o = (o.float() * w + o_prefix.float() * w_prefix) / (w + w_prefix)
         out[row:end] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
