@@ -140,3 +140,29 @@ def test_a_list_of_queries_runs_together_with_the_results_of_each_alone(llm):
     assert [r.text for r in together] == alone
     assert any(len(b) == 6 for b in batches)  # both queries' first calls (and the judge's prefix) shared a step
     assert_engine_idle(llm)
+
+
+def test_a_failed_static_prefix_prefill_only_costs_its_head_start(llm):
+    """The prefix prefill is an optimization: a full cache there must not fail the query."""
+    import asyncio
+
+    from spanserve.errors import CacheFullError
+    from spanserve.spans.api import _Driver
+    from spanserve.spans.executor import Executor
+
+    llm.engine.kv.pool.reset_cache()
+    expected = llm.run_query(judge_query(plus)).text
+    llm.engine.kv.pool.reset_cache()
+    tokenizer, driver = query_tokenizer(llm.engine), _Driver(llm.engine)
+    tree = prepare(judge_query(plus)).tree
+    prefix = tokenizer.static_prefix(tree)[0]
+
+    async def complete(prompt, params, on_output=None):
+        if prompt["prompt_token_ids"] == prefix:
+            raise CacheFullError("no room")
+        return await driver.complete(prompt, params, on_output)
+
+    result = asyncio.run(driver.drive(Executor(complete, tokenizer).run(tree)))
+    assert result.text == expected and result.calls[-1].cached_tokens < len(prefix) + sum(
+        end - start for start, end in tokenizer.prompt(tree, _outputs_from(result, tree))[1])
+    assert_engine_idle(llm)

@@ -2,14 +2,18 @@
 independent calls at the same time (one engine batch)."""
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
+from spanserve.errors import SpanserveError
 from spanserve.outputs import RequestOutput
 from spanserve.sampling import SamplingParams
 from spanserve.spans.ir import Generate, Node, QueryError
 from spanserve.spans.tokenize import QueryTokenizer
+
+log = logging.getLogger(__name__)
 
 # complete(prompt, params, on_output): run one request to the end; on_output, if given, sees
 # every cumulative output on the way (to stream the root call).
@@ -83,9 +87,13 @@ class _Run:
         """Prefill the start of the call's prompt that its inner calls do not change (a judge's
         system message) while they run, so the call finds it cached."""
         ids, spans = self.executor.tokenizer.static_prefix(node, exposed=path != "$" and not node.bare)
-        if ids:
-            prompt = {"prompt_token_ids": ids, "spans": [list(s) for s in spans]}
+        if not ids:
+            return
+        prompt = {"prompt_token_ids": ids, "spans": [list(s) for s in spans]}
+        try:
             await self.executor.complete(prompt, SamplingParams(max_tokens=1, temperature=0))
+        except SpanserveError as exc:  # only a head start: the call computes the prefix itself
+            log.info("static prefix of %s not prefilled: %s", path, exc)
 
     async def _complete_last_blocks(self, node: Generate) -> None:
         """Compute the KV of the call's last partial block as its caller will read it (output,
