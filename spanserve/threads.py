@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-STEP_MIN_TOKENS = 512  # from here elementwise ops on the hidden states pay a wake-up too
+STEP_MIN_TOKENS = 512  # from here a step's elementwise ops are big enough to pay for waking the pool
 # Work (multiply-adds) from which one call takes the pool. A matmul is rows x weight size: the
 # layers' matmuls need 10-50 rows, the LM head (49k x 576 here) pays from one row on, as two
 # cores read its weights faster. Attention is query rows x heads x keys (8 decodes over 700
