@@ -55,12 +55,14 @@ class RotaryEmbedding(torch.nn.Module):
         self.sin = angles.sin().float().to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim/2]
-        sin = self.sin[positions].unsqueeze(1)
+        # In the activations' dtype, as transformers does: a float32 round trip of q and k
+        # cost 1.7 ms per layer for 512 bf16 tokens here (a tenth of a prefill).
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim/2]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[i], x[i + d/2]) by the angle of each position (HF's rotate_half layout)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
