@@ -27,14 +27,13 @@ _state = threading.local()  # per stepping thread: OpenMP thread counts are per 
 def step_threads(num_tokens: int):
     """Run one model step: the whole pool for a large step, one thread for a small one."""
     pool = torch.get_num_threads()
-    base = pool if num_tokens >= STEP_MIN_TOKENS else 1
-    _state.pool, _state.base = pool, base
-    torch.set_num_threads(base)
+    _state.pool = pool  # set while a step runs
+    torch.set_num_threads(pool if num_tokens >= STEP_MIN_TOKENS else 1)
     try:
         yield
     finally:
         torch.set_num_threads(pool)
-        _state.base = None
+        _state.pool = None
 
 
 def attention_threads(work: int):
@@ -63,10 +62,11 @@ def use_pool_for_matmuls(model: torch.nn.Module) -> None:
 def _threads_for(large: bool):
     """Inside a step: the whole pool if `large`, else one thread; the count before comes back
     after (so these nest). Outside a step: nothing changes."""
-    if getattr(_state, "base", None) is None:
+    pool = getattr(_state, "pool", None)
+    if pool is None:
         yield
         return
-    before, want = torch.get_num_threads(), (_state.pool if large else 1)
+    before, want = torch.get_num_threads(), (pool if large else 1)
     if want != before:
         torch.set_num_threads(want)
     try:

@@ -31,12 +31,12 @@ class TorchAttention(AttentionBackend):
             short = []
         if len(short) == len(meta.query_lens):
             with attention_threads(q.shape[1] * sum(meta.context_lens)):
-                return self._batched(q, k_cache, v_cache, meta, scale, None, starts)
+                return self._batched(q, meta.positions, k_cache, v_cache, meta, scale, short)
         out = torch.empty_like(q)
         if short:
             rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in short]).to(q.device)
             with attention_threads(q.shape[1] * sum(meta.context_lens[i] for i in short)):
-                out[rows] = self._batched(q[rows], k_cache, v_cache, meta, scale, short, starts)
+                out[rows] = self._batched(q[rows], meta.positions[rows], k_cache, v_cache, meta, scale, short)
         skip = set(short)
         for i in range(len(meta.query_lens)):
             if i not in skip:
@@ -63,12 +63,10 @@ class TorchAttention(AttentionBackend):
             return _by_runs(q, keys, values, runs, scale)
         return _sdpa(q, keys, values, causal_mask(positions, ctx_len), scale)
 
-    def _batched(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, seqs: list[int] | None,
-                 starts: list[int]):
-        """The queries of several sequences (`seqs`, or all; q holds their rows in order) in one
-        call: each sequence's queries padded to the most any has, its blocks gathered and padded
-        to the longest context, and a mask for both."""
-        seqs = list(range(len(meta.query_lens))) if seqs is None else seqs
+    def _batched(self, q, positions, k_cache, v_cache, meta: AttentionMetadata, scale: float, seqs: list[int]):
+        """The queries of sequences `seqs` in one call (q and positions hold their rows in order):
+        each sequence's queries padded to the most any has, its blocks gathered and padded to the
+        longest context, and a mask for both."""
         block_size = k_cache.shape[1]
         index = torch.tensor(seqs, device=meta.block_tables.device)
         tables, lens = meta.block_tables[index], meta.context_lens_tensor[index]
@@ -88,7 +86,6 @@ class TorchAttention(AttentionBackend):
         first = torch.tensor([0, *q_lens[:-1]]).cumsum(0)
         slot = torch.arange(width)[None, :].clamp(max=torch.tensor(q_lens)[:, None] - 1)
         rows = (first[:, None] + slot).flatten().to(q.device)
-        positions = meta.positions[torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs]).to(q.device)]
         mask = torch.arange(max_len, device=q.device)[None, None, :] <= positions[rows].view(len(seqs), width, 1)
         out = _grouped_queries(q[rows].view(len(seqs), width, *q.shape[1:]), keys, values, mask[:, None], scale)
         valid = (torch.arange(width)[None, :] < torch.tensor(q_lens)[:, None]).flatten().to(q.device)
