@@ -1,13 +1,15 @@
 """The CPU attention paths agree with a plain masked softmax attention."""
 
+import pytest
 import torch
 
-from spanserve.attention import AttentionMetadata
+from spanserve.attention import AttentionMetadata, torch_ref
 from spanserve.attention.torch_ref import (
     BATCH_MAX_QUERIES,
     TorchAttention,
     _by_runs,
     _grouped_queries,
+    _matmul_attention,
     _sdpa,
     causal_mask,
 )
@@ -39,6 +41,21 @@ def test_run_by_run_and_masked_attention_equal_the_reference():
     assert (masked.double() - expected).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_matmul_attention_over_scattered_queries_equals_the_reference(dtype, tolerance):
+    """Queries in several runs (spans, CacheBlend) over head-major keys, in float32 and bf16."""
+    torch.manual_seed(3)
+    positions = torch.tensor([3, 4, 5, 10, 11, 20, 21, 22, 23, 40])
+    ctx, heads, kv_heads, dim = 41, 6, 2, 16
+    q = torch.randn(len(positions), heads, dim)
+    keys, values = torch.randn(ctx, kv_heads, dim), torch.randn(ctx, kv_heads, dim)
+    expected = reference(q, keys, values, positions, 0.25)
+    out = _matmul_attention(q.to(dtype), keys.transpose(0, 1).contiguous().to(dtype),
+                            values.transpose(0, 1).contiguous().to(dtype), positions, 0.25)
+    assert out.dtype == dtype
+    assert (out.double() - expected).abs().max() < tolerance
+
+
 def test_batched_decode_over_padded_contexts_equals_the_reference():
     torch.manual_seed(1)
     lens, heads, kv_heads, dim = [5, 17, 9], 6, 2, 16
@@ -51,8 +68,12 @@ def test_batched_decode_over_padded_contexts_equals_the_reference():
         assert (out[i].double() - expected).abs().max() < 1e-5
 
 
-def test_a_step_of_decodes_short_and_long_prefills_over_the_paged_cache_equals_the_reference():
-    """Decode tokens and short chunks go through one padded, masked call; the long chunk alone."""
+@pytest.mark.parametrize("matmul_max_scores", [torch_ref.MATMUL_MAX_SCORES, 0])
+def test_a_step_of_decodes_short_and_long_prefills_over_the_paged_cache_equals_the_reference(
+        monkeypatch, matmul_max_scores):
+    """Decode tokens and short chunks go through one padded, masked call; the long chunk alone,
+    as matmuls or (past the score budget) by flash passes."""
+    monkeypatch.setattr(torch_ref, "MATMUL_MAX_SCORES", matmul_max_scores)
     torch.manual_seed(2)
     block_size, heads, kv_heads, dim = 4, 6, 2, 16
     query_lens, context_lens = [1, 4, BATCH_MAX_QUERIES + 8, 7, 1], [9, 13, 45, 7, 22]
@@ -76,3 +97,35 @@ def test_a_step_of_decodes_short_and_long_prefills_over_the_paged_cache_equals_t
         positions=torch.cat(positions))
     out = TorchAttention().forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, 0.25)
     assert (out.double() - torch.cat(expected)).abs().max() < 1e-5
+
+
+def test_bf16_matmul_attention_stays_as_close_to_float32_as_flash(default_model_path, monkeypatch):
+    """On the real model in bf16, a warm span prompt (rotated keys, a short question: the matmul
+    path) gives first-token logprobs no further from the float32 engine's than the flash path."""
+    from spanserve import LLM, SamplingParams, Span
+
+    # ~300 tokens each: a context past BATCH_MAX_CONTEXT, so the question is a chunk of its own
+    docs = [f"Document {i}. " + f"The harbour town of {name} exports {good} and hosts a {season} fair. " * 20
+            for i, (name, good, season) in enumerate([("Velmont", "salt", "summer"), ("Tarholm", "wool", "winter"),
+                                                      ("Kasdale", "tin", "spring"), ("Orvia", "amber", "autumn")])]
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+
+    def first_logprobs(llm, order):
+        llm.generate([Span(d) for d in docs] + ["warm"], params)  # the spans are cached in another order
+        prompt = [Span(docs[i]) for i in order] + ["Question: what does Kasdale export? Answer:"]
+        return llm.generate(prompt, params)[0].outputs[0].logprobs[0]
+
+    def distances(budget):
+        monkeypatch.setattr(torch_ref, "MATMUL_MAX_SCORES", budget)
+        bf16 = LLM(model=str(default_model_path), dtype="bfloat16", num_blocks=160)
+        found = []
+        for order, expected in zip(orders, references):
+            got = first_logprobs(bf16, order)
+            found.append(max(abs(got[t] - lp) for t, lp in expected.items() if t in got))
+        return found
+
+    orders = [[2, 0, 3, 1], [3, 1, 2, 0]]
+    fp32 = LLM(model=str(default_model_path), dtype="float32", num_blocks=160)
+    references = [first_logprobs(fp32, order) for order in orders]
+    matmul, flash = distances(torch_ref.MATMUL_MAX_SCORES), distances(0)
+    assert all(m < 1.5 * f + 0.05 for m, f in zip(matmul, flash)), (matmul, flash)

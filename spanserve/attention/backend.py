@@ -37,12 +37,22 @@ class KeyRotation:
         rotated = torch.addcmul(head * cos[:n], torch.cat([head[..., half:], head[..., :half]], -1), sin[:n])
         return rotated if n == len(keys) else torch.cat([rotated, keys[n:]])
 
-    def _table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if dtype == self.cos.dtype:
+    def rotate_head_major_(self, keys: torch.Tensor) -> torch.Tensor:
+        """Rotate head-major keys [kv_heads, context_len, head_dim] in place (the first n)."""
+        cos, sin = self._table(keys.dtype, head_major=True)
+        n, half = min(keys.shape[1], cos.shape[1]), keys.shape[-1] // 2
+        head = keys[:, :n]
+        swapped = torch.cat([head[..., half:], head[..., :half]], -1)
+        head.mul_(cos[:, :n]).addcmul_(swapped, sin[:, :n])
+        return keys
+
+    def _table(self, dtype: torch.dtype, head_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype == self.cos.dtype and not head_major:
             return self.cos, self.sin
-        if dtype not in self._tables:
-            self._tables[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
-        return self._tables[dtype]
+        if (dtype, head_major) not in self._tables:
+            layout = (lambda t: t.transpose(0, 1).contiguous()) if head_major else (lambda t: t)
+            self._tables[dtype, head_major] = (layout(self.cos.to(dtype)), layout(self.sin.to(dtype)))
+        return self._tables[dtype, head_major]
 
 
 @dataclass

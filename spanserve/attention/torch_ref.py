@@ -14,6 +14,10 @@ MAX_RUNS = 8
 # a longer context would pad the others' keys to its length.
 BATCH_MAX_QUERIES = 32
 BATCH_MAX_CONTEXT = 1024
+# A prefill chunk with at most this many scores (queries x heads x keys) takes attention as two
+# matmuls on CPU: 2-3x faster there than the flash kernel, which runs in float32 even for bf16.
+# The price is the score matrix, 32 MB in bf16 at this size.
+MATMUL_MAX_SCORES = 2**24
 
 
 class TorchAttention(AttentionBackend):
@@ -53,6 +57,11 @@ class TorchAttention(AttentionBackend):
             # Whole context is in this batch: plain causal attention, no cache gather.
             return _sdpa(q, k, v, None, scale, causal=True)
         first = meta.contiguous_from[i] if meta.contiguous_from else None
+        if q.device.type == "cpu" and 1 < q_len and q_len * q.shape[1] * ctx_len <= MATMUL_MAX_SCORES:
+            keys, values = gather_head_major(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
+            if rotation is not None:
+                rotation.rotate_head_major_(keys)
+            return _matmul_attention(q, keys, values, positions, scale)
         keys, values = gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
         if q_len == 1:  # the newest token: it sees the whole context
             return _single_query(q, keys, values, scale, rotation)
@@ -108,6 +117,13 @@ def gather_context(k_cache, v_cache, block_table, ctx_len, first_block=None):
             gather_blocks(v_cache, blocks).flatten(0, 1)[:ctx_len])
 
 
+def gather_head_major(k_cache, v_cache, block_table, ctx_len, first_block=None):
+    """Like gather_context, as contiguous copies in head-major order [kv_heads, ctx_len, D]:
+    what a matmul over each head's keys reads without a copy of its own (one costs 2x more)."""
+    keys, values = gather_context(k_cache, v_cache, block_table, ctx_len, first_block)
+    return keys.transpose(0, 1).contiguous(), values.transpose(0, 1).contiguous()
+
+
 def gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """cache[table] for a block table of any shape; index_select is 2.5x faster than indexing."""
     return torch.index_select(cache, 0, table.flatten()).view(*table.shape, *cache.shape[1:])
@@ -117,6 +133,25 @@ def causal_mask(query_idx: torch.Tensor, ctx_len: int) -> torch.Tensor:
     """Each query sees the keys up to its own index."""
     key_idx = torch.arange(ctx_len, device=query_idx.device)
     return key_idx[None, :] <= query_idx[:, None]
+
+
+def _matmul_attention(q, keys, values, positions, scale):
+    """Queries q [Q, heads, D] over head-major keys/values [kv_heads, L, D], query i seeing the
+    keys up to positions[i] (any order: spans and CacheBlend's scattered tokens alike), as two
+    matmuls and a softmax in the keys' dtype. In bf16 a score rounds to bf16 where flash keeps
+    float32; on the real model this moved logprobs no further from float32's than flash does
+    (tests/test_attention.py), while float32 scores made the RAG step a third slower."""
+    kv_heads, (num_q, heads, dim) = keys.shape[0], q.shape
+    groups = heads // kv_heads
+    folded = (q * scale).view(num_q, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * num_q, dim)
+    scores = torch.matmul(folded, keys.transpose(1, 2))  # [kv_heads, groups * Q, L]
+    first = int(positions.min())  # the keys before it are seen by every query
+    if first + 1 < keys.shape[1]:
+        hidden = torch.arange(first, keys.shape[1], device=q.device)[None, :] > positions[:, None]
+        scores.view(kv_heads, groups, num_q, -1)[..., first:].masked_fill_(hidden, float("-inf"))
+    probs = torch.softmax(scores, -1)  # computed in float32, stored in the scores' dtype
+    out = torch.matmul(probs, values)  # [kv_heads, groups * Q, D]
+    return out.view(kv_heads, groups, num_q, dim).permute(2, 0, 1, 3).reshape(num_q, heads, dim)
 
 
 def _by_runs(q, keys, values, runs, scale):
