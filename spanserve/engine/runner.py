@@ -8,6 +8,7 @@ import torch
 from spanserve.attention import AttentionMetadata, KeyRotation
 from spanserve.engine.sampler import Sample, sample
 from spanserve.engine.scheduler import ScheduledRequest
+from spanserve.heap import keep_freed_memory
 from spanserve.models.llama import LlamaModel
 from spanserve.threads import step_threads, use_pool_for_matmuls
 
@@ -24,6 +25,7 @@ class ModelRunner:
         model.bind_kv_cache(self.kv_cache)
         if device.type == "cpu":
             use_pool_for_matmuls(model)
+            keep_freed_memory()
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest]) -> list[Sample]:
