@@ -1,12 +1,11 @@
 """Keep freed memory in the process (glibc), as the engine reallocates its activations every step.
 
 By default glibc maps each allocation above a dynamic threshold (128 KB to 32 MB) to fresh pages
-and unmaps it on free, and trims the heap top back to the OS: so the tensors of every step cost
-a page fault and a zeroed page per 4 KB. Here that was 8% of a 4k-token prefill and a third of a
-large attention call. Serving large blocks from the heap and never trimming it removes that;
-the price is that memory the engine frees stays with the process (tcmalloc, which vLLM
-recommends on CPU, behaves the same). Allocations above 32 MB, glibc's limit, still map pages.
-"""
+and unmaps it on free, and trims the heap top back to the OS: so a step's tensors can cost a
+page fault and a zeroed page per 4 KB, every step again. Serving large blocks from the heap and
+never trimming it removes that; the price is that memory the engine frees stays with the
+process (tcmalloc, which vLLM recommends on CPU, behaves the same). Allocations above 32 MB,
+glibc's limit, still map pages."""
 
 import ctypes
 import ctypes.util

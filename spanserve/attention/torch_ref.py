@@ -140,7 +140,7 @@ def _matmul_attention(q, keys, values, positions, scale):
     keys up to positions[i] (any order: spans and CacheBlend's scattered tokens alike), as two
     matmuls and a softmax in the keys' dtype. In bf16 a score rounds to bf16 where flash keeps
     float32; on the real model this moved logprobs no further from float32's than flash does
-    (tests/test_attention.py), while float32 scores made the RAG step a third slower."""
+    (tests/test_attention.py), and float32 scores gave back much of the speed."""
     kv_heads, (num_q, heads, dim) = keys.shape[0], q.shape
     groups = heads // kv_heads
     folded = (q * scale).view(num_q, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * num_q, dim)
