@@ -7,13 +7,11 @@ from spanserve.attention import AttentionMetadata, torch_ref
 from spanserve.attention.torch_ref import (
     BATCH_MAX_QUERIES,
     TorchAttention,
-    _by_runs,
     _grouped_queries,
     _matmul_attention,
     _sdpa,
     causal_mask,
 )
-from spanserve.engine.runner import _runs
 
 
 def reference(q, keys, values, positions, scale):
@@ -26,24 +24,23 @@ def reference(q, keys, values, positions, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def test_run_by_run_and_masked_attention_equal_the_reference():
+def test_masked_attention_equals_the_reference():
+    """The masked SDPA call (the fallback off CPU) over queries in four runs."""
     torch.manual_seed(0)
-    positions = torch.tensor([3, 4, 5, 10, 11, 20, 21, 22, 23, 40])  # four runs, one of a single query
+    positions = torch.tensor([3, 4, 5, 10, 11, 20, 21, 22, 23, 40])
     ctx, heads, kv_heads, dim = 41, 6, 2, 16
     q = torch.randn(len(positions), heads, dim)
     keys, values = torch.randn(ctx, kv_heads, dim), torch.randn(ctx, kv_heads, dim)
-    expected = reference(q, keys, values, positions, 0.25)
-    runs = _runs(positions.tolist())
-    assert len(runs) == 4
-    by_runs = _by_runs(q, keys, values, runs, 0.25)
     masked = _sdpa(q, keys, values, causal_mask(positions, ctx), 0.25)
-    assert (by_runs.double() - expected).abs().max() < 1e-5
-    assert (masked.double() - expected).abs().max() < 1e-5
+    assert (masked.double() - reference(q, keys, values, positions, 0.25)).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_matmul_attention_over_scattered_queries_equals_the_reference(dtype, tolerance):
-    """Queries in several runs (spans, CacheBlend) over head-major keys, in float32 and bf16."""
+@pytest.mark.parametrize("slice_scores", [torch_ref.MATMUL_SLICE_SCORES, 6 * 41 * 3])
+def test_matmul_attention_over_scattered_queries_equals_the_reference(monkeypatch, dtype, tolerance, slice_scores):
+    """Queries in several runs (spans, CacheBlend) over head-major keys, in float32 and bf16,
+    in one slice and in slices of three queries (each over the keys up to its last query)."""
+    monkeypatch.setattr(torch_ref, "MATMUL_SLICE_SCORES", slice_scores)
     torch.manual_seed(3)
     positions = torch.tensor([3, 4, 5, 10, 11, 20, 21, 22, 23, 40])
     ctx, heads, kv_heads, dim = 41, 6, 2, 16
@@ -68,12 +65,12 @@ def test_batched_decode_over_padded_contexts_equals_the_reference():
         assert (out[i].double() - expected).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("matmul_max_scores", [torch_ref.MATMUL_MAX_SCORES, 0])
+@pytest.mark.parametrize("slice_scores", [torch_ref.MATMUL_SLICE_SCORES, 1])
 def test_a_step_of_decodes_short_and_long_prefills_over_the_paged_cache_equals_the_reference(
-        monkeypatch, matmul_max_scores):
-    """Decode tokens and short chunks go through one padded, masked call; the long chunk alone,
-    as matmuls or (past the score budget) by flash passes."""
-    monkeypatch.setattr(torch_ref, "MATMUL_MAX_SCORES", matmul_max_scores)
+        monkeypatch, slice_scores):
+    """Decode tokens and short chunks go through one padded, masked call; the long chunk and the
+    whole prompt alone, as matmuls (in one slice, or one query at a time)."""
+    monkeypatch.setattr(torch_ref, "MATMUL_SLICE_SCORES", slice_scores)
     torch.manual_seed(2)
     block_size, heads, kv_heads, dim = 4, 6, 2, 16
     query_lens, context_lens = [1, 4, BATCH_MAX_QUERIES + 8, 7, 1], [9, 13, 45, 7, 22]
@@ -99,9 +96,11 @@ def test_a_step_of_decodes_short_and_long_prefills_over_the_paged_cache_equals_t
     assert (out.double() - torch.cat(expected)).abs().max() < 1e-5
 
 
-def test_bf16_matmul_attention_stays_as_close_to_float32_as_flash(default_model_path, monkeypatch):
-    """On the real model in bf16, a warm span prompt (rotated keys, a short question: the matmul
-    path) gives first-token logprobs no further from the float32 engine's than the flash path."""
+def test_bf16_matmul_attention_stays_close_to_float32(default_model_path):
+    """On the real model in bf16 (scores rounded to bf16), a warm span prompt (rotated keys, a
+    question over 1.2k cached keys) gives the float32 engine's greedy token and first-token
+    logprobs within 0.25 of its. The flash kernel, which keeps float32 scores, was 0.10 and 0.19
+    away on these two prompts (session 5), bf16 scores 0.16 and 0.15."""
     from spanserve import LLM, SamplingParams, Span
 
     # ~300 tokens each: a context past BATCH_MAX_CONTEXT, so the question is a chunk of its own
@@ -110,22 +109,15 @@ def test_bf16_matmul_attention_stays_as_close_to_float32_as_flash(default_model_
                                                       ("Kasdale", "tin", "spring"), ("Orvia", "amber", "autumn")])]
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
 
-    def first_logprobs(llm, order):
+    def first_token(llm, order):
         llm.generate([Span(d) for d in docs] + ["warm"], params)  # the spans are cached in another order
         prompt = [Span(docs[i]) for i in order] + ["Question: what does Kasdale export? Answer:"]
-        return llm.generate(prompt, params)[0].outputs[0].logprobs[0]
+        out = llm.generate(prompt, params)[0].outputs[0]
+        return out.token_ids[0], out.logprobs[0]
 
-    def distances(budget):
-        monkeypatch.setattr(torch_ref, "MATMUL_MAX_SCORES", budget)
-        bf16 = LLM(model=str(default_model_path), dtype="bfloat16", num_blocks=160)
-        found = []
-        for order, expected in zip(orders, references):
-            got = first_logprobs(bf16, order)
-            found.append(max(abs(got[t] - lp) for t, lp in expected.items() if t in got))
-        return found
-
-    orders = [[2, 0, 3, 1], [3, 1, 2, 0]]
     fp32 = LLM(model=str(default_model_path), dtype="float32", num_blocks=160)
-    references = [first_logprobs(fp32, order) for order in orders]
-    matmul, flash = distances(torch_ref.MATMUL_MAX_SCORES), distances(0)
-    assert all(m < 1.5 * f + 0.05 for m, f in zip(matmul, flash)), (matmul, flash)
+    bf16 = LLM(model=str(default_model_path), dtype="bfloat16", num_blocks=160)
+    for order in ([2, 0, 3, 1], [3, 1, 2, 0]):
+        (token, expected), (got_token, got) = first_token(fp32, order), first_token(bf16, order)
+        assert got_token == token
+        assert max(abs(got[t] - lp) for t, lp in expected.items() if t in got) < 0.25

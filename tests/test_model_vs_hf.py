@@ -39,7 +39,7 @@ def our_logits(llm: LLM, token_ids: list[int], chunk: int | None = None) -> torc
             meta = AttentionMetadata(
                 slot_mapping=table[0, positions // block_size] * block_size + positions % block_size,
                 query_lens=[end - start], context_lens=[end], block_tables=table,
-                context_lens_tensor=torch.tensor([end]), positions=positions, query_runs=[[(0, end - start, start)]],
+                context_lens_tensor=torch.tensor([end]), positions=positions,
             )
             with torch.inference_mode():
                 logits.append(model.compute_logits(model(torch.tensor(token_ids[start:end]), positions, meta)))

@@ -71,9 +71,6 @@ class AttentionMetadata:
     # [T] each query's index among its sequence's keys (its RoPE position too): a query sees
     # keys up to its own index. Usually contiguous per sequence; with spans it skips ahead.
     positions: torch.Tensor
-    # Per sequence, its queries as runs of consecutive positions: (first row, end row, first
-    # position), rows counted within the sequence. Lets a backend attend run by run.
-    query_runs: list[list[tuple[int, int, int]]] | None = None
     # Per sequence, None or the rotation its cached keys need before use: span keys are stored
     # at span-local positions (pic/layout.py).
     key_rotation: list[KeyRotation | None] | None = None

@@ -6,18 +6,15 @@ import torch.nn.functional as F
 from spanserve.attention.backend import AttentionBackend, AttentionMetadata
 from spanserve.threads import attention_threads
 
-# Queries in more runs than this (CacheBlend's scattered tokens) take one masked pass: two
-# flash passes per run would re-read the keys before every run.
-MAX_RUNS = 8
 # Sequences computing at most this many queries in a step (decode tokens, short prefill chunks
 # over at most BATCH_MAX_CONTEXT keys) share one padded, masked call when there are two or more:
 # a longer context would pad the others' keys to its length.
 BATCH_MAX_QUERIES = 32
 BATCH_MAX_CONTEXT = 1024
-# A prefill chunk with at most this many scores (queries x heads x keys) takes attention as two
-# matmuls on CPU: 2-3x faster there than the flash kernel, which runs in float32 even for bf16.
-# The price is the score matrix, 32 MB in bf16 at this size.
-MATMUL_MAX_SCORES = 2**24
+# On CPU a prefill chunk's attention is two matmuls and a masked softmax: 2x faster there than
+# the flash kernel, which computes in float32 even for bf16. Its queries go in slices of at most
+# this many scores (queries x heads x keys: 8 MB in bf16), each over the keys up to its last query.
+MATMUL_SLICE_SCORES = 2**22
 
 
 class TorchAttention(AttentionBackend):
@@ -53,11 +50,15 @@ class TorchAttention(AttentionBackend):
     def _one_sequence(self, i, q, k, v, positions, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         q_len, ctx_len = len(q), meta.context_lens[i]
         rotation = meta.key_rotation[i] if meta.key_rotation else None
+        on_cpu = q.device.type == "cpu"
         if q_len == ctx_len and rotation is None:
             # Whole context is in this batch: plain causal attention, no cache gather.
+            if on_cpu:
+                return _matmul_attention(q, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(),
+                                         positions, scale)
             return _sdpa(q, k, v, None, scale, causal=True)
         first = meta.contiguous_from[i] if meta.contiguous_from else None
-        if q.device.type == "cpu" and 1 < q_len and q_len * q.shape[1] * ctx_len <= MATMUL_MAX_SCORES:
+        if on_cpu and q_len > 1:
             keys, values = gather_head_major(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
             if rotation is not None:
                 rotation.rotate_head_major_(keys)
@@ -67,9 +68,6 @@ class TorchAttention(AttentionBackend):
             return _single_query(q, keys, values, scale, rotation)
         if rotation is not None:
             keys = rotation.apply(keys)
-        runs = meta.query_runs[i] if meta.query_runs is not None else None
-        if q.device.type == "cpu" and runs is not None and len(runs) <= MAX_RUNS:
-            return _by_runs(q, keys, values, runs, scale)
         return _sdpa(q, keys, values, causal_mask(positions, ctx_len), scale)
 
     def _batched(self, q, positions, k_cache, v_cache, meta: AttentionMetadata, scale: float, seqs: list[int]):
@@ -137,10 +135,24 @@ def causal_mask(query_idx: torch.Tensor, ctx_len: int) -> torch.Tensor:
 
 def _matmul_attention(q, keys, values, positions, scale):
     """Queries q [Q, heads, D] over head-major keys/values [kv_heads, L, D], query i seeing the
-    keys up to positions[i] (any order: spans and CacheBlend's scattered tokens alike), as two
-    matmuls and a softmax in the keys' dtype. In bf16 a score rounds to bf16 where flash keeps
-    float32; on the real model this moved logprobs no further from float32's than flash does
-    (tests/test_attention.py), and float32 scores gave back much of the speed."""
+    keys up to positions[i] (in any order: spans and CacheBlend's scattered tokens alike), slice
+    by slice of queries so the scores stay small and a slice skips the keys after its last query
+    (half the work of a causal prompt)."""
+    rows = max(1, MATMUL_SLICE_SCORES // (q.shape[1] * keys.shape[1]))
+    if len(q) <= rows:
+        return _matmul_slice(q, keys, values, positions, scale)
+    out = torch.empty_like(q)
+    for start in range(0, len(q), rows):
+        part = slice(start, start + rows)
+        end = int(positions[part].max()) + 1
+        out[part] = _matmul_slice(q[part], keys[:, :end], values[:, :end], positions[part], scale)
+    return out
+
+
+def _matmul_slice(q, keys, values, positions, scale):
+    """Scores, a masked softmax and the values, in the keys' dtype. In bf16 a score rounds to bf16
+    where flash keeps float32: on the real model this moved logprobs no further from float32's
+    than flash does (tests/test_attention.py), and float32 scores gave back much of the speed."""
     kv_heads, (num_q, heads, dim) = keys.shape[0], q.shape
     groups = heads // kv_heads
     folded = (q * scale).view(num_q, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * num_q, dim)
@@ -152,50 +164,6 @@ def _matmul_attention(q, keys, values, positions, scale):
     probs = torch.softmax(scores, -1)  # computed in float32, stored in the scores' dtype
     out = torch.matmul(probs, values)  # [kv_heads, groups * Q, D]
     return out.view(kv_heads, groups, num_q, dim).permute(2, 0, 1, 3).reshape(num_q, heads, dim)
-
-
-def _by_runs(q, keys, values, runs, scale):
-    """Attention of runs of consecutive queries, each seeing every key before it and itself
-    causally: per run, a flash pass over the keys before the run and a causal flash pass over
-    the run, merged by their log-sum-exps. Twice as fast as an explicit mask on CPU, which
-    falls off the flash kernel and computes every masked score."""
-    kv_heads = keys.shape[1]
-    keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, kv_heads, ctx, D]
-    out = torch.empty_like(q)
-    for row, end, first in runs:
-        qr = q[row:end].transpose(0, 1)[None]  # [1, heads, run, D]
-        last = first + end - row
-        o, lse = _flash(qr, *_expand_heads(keys[:, :, first:last], values[:, :, first:last], q.shape[1]),
-                        True, scale)
-        if first:
-            o_prefix, lse_prefix = _flash_grouped(qr, keys[:, :, :first], values[:, :, :first], kv_heads, scale)
-            with attention_threads(o.numel()):  # small: not worth waking the pool
-                top = torch.maximum(lse, lse_prefix)
-                w, w_prefix = (lse - top).exp()[..., None], (lse_prefix - top).exp()[..., None]
-                o = (o.float() * w + o_prefix.float() * w_prefix) / (w + w_prefix)
-        out[row:end] = o[0].transpose(0, 1).to(q.dtype)
-    return out
-
-
-def _expand_heads(keys, values, heads: int):
-    """Grouped-query keys/values [1, kv_heads, n, D] repeated to one per query head."""
-    groups = heads // keys.shape[1]
-    return keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-
-
-def _flash_grouped(q, keys, values, kv_heads: int, scale: float):
-    """Non-causal flash pass of q [1, heads, n, D] over grouped-query keys [1, kv_heads, m, D]
-    without repeating them: each kv head's query heads are folded into one longer query run
-    (exact, as no query is masked), so the keys are read once per kv head."""
-    _, heads, n, dim = q.shape
-    folded = q.reshape(1, kv_heads, heads // kv_heads * n, dim)
-    o, lse = _flash(folded, keys, values, False, scale)
-    return o.reshape(1, heads, n, dim), lse.reshape(1, heads, n)
-
-
-def _flash(q, k, v, causal: bool, scale: float):
-    """The CPU flash kernel, which also returns the log-sum-exp of each query's scores."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal, scale=scale)
 
 
 def _rotate_padded(keys: torch.Tensor, rotations) -> torch.Tensor:

@@ -43,7 +43,7 @@ class ModelRunner:
 
     def _prepare(self, batch: list[ScheduledRequest]):
         input_ids, positions, slots, logit_rows = [], [], [], []
-        query_lens, context_lens, contiguous_from, tables, rotations, runs = [], [], [], [], [], []
+        query_lens, context_lens, contiguous_from, tables, rotations = [], [], [], [], []
         for item in batch:
             for tokens, pos, table, ctx_len, layout, samples in _sequences(item):
                 input_ids.extend(tokens)
@@ -54,7 +54,6 @@ class ModelRunner:
                 contiguous_from.append(table[0] if contiguous else None)
                 query_lens.append(len(pos))
                 context_lens.append(ctx_len)
-                runs.append(_runs(pos))
                 rotations.append(self._rotation(layout, ctx_len))
                 if samples:
                     logit_rows.append(len(input_ids) - 1)
@@ -65,7 +64,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=to(slots), query_lens=query_lens, context_lens=context_lens,
             block_tables=block_tables.to(self.device), context_lens_tensor=to(context_lens),
-            positions=to(positions), contiguous_from=contiguous_from, query_runs=runs,
+            positions=to(positions), contiguous_from=contiguous_from,
             key_rotation=rotations if any(r is not None for r in rotations) else None,
         )
         return to(input_ids), meta.positions, meta, logit_rows
@@ -136,18 +135,6 @@ class ModelRunner:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
-
-
-def _runs(positions) -> list[tuple[int, int, int]]:
-    """(first row, end row, first position) of each run of consecutive positions."""
-    if isinstance(positions, range):
-        return [(0, len(positions), positions.start)] if len(positions) else []
-    runs, start = [], 0
-    for i in range(1, len(positions) + 1):
-        if i == len(positions) or positions[i] != positions[i - 1] + 1:
-            runs.append((start, i, positions[start]))
-            start = i
-    return runs
 
 
 def _relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
