@@ -1,4 +1,4 @@
-"""Reference attention in plain PyTorch (SDPA): CPU, and CUDA as a fallback."""
+"""Reference attention in plain PyTorch: matmuls for prefill and SDPA for decode on CPU; SDPA on other devices."""
 
 import torch
 import torch.nn.functional as F
