@@ -35,10 +35,10 @@ def test_masked_attention_equals_the_reference():
     assert (masked.double() - reference(q, keys, values, positions, 0.25)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
 @pytest.mark.parametrize("slice_scores", [torch_ref.MATMUL_SLICE_SCORES, 6 * 41 * 3])
 def test_matmul_attention_over_scattered_queries_equals_the_reference(monkeypatch, dtype, tolerance, slice_scores):
-    """Queries in several runs (spans, CacheBlend) over head-major keys, in float32 and bf16,
+    """Queries in several runs (spans, CacheBlend) over head-major keys, in float32, bf16 and fp16,
     in one slice and in slices of three queries (each over the keys up to its last query)."""
     monkeypatch.setattr(torch_ref, "MATMUL_SLICE_SCORES", slice_scores)
     torch.manual_seed(3)
