@@ -50,7 +50,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         tmp_dir.mkdir()
         _save_tokenizer(gguf_path, tmp_dir)
         (tmp_dir / "config.json").write_text(json.dumps(config, indent=2))
-        save_file({k: torch.from_numpy(v).contiguous() for k, v in tensors.items()},
+        # Unquantized tensors are read-only views of the file; a writable copy keeps torch quiet.
+        save_file({k: torch.from_numpy(np.require(v, requirements="W")).contiguous() for k, v in tensors.items()},
                   str(tmp_dir / "model.safetensors"))
         if out_dir.exists():
             shutil.rmtree(out_dir)
