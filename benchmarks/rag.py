@@ -17,7 +17,8 @@ recompute the first K tokens of every span in context; blendR: CacheBlend, recom
 Every repeat draws a new question and a new shuffle whose first document differs from the original's,
 starts from an empty cache (a fresh cache_salt for vLLM), and runs every condition in turn, so load
 from other processes hits them alike; each figure is the median of --repeats. Afterwards a 16-token
-answer per condition is recorded, to check that the answers are sensible (not graded).
+answer per condition is recorded, to check that the answers are sensible (not graded), with our
+decode time per token after the first (span keys are repositioned in every decode step).
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.rag [--quick] [--vllm-url http://127.0.0.1:8011/v1]
     spanserve bench rag --quick
@@ -189,8 +190,10 @@ def ask_engine(llm, msgs: list[dict], params) -> dict:
     start = time.perf_counter()
     out = llm.chat(msgs, params)[0]
     wall = time.perf_counter() - start
-    return {"ttft_s": out.metrics.ttft_s, "wall_s": wall, "prompt_tokens": len(out.prompt_token_ids),
-            "cached_tokens": out.num_cached_tokens, "text": out.outputs[0].text}
+    m, generated = out.metrics, len(out.outputs[0].token_ids)
+    decode = (m.finish_time - m.first_token_time) / (generated - 1) if generated > 1 else None
+    return {"ttft_s": m.ttft_s, "wall_s": wall, "prompt_tokens": len(out.prompt_token_ids),
+            "cached_tokens": out.num_cached_tokens, "text": out.outputs[0].text, "decode_s_per_token": decode}
 
 
 class VLLMClient:
@@ -300,6 +303,11 @@ def measure_n(llm, vllm, docs: list[dict], args, rng: random.Random) -> dict:
     return {"runs": runs, "answers": answers}
 
 
+def _per_token(answer: dict) -> str:
+    decode = answer.get("decode_s_per_token")
+    return f" ({decode * 1000:.0f} ms/token)" if decode else ""
+
+
 def check_answers(llm, vllm, docs, order, question, policies, max_tokens: int) -> dict:
     """A short greedy answer to the last repeat's question, per condition (untimed)."""
     from spanserve import SamplingParams
@@ -314,7 +322,8 @@ def check_answers(llm, vllm, docs, order, question, policies, max_tokens: int) -
     if vllm:
         outs["vllm"] = vllm.ask(messages(docs, order, question, False), f"rag-answer-{time.time_ns()}", max_tokens)
     for name, rec in outs.items():
-        answers[name] = {"text": rec["text"], "contains_expected": capital.lower() in rec["text"].lower()}
+        answers[name] = {"text": rec["text"], "contains_expected": capital.lower() in rec["text"].lower(),
+                         "decode_s_per_token": rec.get("decode_s_per_token")}
     return answers
 
 
@@ -411,11 +420,11 @@ def run(args: argparse.Namespace) -> dict:
         for key, g in goals.items():
             ratio = "-" if g["ratio"] is None else f"{g['ratio']:.1f}x"
             print(f"  {key}: {ratio} (need >= {g['need']:g}x) -> {'met' if g['met'] else 'NOT met'}")
-    print("\nanswers (last question at each N, 16 tokens greedy):")
+    print("\nanswers (last question at each N, 16 tokens greedy; our decode ms per token after the first):")
     for n, r in per_n.items():
         a = r["answers"]
-        print(f"  N={n} {a['question']} expected {a['expected']}: " + "; ".join(
-            f"{k} {v['text']!r}" for k, v in a.items() if isinstance(v, dict)))
+        print(f"  N={n} {a['question']} expected {a['expected']}: "
+              + "; ".join(f"{k} {v['text']!r}{_per_token(v)}" for k, v in a.items() if isinstance(v, dict)))
 
     data = {
         "benchmark": "rag",

@@ -58,10 +58,12 @@ class TorchAttention(AttentionBackend):
                                          positions, scale)
             return _sdpa(q, k, v, None, scale, causal=True)
         first = meta.contiguous_from[i] if meta.contiguous_from else None
-        if on_cpu and q_len > 1:
+        if on_cpu and (q_len > 1 or rotation is not None):  # a decode token over moved span keys too
             keys, values = gather_head_major(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
             if rotation is not None:
-                rotation.rotate_head_major_(keys)
+                # Elementwise and memory-bound: a second thread's wake-up cost more than it saved.
+                with attention_threads(0):
+                    rotation.rotate_head_major_(keys)
             return _matmul_attention(q, keys, values, positions, scale)
         keys, values = gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
         if q_len == 1:  # the newest token: it sees the whole context
