@@ -171,5 +171,5 @@ def test_key_rotation_moves_keys_to_their_new_position_in_their_own_dtype(dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     assert (moved.float() - expected).abs().max() < tolerance * expected.abs().max()
     assert torch.equal(moved[30:], stored[30:].to(dtype))
-    in_place = rotation.rotate_head_major_(stored.to(dtype).transpose(0, 1).contiguous())
+    in_place = rotation.rotate_(stored.to(dtype).transpose(0, 1).contiguous(), head_major=True)
     assert torch.equal(in_place.transpose(0, 1), moved)

@@ -28,22 +28,19 @@ class KeyRotation:
         return cls(expand(torch.cat([cos, cos], -1)), expand(torch.cat([-sin, sin], -1)))
 
     def apply(self, keys: torch.Tensor) -> torch.Tensor:
-        """Keys [context_len, kv_heads, head_dim] with the first n rotated, as a new tensor in the
-        keys' dtype. Half-precision keys rotate in their own precision (2x faster than a float32
-        round trip; the error is that of storing them)."""
-        cos, sin = self._table(keys.dtype)
-        n, half = min(len(keys), len(cos)), keys.shape[-1] // 2
-        head = keys[:n]
-        rotated = torch.addcmul(head * cos[:n], torch.cat([head[..., half:], head[..., :half]], -1), sin[:n])
-        return rotated if n == len(keys) else torch.cat([rotated, keys[n:]])
+        """Keys [context_len, kv_heads, head_dim] with the first n rotated, as a new tensor."""
+        return self.rotate_(keys.clone())
 
-    def rotate_head_major_(self, keys: torch.Tensor) -> torch.Tensor:
-        """Rotate head-major keys [kv_heads, context_len, head_dim] in place (the first n)."""
-        cos, sin = self._table(keys.dtype, head_major=True)
-        n, half = min(keys.shape[1], cos.shape[1]), keys.shape[-1] // 2
-        head = keys[:, :n]
+    def rotate_(self, keys: torch.Tensor, head_major: bool = False) -> torch.Tensor:
+        """Rotate the first n keys in place: keys [context_len, kv_heads, head_dim], or [kv_heads,
+        context_len, head_dim] if head_major. Half-precision keys rotate in their own precision
+        (2x faster than a float32 round trip; the error is that of storing them)."""
+        cos, sin = self._table(keys.dtype, head_major)
+        axis = 1 if head_major else 0
+        n, half = min(keys.shape[axis], cos.shape[axis]), keys.shape[-1] // 2
+        head, cos, sin = (t.narrow(axis, 0, n) for t in (keys, cos, sin))
         swapped = torch.cat([head[..., half:], head[..., :half]], -1)
-        head.mul_(cos[:, :n]).addcmul_(swapped, sin[:, :n])
+        head.mul_(cos).addcmul_(swapped, sin)
         return keys
 
     def _table(self, dtype: torch.dtype, head_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

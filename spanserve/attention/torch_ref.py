@@ -54,8 +54,7 @@ class TorchAttention(AttentionBackend):
         if q_len == ctx_len and rotation is None:
             # Whole context is in this batch: plain causal attention, no cache gather.
             if on_cpu:
-                return _matmul_attention(q, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(),
-                                         positions, scale)
+                return _matmul_attention(q, _head_major(k), _head_major(v), positions, scale)
             return _sdpa(q, k, v, None, scale, causal=True)
         first = meta.contiguous_from[i] if meta.contiguous_from else None
         if on_cpu and (q_len > 1 or rotation is not None):  # a decode token over moved span keys too
@@ -63,7 +62,7 @@ class TorchAttention(AttentionBackend):
             if rotation is not None:
                 # Elementwise and memory-bound: a second thread's wake-up cost more than it saved.
                 with attention_threads(0):
-                    rotation.rotate_head_major_(keys)
+                    rotation.rotate_(keys, head_major=True)
             return _matmul_attention(q, keys, values, positions, scale)
         keys, values = gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
         if q_len == 1:  # the newest token: it sees the whole context
@@ -121,7 +120,12 @@ def gather_head_major(k_cache, v_cache, block_table, ctx_len, first_block=None):
     """Like gather_context, as contiguous copies in head-major order [kv_heads, ctx_len, D]:
     what a matmul over each head's keys reads without a copy of its own (one costs 2x more)."""
     keys, values = gather_context(k_cache, v_cache, block_table, ctx_len, first_block)
-    return keys.transpose(0, 1).contiguous(), values.transpose(0, 1).contiguous()
+    return _head_major(keys), _head_major(values)
+
+
+def _head_major(x: torch.Tensor) -> torch.Tensor:
+    """[L, kv_heads, D] as a contiguous [kv_heads, L, D] copy."""
+    return x.transpose(0, 1).contiguous()
 
 
 def gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -173,8 +177,7 @@ def _rotate_padded(keys: torch.Tensor, rotations) -> torch.Tensor:
     keys = keys.clone()
     for i, rotation in enumerate(rotations):
         if rotation is not None:
-            n = min(rotation.cos.shape[0], keys.shape[1])
-            keys[i, :n] = rotation.apply(keys[i, :n])
+            rotation.rotate_(keys[i])
     return keys
 
 
