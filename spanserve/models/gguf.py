@@ -37,7 +37,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     if arch not in _ARCHS:
         raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported")
     tensors = {_hf_name(t.name): _dequantize(t) for t in reader.tensors}
-    config = _hf_config(meta, arch, tie="lm_head.weight" not in tensors)
+    # The embedding's rows are the vocabulary: `<arch>.vocab_size` is optional (qwen2 GGUFs omit it).
+    config = _hf_config(meta, arch, tie="lm_head.weight" not in tensors,
+                        vocab_size=tensors["model.embed_tokens.weight"].shape[0])
     if arch == "llama":  # llama.cpp interleaves q/k rows for its RoPE; undo it.
         for name in list(tensors):
             if name.endswith("q_proj.weight"):
@@ -78,7 +80,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_config(meta: dict, arch: str, tie: bool) -> dict:
+def _hf_config(meta: dict, arch: str, tie: bool, vocab_size: int) -> dict:
     def get(key, default=None):
         return meta.get(f"{arch}.{key}", default)
 
@@ -87,7 +89,7 @@ def _hf_config(meta: dict, arch: str, tie: bool) -> dict:
     config = {
         "model_type": _ARCHS[arch],
         "architectures": ["LlamaForCausalLM"],
-        "vocab_size": int(get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))),
+        "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from spanserve.attention import AttentionBackend
 from spanserve.errors import ModelNotFoundError
+from spanserve.models.catalog import CATALOG, assembled_gguf
 from spanserve.models.config import ModelConfig
 from spanserve.models.gguf import convert_gguf
 from spanserve.models.llama import LlamaModel
@@ -45,6 +46,8 @@ def resolve_model(model: str | None) -> Path:
     model = model or os.environ.get("SPANSERVE_MODEL") or DEFAULT_MODEL
     if model == DEFAULT_MODEL:
         return _converted(default_gguf_path())
+    if model.lower() in CATALOG:
+        return _converted(assembled_gguf(CATALOG[model.lower()], cache_dir() / "gguf"))
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _converted(path)
@@ -54,7 +57,7 @@ def resolve_model(model: str | None) -> Path:
         raise ModelNotFoundError(f"model directory {path} has no config.json with *.safetensors")
     raise ModelNotFoundError(
         f"model {model!r} not found: pass a local HF directory (config.json + *.safetensors), "
-        f"a .gguf file, or nothing for the default {DEFAULT_MODEL}"
+        f"a .gguf file, a name among {', '.join(CATALOG)}, or nothing for the default {DEFAULT_MODEL}"
     )
 
 
