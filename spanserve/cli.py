@@ -11,6 +11,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads s
 
 from spanserve.config import EngineConfig  # noqa: E402
 from spanserve.errors import SpanserveError  # noqa: E402
+from spanserve.pic.link import POLICIES  # noqa: E402
 from spanserve.sampling import SamplingParams  # noqa: E402
 
 
@@ -26,10 +27,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--link-policy", default="none", choices=["none", "gap", "blend", "full"],
+    g.add_argument("--link-policy", default="none", choices=list(POLICIES),
                    help="default link policy of requests with position-independent spans")
     g.add_argument("--gap-length", type=int, default=32, help="tokens recomputed at each span's head (gap)")
     g.add_argument("--blend-ratio", type=float, default=0.15, help="fraction of span tokens recomputed (blend)")
+    g.add_argument("--comb-plugin", default=None,
+                   help="COMB encoder plug-in file (comb; default: the one shipped for the model)")
 
 
 def engine_config(args) -> EngineConfig:
@@ -38,7 +41,7 @@ def engine_config(args) -> EngineConfig:
         num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching, link_policy=args.link_policy, gap_length=args.gap_length,
-        blend_ratio=args.blend_ratio,
+        blend_ratio=args.blend_ratio, comb_plugin=args.comb_plugin,
     )
 
 

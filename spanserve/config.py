@@ -32,6 +32,8 @@ class EngineConfig:
     gap_length: int = 32
     blend_ratio: float = 0.15
     span_anchor: bool = True  # compute spans after a fixed anchor block (pic/layout.py)
+    # link_policy="comb": the encoder plug-in's file; None: the one shipped for the model, if any
+    comb_plugin: str | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

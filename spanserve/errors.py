@@ -41,3 +41,7 @@ class UnsupportedModelError(SpanserveError, ValueError):
 
 class CacheFullError(InvalidRequestError):
     """A single request needs more KV blocks than the whole pool holds."""
+
+
+class CorpusNotFoundError(SpanserveError, FileNotFoundError):
+    """The real-text corpus package (spanserve/corpus.py) is not installed."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spanserve.attention import get_backend
+from spanserve.comb.plugin import find_plugin
 from spanserve.config import EngineConfig
 from spanserve.engine.detokenizer import IncrementalDetokenizer
 from spanserve.engine.request import Request
@@ -31,6 +32,10 @@ log = logging.getLogger(__name__)
 # A string, a list of str / Span parts, or a dict: {"prompt": str or parts} or
 # {"prompt_token_ids": [...], "spans": [[start, end], ...]}, either with an optional "cache_salt".
 PromptInput = str | list | dict
+
+
+_NO_COMB = ("link_policy 'comb' needs a COMB encoder plug-in trained for this model: none ships for it and "
+            "none was given (train one with `spanserve train comb --model M`, load it with --comb-plugin FILE)")
 
 
 @dataclass
@@ -101,6 +106,12 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device)
+        self.comb = find_plugin(model, config.comb_plugin)  # span encoder for link_policy="comb"
+        if self.comb:
+            self.comb.attach(model)
+            self.runner.encoder = self.comb
+        elif config.link_policy == "comb":
+            raise InvalidRequestError(_NO_COMB)
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
         self.pad_token_id = self._span_pad_token()
         self.anchor = self._make_anchor() if config.span_anchor else None
@@ -202,7 +213,10 @@ class LLMEngine:
         """The request's link policy, each unset field taken from the engine's defaults."""
         gap = params.gap_length if params.gap_length is not None else self.config.gap_length
         ratio = params.blend_ratio if params.blend_ratio is not None else self.config.blend_ratio
-        return LinkPolicy(params.link_policy or self.config.link_policy, gap, ratio)
+        name = params.link_policy or self.config.link_policy
+        if name == "comb" and self.comb is None:
+            raise InvalidRequestError(_NO_COMB)
+        return LinkPolicy(name, gap, ratio, plugin=self.comb.signature if name == "comb" else "")
 
     def make_group(self, prompt: PromptInput, params: SamplingParams,
                    request_id: str | None = None) -> RequestGroup:

@@ -1,7 +1,7 @@
 """ModelRunner: the only place that touches tensors. Turns a scheduled batch into a flat
 token batch with its cache metadata, runs the model, and samples."""
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -23,6 +23,7 @@ class ModelRunner:
             dtype=dtype, device=device,
         )
         model.bind_kv_cache(self.kv_cache)
+        self.encoder = None  # a CombPlugin attached to the model (spanserve/comb/), if any
         if device.type == "cpu":
             use_pool_for_matmuls(model)
             keep_freed_memory()
@@ -30,13 +31,26 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest]) -> list[Sample]:
         """Run one step; returns one Sample per request in `batch` whose `samples` is True."""
-        input_ids, positions, meta, logit_rows = self._prepare(batch)
-        with self._threads(len(input_ids)):
+        input_ids, positions, meta, logit_rows, encoder_rows = self._prepare(batch)
+        with self._threads(len(input_ids)), self._encoding(encoder_rows):
             hidden = self.model(input_ids, positions, meta)
             if not logit_rows:
                 return []
             logits = self.model.compute_logits(hidden[logit_rows]).cpu()
             return sample(logits, [item.request for item in batch if item.samples])
+
+    @contextmanager
+    def _encoding(self, rows: list[int]):
+        """While the model runs, the encoder plug-in's deltas apply to `rows` (span tokens of
+        requests with link policy comb); the other rows see the plain decoder."""
+        if not rows:
+            yield
+            return
+        self.encoder.rows = self._tensor(rows)
+        try:
+            yield
+        finally:
+            self.encoder.rows = None
 
     def _threads(self, num_tokens: int):
         return step_threads(num_tokens) if self.device.type == "cpu" else nullcontext()
@@ -44,8 +58,12 @@ class ModelRunner:
     def _prepare(self, batch: list[ScheduledRequest]):
         input_ids, positions, slots, logit_rows = [], [], [], []
         query_lens, context_lens, contiguous_from, tables, rotations = [], [], [], [], []
+        encoder_rows = []
         for item in batch:
-            for tokens, pos, table, ctx_len, layout, samples in _sequences(item):
+            encodes = item.request.layout.link.name == "comb"
+            for tokens, pos, table, ctx_len, layout, samples, in_span in _sequences(item):
+                if encodes and in_span:
+                    encoder_rows.extend(range(len(input_ids), len(input_ids) + len(tokens)))
                 input_ids.extend(tokens)
                 positions.extend(pos)
                 slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
@@ -67,7 +85,7 @@ class ModelRunner:
             positions=to(positions), contiguous_from=contiguous_from,
             key_rotation=rotations if any(r is not None for r in rotations) else None,
         )
-        return to(input_ids), meta.positions, meta, logit_rows
+        return to(input_ids), meta.positions, meta, logit_rows, encoder_rows
 
     def _rotation(self, layout, ctx_len: int) -> KeyRotation | None:
         """What moves each cached key of a sequence from where it was computed to where it is
@@ -144,19 +162,19 @@ def _relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
 
 
 def _sequences(item: ScheduledRequest):
-    """The attention sequences of one scheduled request: (tokens, positions, block ids,
-    context length, layout whose span keys need rotating, samples?). A span chunk is a sequence of its own
-    whose positions count from the span's start; the in-context chunk sees everything."""
+    """The attention sequences of one scheduled request: (tokens, positions, block ids, context
+    length, layout whose span keys need rotating, samples?, in a span?). A span chunk is a sequence
+    of its own whose positions count from the span's start; the in-context chunk sees everything."""
     req = item.request
     for chunk in item.span_chunks:
         span = req.layout.spans[chunk.span]
         shift = span.start - span.offset  # token t sits at t - shift in its own sub-sequence
         table = [b.block_id for b in req.span_table(chunk.span)]
         pos = range(chunk.start - shift, chunk.end - shift)
-        yield req.token_ids[chunk.start:chunk.end], pos, table, chunk.end - shift, None, False
+        yield req.token_ids[chunk.start:chunk.end], pos, table, chunk.end - shift, None, False, True
     start = req.num_computed_tokens
     if item.end > start:
         pos = req.layout.in_context(start, item.end)
         if pos:  # keys past the last query (a finished span's tail) are not needed yet
             tokens = [req.token_ids[i] for i in pos]
-            yield tokens, pos, [b.block_id for b in req.block_table], pos[-1] + 1, req.layout, item.samples
+            yield tokens, pos, [b.block_id for b in req.block_table], pos[-1] + 1, req.layout, item.samples, False

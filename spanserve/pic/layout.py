@@ -190,7 +190,7 @@ class PromptLayout:
         for span in self.spans:
             parent = self.anchor.last_hash if span.offset else ROOT_HASH
             for i in range(span.start // bs, span.end // bs):
-                extra = (cache_salt,) if i == span.start // bs and cache_salt else ()
+                extra = ((cache_salt,) if cache_salt else ()) + self.link.span_key if i == span.start // bs else ()
                 parent = out[i] = hash_block(parent, token_ids[i * bs:(i + 1) * bs], extra)
         return out
 

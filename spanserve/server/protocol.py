@@ -58,7 +58,7 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # spanserve extension: how requests with position-independent spans link them (pic/link.py)
-    link_policy: Literal["none", "gap", "blend", "full"] | None = None
+    link_policy: Literal["none", "gap", "blend", "full", "comb"] | None = None
     gap_length: _int(ge=0, le=_SAFE) | None = None
     blend_ratio: float | None = Field(None, ge=0, le=1)
 

@@ -1,0 +1,172 @@
+"""CombPlugin: a trained encoder for position-independent spans (COMB, papers/comb-encoder-pic.txt).
+
+A span computed alone never saw what comes before it; the frozen decoder then reads KV it was
+never trained to read, and answers get lost. COMB adds an encoder, trained while the decoder stays
+frozen, whose only job is to write span KV that the decoder's tokens read well.
+
+Our encoder is the decoder's own layers plus trained low-rank deltas (W + B A on the q/k/v, output
+and MLP projections), active only on rows that compute span tokens. Its KV goes where span KV
+always goes (shared paged blocks, span-local hashes, repositioned by RoPE at read time), and the
+decoder's self-attention reads it as the paper's cross-attention layers read encoder KV. So every
+reuse mechanism keeps working, and the plug-in is small enough to ship (a few MB). With the
+deltas at zero the encoder is the decoder: training starts from link policy "none".
+
+Differences from the paper, scaled to our models and a CPU: one encoder layer per decoder layer
+(each decoder layer needs span KV of its own) instead of a few layers of full rank; the
+decoder's query projections stay frozen too.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from spanserve.errors import InvalidRequestError
+
+TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+FORMAT = "spanserve-comb-1"
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Identifies a model's weights (shape and the first embedding rows, rounded to bf16 so a
+    float32 and a bf16 load of the same weights agree): a plug-in only fits the model it was
+    trained for."""
+    cfg = model.cfg
+    shape = (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+             cfg.head_dim, cfg.vocab_size)
+    digest = hashlib.sha256(repr(shape).encode())
+    rows = model.embed_tokens.weight[:64].detach().to("cpu", torch.bfloat16).view(torch.int16)
+    digest.update(rows.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+@dataclass
+class CombPlugin:
+    """Low-rank deltas per (layer, projection). `rows` selects the flat-batch rows they apply to
+    while a step runs (None: none, the plain decoder)."""
+
+    fingerprint: str
+    rank: int
+    alpha: float
+    deltas: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "layers.3.mlp.down_proj" -> (A [r, in], B [out, r])
+    meta: dict = field(default_factory=dict)  # training facts: steps, data, wall time...
+    rows: torch.Tensor | None = None
+    _handles: list = field(default_factory=list, repr=False)
+
+    @classmethod
+    def zeros(cls, model: nn.Module, rank: int = 16, alpha: float = 32.0, seed: int = 0) -> "CombPlugin":
+        """Fresh deltas for `model`: A random, B zero (so the encoder starts as the decoder)."""
+        gen = torch.Generator().manual_seed(seed)
+        deltas = {}
+        for name, linear in _targets(model):
+            a = torch.randn(rank, linear.in_features, generator=gen) / linear.in_features**0.5
+            deltas[name] = (a, torch.zeros(linear.out_features, rank))
+        return cls(model_fingerprint(model), rank, alpha, deltas)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    @cached_property
+    def signature(self) -> str:
+        """What changes span KV: part of the span blocks' hashes, so KV of different plug-ins
+        (or of none) is never shared. Computed once: a plug-in serving requests is not trained."""
+        digest = hashlib.sha256(self.fingerprint.encode())
+        for name in sorted(self.deltas):
+            for t in self.deltas[name]:
+                digest.update(t.detach().to(torch.float32).contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [t for pair in self.deltas.values() for t in pair]
+
+    def delta(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The low-rank update of projection `name` for inputs x [..., in]."""
+        a, b = self.deltas[name]
+        return (x @ a.to(x.dtype).t()) @ (b.to(x.dtype).t() * self.scaling)
+
+    # ---- in the engine -------------------------------------------------------------------
+
+    def attach(self, model: nn.Module) -> None:
+        """Add the deltas to the model's projections on `rows` (forward hooks: the model's code
+        stays the decoder's). Deltas move to the model's device and dtype."""
+        if model_fingerprint(model) != self.fingerprint:
+            raise InvalidRequestError("this COMB plug-in was trained for another model (fingerprint "
+                                      f"{self.fingerprint}, model {model_fingerprint(model)})")
+        param = next(model.parameters())
+        self.deltas = {n: (a.to(param.device, param.dtype), b.to(param.device, param.dtype))
+                       for n, (a, b) in self.deltas.items()}
+        for name, linear in _targets(model):
+            self._handles.append(linear.register_forward_hook(self._hook(name)))
+
+    def _hook(self, name: str):
+        def add_delta(module, inputs, out):
+            if self.rows is not None:
+                x = inputs[0]
+                out.index_add_(0, self.rows, self.delta(name, x.index_select(0, self.rows)))
+            return out
+        return add_delta
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ---- files ----------------------------------------------------------------------------
+
+    def save(self, path: Path) -> None:
+        tensors = {}
+        for name, (a, b) in self.deltas.items():
+            tensors[f"{name}.A"] = a.detach().to(torch.bfloat16).contiguous()
+            tensors[f"{name}.B"] = b.detach().to(torch.bfloat16).contiguous()
+        meta = {"format": FORMAT, "fingerprint": self.fingerprint, "rank": str(self.rank),
+                "alpha": str(self.alpha), "meta": json.dumps(self.meta)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path: Path) -> "CombPlugin":
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != FORMAT:
+                    raise InvalidRequestError(f"{path} is not a spanserve COMB plug-in")
+                tensors = {k: f.get_tensor(k).float() for k in f.keys()}
+        except (OSError, json.JSONDecodeError, Exception) as e:
+            if isinstance(e, InvalidRequestError):
+                raise
+            raise InvalidRequestError(f"cannot read COMB plug-in {path}: {e}") from e
+        names = sorted({k.rsplit(".", 1)[0] for k in tensors})
+        deltas = {n: (tensors[f"{n}.A"], tensors[f"{n}.B"]) for n in names}
+        return cls(meta["fingerprint"], int(meta["rank"]), float(meta["alpha"]), deltas,
+                   json.loads(meta.get("meta", "{}")))
+
+
+def _targets(model: nn.Module):
+    """(name, nn.Linear) of every projection the encoder adapts, in layer order."""
+    for i, layer in enumerate(model.layers):
+        for target in TARGETS:
+            module = layer.get_submodule(target)
+            yield f"layers.{i}.{target}", module
+
+
+SHIPPED = Path(__file__).parent / "plugins"
+
+
+def find_plugin(model: nn.Module, path: str | None = None) -> CombPlugin | None:
+    """The plug-in at `path` (it must fit the model), else a shipped one trained for this model,
+    else None."""
+    if path:
+        return CombPlugin.load(Path(path))
+    fingerprint = model_fingerprint(model)
+    for candidate in sorted(SHIPPED.glob("*.safetensors")):
+        with safe_open(str(candidate), "pt") as f:
+            if (f.metadata() or {}).get("fingerprint") == fingerprint:
+                return CombPlugin.load(candidate)
+    return None

@@ -1,0 +1,125 @@
+"""link_policy="comb": span KV written by a trained encoder plug-in (spanserve/comb/).
+
+The engine's paged, batched, cached path must compute what the dense reference
+(spanserve/comb/dense.py, the training forward) computes, at any span position, cold or warm.
+"""
+
+import pytest
+import torch
+from helpers import assert_engine_idle, greedy, random_prompt
+
+from spanserve import LLM, InvalidRequestError
+from spanserve.comb import dense
+from spanserve.comb.plugin import CombPlugin
+
+DOCS = [random_prompt(32, seed=60), random_prompt(48, seed=61), random_prompt(20, seed=62)]
+HEAD, QUESTION = random_prompt(16, seed=63), random_prompt(7, seed=64)
+
+
+def make_llm(path, **kwargs) -> LLM:
+    return LLM(model=str(path), dtype="float32", num_blocks=256, **kwargs)
+
+
+def random_plugin(llm: LLM, seed: int = 0) -> CombPlugin:
+    """Deltas large enough to change the outputs (a trained plug-in's B is not zero)."""
+    plugin = CombPlugin.zeros(llm.engine.runner.model, rank=4, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, (a, b) in plugin.deltas.items():
+        plugin.deltas[name] = (a, 0.05 * torch.randn(b.shape, generator=gen))
+    return plugin
+
+
+@pytest.fixture(scope="module")
+def plugin_file(tiny_llama_path, tmp_path_factory):
+    path = tmp_path_factory.mktemp("comb") / "tiny.safetensors"
+    random_plugin(make_llm(tiny_llama_path)).save(path)
+    return path
+
+
+@pytest.fixture
+def comb_llm(tiny_llama_path, plugin_file):
+    return make_llm(tiny_llama_path, comb_plugin=str(plugin_file), link_policy="comb")
+
+
+def prompt(order: list[int]) -> dict:
+    """HEAD, then the documents in `order` (each padded to whole blocks), then QUESTION."""
+    ids, spans = list(HEAD), []
+    for i in order:
+        doc = DOCS[i] + [0] * (-len(DOCS[i]) % 16)
+        spans.append([len(ids), len(ids) + len(doc)])
+        ids += doc
+    return {"prompt_token_ids": ids + QUESTION, "spans": spans}
+
+
+def reference_logprobs(llm: LLM, p: dict, generated: list[int]) -> torch.Tensor:
+    """Dense COMB logprobs after the prompt and each generated token but the last."""
+    engine = llm.engine
+    anchor = engine.anchor_tokens if engine.anchor else []
+    ids = p["prompt_token_ids"] + generated
+    spans = [(s, e, len(anchor) if s else 0) for s, e in p["spans"]]
+    layout = dense.DenseLayout(ids, spans, anchor)
+    first = len(p["prompt_token_ids"]) - 1
+    with torch.no_grad():
+        logits = dense.forward(engine.runner.model, engine.comb, layout, list(range(first, len(ids) - 1)))
+    return logits.log_softmax(-1)
+
+
+def run(llm: LLM, p: dict, **params):
+    out = llm.generate(p, greedy(6, logprobs=1, **params))[0]
+    return out, list(out.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("orders", [[[0, 1, 2]], [[0, 1, 2], [2, 0, 1]]], ids=["cold", "warm-shuffled"])
+def test_engine_comb_equals_the_dense_reference_cold_and_reused_at_new_positions(comb_llm, orders):
+    for order in orders:
+        p = prompt(order)
+        out, tokens = run(comb_llm, p)
+        ref = reference_logprobs(comb_llm, p, tokens)
+        assert tokens == ref.argmax(-1).tolist()
+        ours = torch.tensor([lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)])
+        torch.testing.assert_close(ours, ref[torch.arange(len(tokens)), tokens], atol=1e-4, rtol=0)
+    if len(orders) > 1:  # the second order reused every full span block of the first
+        full_blocks = sum(len(DOCS[i]) // 16 * 16 for i in range(3))
+        assert out.num_cached_tokens >= full_blocks
+    assert_engine_idle(comb_llm)
+
+
+def test_the_plugin_changes_the_answer_and_a_zero_plugin_equals_none(tiny_llama_path, tmp_path):
+    plain = make_llm(tiny_llama_path)
+    zero = CombPlugin.zeros(plain.engine.runner.model, rank=4)
+    zero.save(tmp_path / "zero.safetensors")
+    p = prompt([1, 0, 2])
+    _, none_tokens = run(plain, p, link_policy="none")
+    zero_llm = make_llm(tiny_llama_path, comb_plugin=str(tmp_path / "zero.safetensors"))
+    assert run(zero_llm, p, link_policy="comb")[1] == none_tokens
+    random_plugin(plain, seed=5).save(tmp_path / "random.safetensors")
+    comb = make_llm(tiny_llama_path, comb_plugin=str(tmp_path / "random.safetensors"))
+    comb_out = comb.generate(p, greedy(1, logprobs=5, link_policy="comb"))[0].outputs[0].logprobs[0]
+    none_out = plain.generate(p, greedy(1, logprobs=5, link_policy="none"))[0].outputs[0].logprobs[0]
+    assert max(abs(comb_out[t] - none_out[t]) for t in set(comb_out) & set(none_out)) > 1e-3
+
+
+def test_comb_span_kv_is_never_shared_with_none_or_another_plugin(comb_llm):
+    p = prompt([0, 1, 2])
+    run(comb_llm, p, link_policy="none")
+    cold, _ = run(comb_llm, p)  # comb after none: span blocks must be computed again
+    assert cold.num_cached_tokens <= len(HEAD)
+    warm, _ = run(comb_llm, p)
+    assert warm.num_cached_tokens > cold.num_cached_tokens
+
+
+def test_comb_without_a_plugin_is_a_clear_error(tiny_llama_path):
+    llm = make_llm(tiny_llama_path)
+    with pytest.raises(InvalidRequestError, match="comb.*plug-in"):
+        llm.generate(prompt([0]), greedy(2, link_policy="comb"))
+    with pytest.raises(InvalidRequestError, match="comb.*plug-in"):
+        make_llm(tiny_llama_path, link_policy="comb")
+
+
+def test_a_plugin_trained_for_another_model_or_a_corrupt_file_is_rejected(tiny_qwen2_path, plugin_file, tmp_path):
+    with pytest.raises(InvalidRequestError, match="another model"):
+        make_llm(tiny_qwen2_path, comb_plugin=str(plugin_file))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a plug-in")
+    with pytest.raises(InvalidRequestError, match="cannot read COMB plug-in"):
+        make_llm(tiny_qwen2_path, comb_plugin=str(bad))
