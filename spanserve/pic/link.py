@@ -7,7 +7,9 @@ policies, per request:
   Legolink), rounded up to whole 16-token blocks: the KV cache's unit of sharing;
 - blend: recompute the `blend_ratio` fraction of span tokens whose KV would change most in
   context, measured by a cheap probe at the second layer (CacheBlend; engine/runner.py);
-- full: recompute everything, i.e. ignore the spans (the accuracy reference).
+- full: recompute everything, i.e. ignore the spans (the accuracy reference);
+- comb: span KV written by a trained encoder plug-in (spanserve/comb/), read by the frozen
+  decoder as it is: nothing recomputed.
 Recomputed tokens land in blocks private to the request; the shared span blocks are never
 written.
 """
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 from spanserve.errors import InvalidRequestError
 
-POLICIES = ("none", "gap", "blend", "full")
+POLICIES = ("none", "gap", "blend", "full", "comb")
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class LinkPolicy:
     name: str = "none"
     gap_length: int = 0
     blend_ratio: float = 0.0
+    plugin: str = ""  # comb: the signature of the encoder plug-in that computes span KV
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -46,7 +49,12 @@ class LinkPolicy:
     def signature(self) -> tuple:
         """What decides the linked tokens, given the same context (part of cache keys)."""
         return {"none": ("none",), "gap": ("gap", self.gap_length), "blend": ("blend", self.blend_ratio),
-                "full": ("full",)}[self.name]
+                "full": ("full",), "comb": ("comb", self.plugin)}[self.name]
+
+    @property
+    def span_key(self) -> tuple:
+        """What changes a span's own KV (part of its span-local hashes): the encoder, if any."""
+        return ("comb", self.plugin) if self.name == "comb" else ()
 
     def linked(self, start: int, end: int, block_size: int) -> int:
         """How many tokens at the head of span [start, end) are recomputed in context."""
