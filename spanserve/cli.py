@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve shared CPUs
 
+from spanserve.comb import train as comb_train  # noqa: E402
 from spanserve.config import EngineConfig  # noqa: E402
 from spanserve.errors import SpanserveError  # noqa: E402
 from spanserve.pic.link import POLICIES  # noqa: E402
@@ -299,6 +300,12 @@ def cmd_bench(args, rest: list[str]) -> None:
     bench.main(["--help", *rest] if args.bench_help else rest)
 
 
+def cmd_train(args) -> None:
+    logging.getLogger(comb_train.__name__).setLevel(logging.INFO)  # progress, every --log-every steps
+    out = comb_train.train(args)
+    print(f"COMB plug-in written to {out}; use it with --link-policy comb --comb-plugin {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spanserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -347,6 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="corpus (or index) directory that retrieve nodes of /v1/spans queries search")
     add_engine_args(p)
 
+    p = sub.add_parser("train", help="train a plug-in: `spanserve train comb` (the span encoder of link policy comb)")
+    kinds = p.add_subparsers(dest="plugin", required=True)
+    comb_train.add_arguments(kinds.add_parser("comb", help=comb_train.__doc__.split("\n")[0]))
+
     # No -h of its own: `spanserve bench NAME --help` must reach NAME's parser, which owns the options.
     p = sub.add_parser("bench", add_help=False, help="benchmarks; `spanserve bench NAME --help` for options")
     p.add_argument("bench", nargs="?", choices=BENCHES, help="benchmark to run")
@@ -368,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
             cmd_bench(args, rest)
         else:
             commands = {"generate": cmd_generate, "chat": cmd_chat, "demo": cmd_demo, "serve": cmd_serve,
-                        "query": cmd_query, "index": cmd_index}
+                        "query": cmd_query, "index": cmd_index, "train": cmd_train}
             commands[args.command](args)
     except SpanserveError as exc:
         sys.exit(f"error: {exc}")

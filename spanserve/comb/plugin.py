@@ -93,15 +93,17 @@ class CombPlugin:
 
     # ---- in the engine -------------------------------------------------------------------
 
-    def attach(self, model: nn.Module) -> None:
+    def attach(self, model: nn.Module, cast: bool = True) -> None:
         """Add the deltas to the model's projections on `rows` (forward hooks: the model's code
-        stays the decoder's). Deltas move to the model's device and dtype."""
+        stays the decoder's). With `cast`, deltas move to the model's device and dtype once
+        (serving); training keeps its float32 tensors and casts at each use."""
         if model_fingerprint(model) != self.fingerprint:
             raise InvalidRequestError("this COMB plug-in was trained for another model (fingerprint "
                                       f"{self.fingerprint}, model {model_fingerprint(model)})")
-        param = next(model.parameters())
-        self.deltas = {n: (a.to(param.device, param.dtype), b.to(param.device, param.dtype))
-                       for n, (a, b) in self.deltas.items()}
+        if cast:
+            param = next(model.parameters())
+            self.deltas = {n: (a.to(param.device, param.dtype), b.to(param.device, param.dtype))
+                           for n, (a, b) in self.deltas.items()}
         for name, linear in _targets(model):
             self._handles.append(linear.register_forward_hook(self._hook(name)))
 

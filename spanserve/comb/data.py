@@ -1,0 +1,107 @@
+"""Training prompts for the COMB encoder: documents as spans, a question over them.
+
+Documents are real prose (spanserve/corpus.py, split "train" only: the benchmark's real-text task
+reads "eval") of 60 to 230 tokens. Two kinds of questions, both answered by the model itself with
+the documents in full context (self-distillation: the targets are on-policy, see train.py):
+- fact lookup: one made-up fact per document (locker numbers, birth years, code names, cities,
+  meeting days: never the access codes the benchmark asks for), the question asks for one;
+- reading: summarise, quote or compare documents: open answers that need the documents' text.
+Nothing here is ever the benchmark's prompt: other facts, other names, other text.
+"""
+
+import random
+from dataclasses import dataclass
+
+from spanserve.corpus import paragraphs
+
+FIRST = ["Amara", "Bastian", "Chiara", "Dmitri", "Elif", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kalani",
+         "Lucia", "Mateo", "Nadia", "Oskar", "Priya", "Quentin", "Rosa", "Soren", "Tamsin", "Ulla", "Viktor",
+         "Wanjiru", "Xavier", "Yara", "Zoltan", "Aiko", "Bram", "Cosima", "Dario", "Emeka", "Freya"]
+LAST = ["Okafor", "Lindqvist", "Moreau", "Haddad", "Kowalczyk", "Tanaka", "Brennan", "Ferreira", "Novak",
+        "Castellanos", "Ivanova", "Mbeki", "Sorensen", "Yilmaz", "Achterberg", "Delacroix", "Nakamura",
+        "Petrov", "Quispe", "Rasmussen", "Szabo", "Varga", "Whitfield", "Zamora"]
+CITIES = ["Lisbon", "Nairobi", "Osaka", "Tallinn", "Cordoba", "Winnipeg", "Perth", "Bergen", "Valparaiso",
+          "Tbilisi", "Hanoi", "Quebec", "Marrakesh", "Dunedin", "Krakow", "Bilbao"]
+WORDS = ["Falcon", "Juniper", "Basalt", "Meridian", "Quasar", "Tundra", "Lantern", "Saffron", "Obsidian",
+         "Harbor", "Cobalt", "Willow", "Zephyr", "Granite", "Ember", "Nimbus"]
+DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+
+# (fact sentence, question, start of the answer) with {name} and {value}
+FACTS = [
+    (lambda r: str(r.randrange(100, 9999)), "{name}'s locker number is {value}.",
+     "What is the locker number of {name}?", "The locker number of {name} is "),
+    (lambda r: str(r.randrange(1901, 2015)), "{name} was born in {value}.",
+     "In which year was {name} born?", "{name} was born in "),
+    (lambda r: r.choice(WORDS), "The project led by {name} is code-named {value}.",
+     "What is the code name of the project led by {name}?", "The code name is "),
+    (lambda r: r.choice(CITIES), "Last spring {name} moved to {value}.",
+     "To which city did {name} move?", "{name} moved to "),
+    (lambda r: r.choice(DAYS), "The weekly meeting with {name} takes place on {value}.",
+     "On which day is the weekly meeting with {name}?", "The meeting is on "),
+]
+READING = ["Summarize document {k} in one sentence.", "What is the main subject of document {k}?",
+           "Quote the first sentence of document {k}.", "Which document talks about {topic}? Answer with its number.",
+           "List three topics mentioned in the documents.", "What does document {k} say about {topic}?"]
+SYSTEMS = ["You are a helpful assistant.", "Answer the question using the documents.",
+           "You answer questions about the documents. Be brief.", "Answer with the value only."]
+
+
+@dataclass
+class Example:
+    messages: list  # chat messages; the user's content holds Span parts
+    answer_prefix: str  # placed after the generation prompt (may be empty)
+
+
+class ExampleMaker:
+    def __init__(self, tokenizer, seed: int = 0, min_docs: int = 2, max_docs: int = 8):
+        self.rng = random.Random(seed)
+        self.tokenizer, self.min_docs, self.max_docs = tokenizer, min_docs, max_docs
+        self.paragraphs = paragraphs("train")
+
+    def document(self, tokens: int) -> str:
+        """Consecutive paragraphs from a random place, cut at a sentence end near `tokens`."""
+        at = self.rng.randrange(len(self.paragraphs))
+        text = ""
+        while len(self.tokenizer.encode(text)) < tokens and at < len(self.paragraphs):
+            text = (text + " " + self.paragraphs[at]).strip()
+            at += 1
+        sentences = text.split(". ")
+        while len(sentences) > 1 and len(self.tokenizer.encode(". ".join(sentences))) > tokens:
+            sentences.pop()
+        return ". ".join(sentences).rstrip(".") + "."
+
+    def person(self, taken: set) -> str:
+        while (name := f"{self.rng.choice(FIRST)} {self.rng.choice(LAST)}") in taken:
+            pass
+        taken.add(name)
+        return name
+
+    def example(self) -> Example:
+        from spanserve.pic.prompt import Span
+
+        rng = self.rng
+        docs = [self.document(rng.randrange(60, 231)) for _ in range(rng.randint(self.min_docs, self.max_docs))]
+        system = rng.choice(SYSTEMS)
+        if rng.random() < 0.7:
+            question, prefix = self._fact_question(docs)
+        else:
+            k = rng.randrange(len(docs))
+            topic = rng.choice(docs[k].split()[:12]).strip(",.;:").lower()
+            question, prefix = rng.choice(READING).format(k=k + 1, topic=topic), ""
+            docs = [f"Document {i + 1}: {d}" for i, d in enumerate(docs)]
+        content = [Span(d + "\n\n") for d in docs] + [question]
+        return Example([{"role": "system", "content": system}, {"role": "user", "content": content}], prefix)
+
+    def _fact_question(self, docs: list[str]) -> tuple[str, str]:
+        """Insert one fact into every document (in place); ask for one of them."""
+        rng, taken, facts = self.rng, set(), []
+        value, sentence, question, prefix = rng.choice(FACTS)
+        for i, doc in enumerate(docs):
+            name = self.person(taken)
+            facts.append(name)
+            parts = doc.split(". ")
+            at = rng.randrange(len(parts) + 1)
+            fact = sentence.format(name=name, value=value(rng)).rstrip(".")
+            docs[i] = ". ".join(parts[:at] + [fact] + parts[at:]).replace("..", ".")
+        name = rng.choice(facts)
+        return question.format(name=name), prefix.format(name=name) if rng.random() < 0.5 else ""

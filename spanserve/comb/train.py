@@ -1,0 +1,139 @@
+"""`spanserve train comb`: train a COMB encoder plug-in by self-distillation, the decoder frozen.
+
+For each example (comb/data.py) the model answers with the documents in full context (greedy,
+spans off): that answer, and the model's whole next-token distribution along the question and
+the answer, are the targets (on-policy, as the paper does). The student is the same prompt with
+every document encoded alone by the plug-in (comb/dense.py, exactly what the engine computes);
+the loss is KL(teacher || student) at those positions, and only the plug-in's deltas learn.
+"""
+
+import argparse
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from spanserve.comb import dense
+from spanserve.comb.data import ExampleMaker
+from spanserve.comb.plugin import SHIPPED, CombPlugin
+from spanserve.models.loader import DEFAULT_MODEL
+
+log = logging.getLogger(__name__)
+
+
+def build(llm, maker: ExampleMaker, max_answer: int):
+    """(DenseLayout with spans, logit positions, teacher log-probs) of one fresh example."""
+    from spanserve import SamplingParams
+
+    engine = llm.engine
+    example = maker.example()
+    prompt = engine.chat_prompt(example.messages)
+    tail = engine.tokenizer.encode(example.answer_prefix, add_special_tokens=False) if example.answer_prefix else []
+    ids = prompt["prompt_token_ids"] + tail
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=max_answer))[0]
+    answer = list(out.outputs[0].token_ids)
+    full = ids + answer
+    first_span = prompt["spans"][0][0]
+    positions = [p for p in range(first_span, len(full) - 1) if not _inside(p, prompt["spans"])]
+    with torch.no_grad():
+        teacher = dense.forward(engine.runner.model, None, dense.DenseLayout(full, [], []), positions)
+    anchor = engine.anchor_tokens if engine.anchor else []
+    spans = [(s, e, len(anchor) if s else 0) for s, e in prompt["spans"]]
+    return dense.DenseLayout(full, spans, anchor), positions, teacher.log_softmax(-1), len(answer)
+
+
+def _inside(p: int, spans) -> bool:
+    return any(s <= p < e for s, e in spans)
+
+
+def kl_loss(model, plugin: CombPlugin, layout, positions, teacher_logprobs) -> torch.Tensor:
+    student = dense.forward(model, plugin, layout, positions).log_softmax(-1)
+    return (teacher_logprobs.exp() * (teacher_logprobs - student)).sum(-1).mean()
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def train(args) -> Path:
+    from spanserve import LLM
+
+    torch.manual_seed(args.seed)
+    llm = LLM(model=args.model, dtype=args.dtype, num_blocks=args.num_blocks, span_anchor=True)
+    model = llm.engine.runner.model
+    model.requires_grad_(False)
+    plugin = CombPlugin.zeros(model, rank=args.rank, alpha=args.alpha, seed=args.seed)
+    for t in plugin.parameters():
+        t.requires_grad_(True)
+    plugin.attach(model, cast=False)
+    opt = torch.optim.AdamW(plugin.parameters(), lr=args.lr, weight_decay=0.0)
+    maker = ExampleMaker(llm.get_tokenizer(), seed=args.seed, min_docs=args.min_docs, max_docs=args.max_docs)
+    out = Path(args.out) if args.out else SHIPPED / f"{Path(args.model or DEFAULT_MODEL).stem.lower()}.safetensors"
+    started, history, window = time.monotonic(), [], []
+    for step in range(args.steps):
+        if args.time_limit and time.monotonic() - started > args.time_limit:
+            log.info("time limit reached after %d steps", step)
+            break
+        layout, positions, teacher, _ = build(llm, maker, args.max_answer)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        loss = kl_loss(model, plugin, layout, positions, teacher)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(plugin.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        window.append(loss.item())
+        if (step + 1) % args.log_every == 0:
+            history.append({"step": step + 1, "kl": sum(window) / len(window),
+                            "seconds": round(time.monotonic() - started)})
+            log.info("step %d  kl %.4f  %.0f s", step + 1, history[-1]["kl"], history[-1]["seconds"])
+            window = []
+        if (step + 1) % args.save_every == 0:
+            _save(plugin, out, args, history, step + 1, started)
+    _save(plugin, out, args, history, len(history) * args.log_every or args.steps, started)
+    return out
+
+
+def _save(plugin: CombPlugin, out: Path, args, history, steps: int, started: float) -> None:
+    plugin.meta = {"model": args.model, "steps": steps, "rank": args.rank, "lr": args.lr, "seed": args.seed,
+                   "data": "spanserve/comb/data.py (corpus split train)", "docs": [args.min_docs, args.max_docs],
+                   "wall_s": round(time.monotonic() - started), "threads": torch.get_num_threads(),
+                   "history": history}
+    plugin.save(out)
+    log.info("saved %s (%d steps)", out, steps)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model name, HF directory or .gguf (default: SmolLM2)")
+    p.add_argument("--out", default=None, help="plug-in file (default: spanserve/comb/plugins/<model>.safetensors)")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--time-limit", type=float, default=0, help="stop after this many seconds (0: no limit)")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--alpha", type=float, default=32.0)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--min-docs", type=int, default=2)
+    p.add_argument("--max-docs", type=int, default=8)
+    p.add_argument("--max-answer", type=int, default=24, help="teacher answer tokens per example")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--save-every", type=int, default=50)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    p = argparse.ArgumentParser(prog="spanserve train comb", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    out = train(args)
+    print(json.dumps({"plugin": str(out)}))
+    return out
