@@ -1,10 +1,16 @@
-"""Accuracy of position-independent spans: multi-document key-value retrieval, spans off vs link policies.
+"""Accuracy of position-independent spans: multi-document key-value retrieval, spans off vs link policies,
+with each condition's warm-shuffled time to first token.
 
-Each document is a short made-up encyclopedia paragraph (the generator of benchmarks/rag.py) with
---facts-per-doc sentences "The access code of <name> is <number>." in it (4-6 digit numbers, all names
-distinct), about --doc-tokens tokens. A question asks for one person's code; the document holding the
-answer sits first, in the middle or last among N documents (--docs). The same documents serve the three
-depths (reordered), so a span computed for one order is reused at other positions by the next.
+Tasks (--tasks; documents from benchmarks/fact_docs.py, facts "The access code of <name> is <number>."):
+  generated  made-up encyclopedia paragraphs (the generator of benchmarks/rag.py), about --doc-tokens tokens,
+             with --facts-per-doc facts each
+  real       held-out real English prose: passages of whole sentences from the "eval" split of
+             spanserve/corpus.py (U.S. State of the Union addresses; no address of it is in "train"), at most
+             --real-doc-tokens tokens (median about 0.9 of that), one fact inserted between two sentences
+Names are made up and unique; codes have 4-6 digits and appear nowhere else in their document. A question
+asks for one person's code; the document holding the answer sits first, in the middle or last among N
+documents (--docs). The same documents serve the three depths (reordered), so a span computed for one order
+is reused at other positions by the next. --questions sets per N: 3x that many questions per N and condition.
 
 Conditions, on the same token ids (the chat rendered with the documents as spans, i.e. each document
 padded to whole KV blocks):
@@ -14,136 +20,62 @@ padded to whole KV blocks):
   blend0.15   CacheBlend: the 15% of span tokens whose layer-1 K/V deviate most recomputed
   full        spans ignored: must equal spans off (the reference of the first-token agreement)
   text        (extra) the documents as plain text without block padding: what a user would send
+  any other link policy the engine accepts (benchmarks/rag.py parse_policy; e.g. comb): by default each one
+              of spanserve/pic/link.py beyond these that a probe request shows the engine can serve
   first_in_context, first_span_only
               (diagnostics, not in the default list; link policy none) only the documents after the
               first are spans, or only the first is: which documents' independence costs accuracy
-The cache is reset before each condition. Greedy decoding, --max-tokens; exact match when the first
-number in the output is the answer. First-token agreement: the fraction of questions whose first
-generated token equals full's. Prompts go to the engine in one batch per (condition, N, depth).
+The cache is reset before each condition. Greedy decoding, --max-tokens; exact match when the first number
+in the output is the code (the answer prefix of the default style makes the number come first).
+First-token agreement: the fraction of questions whose first generated token equals full's. Prompts go to
+the engine in one batch per (condition, N, depth).
 
-    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.accuracy [--quick] [--docs 4,8] [--questions 17]
-    spanserve bench accuracy --quick
+Warm-shuffled TTFT, right after each condition's accuracy pass, at N=--ttft-docs (default the largest N),
+--ttft-repeats times: a question set's documents are sent once in an order the pass used (untimed; it
+makes sure they are cached even if the pass evicted them), then alone and timed, shuffled into a new order
+(another first document) with a new question about another document, max_tokens=1. With spans every
+document hits the cache at a new position; spans off, full and text reuse only the prefix before the
+first document. Every condition gets the same prompts; reported: the median of the engine's TTFT, and
+spans off's median over it.
+
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.accuracy [--quick] [--tasks generated,real] [--docs 8,16]
+    spanserve bench accuracy --model qwen2.5-coder-0.5b-instruct
 """
 
 import argparse
 import os
+import random
 import re
+import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from benchmarks import harness
-from benchmarks.rag import _TEMPLATES, DocumentMaker, git_state, parse_policy, policy_params
+from benchmarks.accuracy_prompts import (
+    CONDITIONS,
+    DEFAULT_STYLE,
+    DEPTHS,
+    STYLES,
+    build_prompts,
+    choose_conditions,
+    condition_params,
+    condition_prompt,
+    make_questions,
+    order_for,
+)
+from benchmarks.fact_docs import FactMaker, RealFactMaker
+from benchmarks.rag import git_state, parse_policy
 
-DEPTHS = ("first", "middle", "last")
-CONDITIONS = ("spans_off", "none", "gap16", "gap32", "blend0.15", "full", "text")
+TASKS = ("generated", "real")
 GOAL_POINTS = 2.0  # gap policies: exact-match accuracy within this many points of spans off
 
-# Prompt styles tried on SmolLM2-135M with spans off (--styles all --questions 6 --max-tokens 24: 36 questions,
-# N=4,8; chance is 1/(3N), 4-8%): bare 31%, question 39%, fewshot 36%, prefix 33%, fewshot_prefix 33%, all
-# within noise of each other. Each is (system message, question, start of the assistant's answer placed after
-# the chat template's generation prompt). "prefix" is the default: 8 tokens hold any answer, and the first
-# generated token is the answer's first digit, so first-token agreement measures the answer itself.
-STYLES = {
-    "bare": ("Answer with the number only.", "What is the access code of {name}?", ""),
-    "question": ("You answer questions about the documents. Answer with the number only.",
-                 "Question: What is the access code of {name}?\nAnswer with the number only.", ""),
-    "fewshot": ("You answer questions about the documents with the number only.\n"
-                "Example: for \"The access code of Jane Doe is 40712.\", the access code of Jane Doe is 40712.",
-                "What is the access code of {name}?", ""),
-    "prefix": ("Answer with the number only.", "What is the access code of {name}?",
-               "The access code of {name} is "),  # the trailing space is a token: the answer starts with a digit
-}
-STYLES["fewshot_prefix"] = (STYLES["fewshot"][0], STYLES["prefix"][1], STYLES["prefix"][2])
-DEFAULT_STYLE = "prefix"
 
-
-class FactMaker:
-    """Documents of filler sentences with access-code facts; names unique across one maker."""
-
-    def __init__(self, tokenizer, doc_tokens: int, facts: int, seed: int = 0):
-        self.filler = DocumentMaker(tokenizer, doc_tokens, seed)
-        self.rng, self.doc_tokens, self.facts = self.filler.rng, doc_tokens, facts
-
-    def person(self) -> str:
-        return self.filler.person(unique=True)
-
-    def code(self) -> str:
-        digits = self.rng.randrange(4, 7)
-        return str(self.rng.randrange(10 ** (digits - 1), 10 ** digits))
-
-    def document(self) -> dict:
-        """{"text", "facts": {name: code}}: facts spread among filler sentences, ~doc_tokens tokens."""
-        f = self.filler
-        slots = {"E": f.name(unique=False), "C": f.name(unique=False)}
-        facts = {self.person(): self.code() for _ in range(self.facts)}
-        sentences = [f"The access code of {name} is {code}." for name, code in facts.items()]
-        templates = list(_TEMPLATES)
-        self.rng.shuffle(templates)
-        for template in templates:
-            sentence = f.fill(template, slots)
-            at = self.rng.randrange(len(sentences) + 1)
-            candidate = sentences[:at] + [sentence] + sentences[at:]
-            if f.count(" ".join(candidate)) > self.doc_tokens:
-                break
-            sentences = candidate
-        return {"text": " ".join(sentences), "facts": facts}
-
-
-def make_questions(maker: FactMaker, n_docs: int, count: int) -> list[dict]:
-    """`count` question sets for N documents: the documents, a target (name, code) in one of them."""
-    out = []
-    for _ in range(count):
-        docs = [maker.document() for _ in range(n_docs)]
-        target = maker.rng.randrange(n_docs)
-        name = maker.rng.choice(list(docs[target]["facts"]))
-        out.append({"docs": docs, "target": target, "name": name, "answer": docs[target]["facts"][name]})
-    return out
-
-
-def order_for(q: dict, depth: str) -> list[int]:
-    """Document order putting the target first, in the middle or last; the others keep their order."""
-    n = len(q["docs"])
-    others = [i for i in range(n) if i != q["target"]]
-    at = {"first": 0, "middle": n // 2, "last": n - 1}[depth]
-    return others[:at] + [q["target"]] + others[at:]
-
-
-def build_prompts(llm, q: dict, order: list[int], style: str) -> dict:
-    """Token prompt with spans, and the plain-text version, of one question at one depth."""
-    from spanserve import Span
-
-    system, question, prefix = STYLES[style]
-    name = q["name"]
-    texts = [q["docs"][i]["text"] + "\n\n" for i in order]
-    ask = question.format(name=name)
-    span_msgs = [{"role": "system", "content": system},
-                 {"role": "user", "content": [Span(t) for t in texts] + [ask]}]
-    text_msgs = [{"role": "system", "content": system}, {"role": "user", "content": "".join(texts) + ask}]
-    tok = llm.get_tokenizer()
-    tail = tok.encode(prefix.format(name=name), add_special_tokens=False) if prefix else []
-    spanned = llm.engine.chat_prompt(span_msgs)
-    return {"ids": spanned["prompt_token_ids"] + tail, "spans": [list(s) for s in spanned["spans"]],
-            "text_ids": llm.apply_chat_template(text_msgs) + tail}
-
-
-DIAGNOSTICS = {"first_in_context": slice(1, None), "first_span_only": slice(0, 1)}  # which spans stay
-
-
-def condition_prompt(prompt: dict, condition: str) -> dict:
-    if condition == "text":
-        return {"prompt_token_ids": prompt["text_ids"]}
-    if condition == "spans_off":
-        return {"prompt_token_ids": prompt["ids"]}
-    return {"prompt_token_ids": prompt["ids"], "spans": prompt["spans"][DIAGNOSTICS.get(condition, slice(None))]}
-
-
-def condition_params(condition: str, max_tokens: int):
-    from spanserve import SamplingParams
-
-    if condition in ("spans_off", "text"):
-        return SamplingParams(temperature=0, max_tokens=max_tokens)
-    return policy_params("none" if condition in DIAGNOSTICS else condition, max_tokens)
+def make_maker(task: str, tokenizer, args: argparse.Namespace):
+    if task == "generated":
+        return FactMaker(tokenizer, args.doc_tokens, args.facts_per_doc, args.seed)
+    return RealFactMaker(tokenizer, args.real_doc_tokens, args.seed)
 
 
 _NUMBER = re.compile(r"\d+")
@@ -154,9 +86,11 @@ def first_number(text: str) -> str | None:
     return m.group(0) if m else None
 
 
-def evaluate(llm, items: list[dict], conditions: list[str], max_tokens: int, log) -> dict:
-    """Run every condition over every item; returns {condition: [per-item records]}."""
+def evaluate(llm, items: list[dict], conditions: list[str], max_tokens: int, log, timing=None) -> tuple[dict, dict]:
+    """Run every condition over every item, then time it with `timing(condition)` if given; returns
+    ({condition: [per-item records]}, {condition: timing's result})."""
     results: dict[str, list] = {}
+    timings: dict[str, dict] = {}
     groups: dict[tuple, list[int]] = {}
     for k, item in enumerate(items):
         groups.setdefault((item["n"], item["depth"]), []).append(k)
@@ -174,14 +108,83 @@ def evaluate(llm, items: list[dict], conditions: list[str], max_tokens: int, log
                               "cached_tokens": out.num_cached_tokens}
         results[condition] = records
         acc = sum(r["correct"] for r in records) / len(records)
-        log(f"  {condition}: accuracy {acc:.3f} ({time.perf_counter() - started:.0f} s, "
+        note = ""
+        if timing:
+            timings[condition] = timing(condition)
+            note = f", warm-shuffled TTFT {timings[condition]['median_ttft_s'] * 1000:.0f} ms"
+        log(f"  {condition}: accuracy {acc:.3f}{note} ({time.perf_counter() - started:.0f} s, "
             f"load average {os.getloadavg()[0]:.2f})")
-    return results
+    return results, timings
+
+
+# ---- warm-shuffled TTFT ----------------------------------------------------------------------
+
+
+def ttft_plan(llm, sets: list[dict], repeats: int, style: str, seed: int) -> list[dict]:
+    """The prompts of each timing repeat, the same for every condition: the warm-up in the pass's
+    "first" order with the pass's question, and the timed one shuffled with a question on another document."""
+    rng = random.Random(seed)
+    plan = []
+    for r in range(repeats):
+        j = r % len(sets)
+        q = sets[j]
+        warm = order_for(q, "first")
+        order = new_order(rng, q)
+        other = [i for i in range(len(q["docs"])) if i != q["target"]] or [q["target"]]
+        doc = rng.choice(other)
+        name = rng.choice(list(q["docs"][doc]["facts"]))
+        asked = {**q, "name": name}
+        plan.append({"set": j, "order": order, "name": name, "answer": q["docs"][doc]["facts"][name],
+                     "warm_prompt": build_prompts(llm, q, warm, style),
+                     "prompt": build_prompts(llm, asked, order, style)})
+    return plan
+
+
+def new_order(rng: random.Random, q: dict) -> list[int]:
+    """A shuffle of the set's documents whose first one opens none of the pass's orders, so that
+    spans off can reuse nothing past the system prompt (at N=2 one must: then not the warm-up's)."""
+    n, firsts = len(q["docs"]), {order_for(q, depth)[0] for depth in DEPTHS}
+    order = list(range(n))
+    for _ in range(1000):
+        rng.shuffle(order)
+        if order[0] not in firsts or (len(firsts) >= n and order[0] != q["target"]):
+            break
+    return order
+
+
+def warm_shuffled_ttft(llm, plan: list[dict], condition: str) -> dict:
+    """Median TTFT of the plan's timed prompts under `condition`, each after its untimed warm-up."""
+    params = condition_params(condition, 1)
+    runs = []
+    for step in plan:
+        warm = llm.generate(condition_prompt(step["warm_prompt"], condition), params)[0]
+        out = llm.generate(condition_prompt(step["prompt"], condition), params)[0]
+        runs.append({"set": step["set"], "order": step["order"], "ttft_s": out.metrics.ttft_s,
+                     "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens,
+                     "warm_cached_tokens": warm.num_cached_tokens})
+    return {"median_ttft_s": statistics.median(r["ttft_s"] for r in runs), "runs": runs}
+
+
+def add_speedups(timings: dict) -> dict:
+    """Each condition's spans-off median over its own (how many times faster than spans off)."""
+    base = timings.get("spans_off", {}).get("median_ttft_s")
+    for t in timings.values():
+        t["speedup_vs_spans_off"] = base / t["median_ttft_s"] if base and t["median_ttft_s"] else None
+    return timings
+
+
+# ---- summaries -------------------------------------------------------------------------------
 
 
 def summarize(items: list[dict], results: dict) -> dict:
-    """Accuracy and first-token agreement with full, overall and per (N, depth)."""
+    """Accuracy and agreement with full: overall, per N, and per (N, depth)."""
     reference = results.get("full")
+
+    def agree(rs: list[dict], indices: list[int], same) -> float:
+        return sum(same(r, reference[k]) for r, k in zip(rs, indices)) / len(rs)
+
+    def same_number(a: dict, b: dict) -> bool:
+        return first_number(a["text"]) == first_number(b["text"])
 
     def stats(indices: list[int]) -> dict:
         out = {}
@@ -189,20 +192,19 @@ def summarize(items: list[dict], results: dict) -> dict:
             rs = [records[k] for k in indices]
             row = {"accuracy": sum(r["correct"] for r in rs) / len(rs), "questions": len(rs)}
             if reference:
-                row["first_token_agreement"] = sum(
-                    (r["token_ids"][:1] == reference[k]["token_ids"][:1]) for r, k in zip(rs, indices)) / len(rs)
-                row["answer_agreement"] = sum(
-                    (first_number(r["text"]) == first_number(reference[k]["text"])) for r, k in zip(rs, indices)
-                ) / len(rs)
-                row["output_agreement"] = sum(
-                    (r["token_ids"] == reference[k]["token_ids"]) for r, k in zip(rs, indices)) / len(rs)
+                row["first_token_agreement"] = agree(rs, indices, lambda a, b: a["token_ids"][:1] == b["token_ids"][:1])
+                row["answer_agreement"] = agree(rs, indices, same_number)
+                row["output_agreement"] = agree(rs, indices, lambda a, b: a["token_ids"] == b["token_ids"])
             out[condition] = row
         return out
 
+    per_n: dict[str, list[int]] = {}
     cells: dict[str, list[int]] = {}
     for k, item in enumerate(items):
+        per_n.setdefault(f"N={item['n']}", []).append(k)
         cells.setdefault(f"N={item['n']} {item['depth']}", []).append(k)
-    return {"overall": stats(list(range(len(items)))), "cells": {c: stats(ks) for c, ks in cells.items()}}
+    return {"overall": stats(list(range(len(items)))), "per_n": {n: stats(ks) for n, ks in per_n.items()},
+            "cells": {c: stats(ks) for c, ks in cells.items()}}
 
 
 def check_goals(summary: dict, doc_tokens: int) -> dict:
@@ -228,25 +230,40 @@ def check_goals(summary: dict, doc_tokens: int) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--docs", default="4,8", help="document counts N, comma-separated")
-    parser.add_argument("--doc-tokens", type=int, default=128, help="tokens per document (at most)")
-    parser.add_argument("--facts-per-doc", type=int, default=3, help="access-code facts in each document")
-    parser.add_argument("--questions", type=int, default=17,
-                        help="question sets per N; each is asked at the three depths (default: 102 in all)")
-    parser.add_argument("--conditions", default=",".join(CONDITIONS),
-                        help="comma-separated: spans_off, text, a link policy (none, full, gapK, blendR), "
-                             "or a diagnostic (first_in_context, first_span_only)")
+    parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: generated, real")
+    parser.add_argument("--docs", default="8,16", help="document counts N, comma-separated")
+    parser.add_argument("--questions", type=int, default=34,
+                        help="question sets per N and task; each is asked at the three depths (default: 102 per N)")
+    parser.add_argument("--doc-tokens", type=int, default=128, help="generated task: tokens per document (at most)")
+    parser.add_argument("--facts-per-doc", type=int, default=3, help="generated task: facts in each document")
+    parser.add_argument("--real-doc-tokens", type=int, default=256,
+                        help="real task: tokens per document (at most; the median is about 0.9 of it)")
+    parser.add_argument("--conditions", default=None,
+                        help="comma-separated: spans_off, text, a link policy (none, full, gapK, blendR, or any other "
+                             "the engine accepts, e.g. comb), or a diagnostic (first_in_context, first_span_only); "
+                             f"default: {','.join(CONDITIONS)} and every other link policy the engine can serve")
+    parser.add_argument("--ttft-docs", type=int, default=None, help="N of the warm-shuffled TTFT (default: largest N)")
+    parser.add_argument("--ttft-repeats", type=int, default=5,
+                        help="warm-shuffled TTFT: median of this many prompts per condition and task (0: skip)")
     parser.add_argument("--style", default=DEFAULT_STYLE, choices=list(STYLES), help="prompt phrasing")
     parser.add_argument("--styles", default=None,
                         help="compare prompt styles (comma-separated, or 'all') with spans off only, then exit")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="tokens to generate (default: 8 for a style with an answer prefix, else 16)")
-    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
+    parser.add_argument("--model", default=None,
+                        help="model name, HF directory or .gguf (default: the embedded SmolLM2)")
     parser.add_argument("--dtype", default="auto", help="engine dtype (auto: bf16 on CPUs with native bf16)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: N=2, 64-token documents, 2 questions")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: N=3, 2 question sets, short documents, 2 TTFT repeats")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/accuracy.json)")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default benchmarks/results/accuracy-<model>[-quick].json)")
+
+
+def apply_quick(args: argparse.Namespace) -> None:
+    args.docs, args.questions, args.doc_tokens, args.facts_per_doc = "3", 2, 64, 2
+    args.real_doc_tokens, args.ttft_repeats, args.ttft_docs = 96, 2, None
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -257,47 +274,40 @@ def run(args: argparse.Namespace) -> dict:
     from spanserve.models.loader import DEFAULT_MODEL
 
     if args.quick:
-        args.docs, args.doc_tokens, args.questions, args.facts_per_doc = "2", 64, 2, 2
+        apply_quick(args)
     counts = [int(x) for x in str(args.docs).split(",")]
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if unknown := set(tasks) - set(TASKS):
+        raise SystemExit(f"unknown task(s) {sorted(unknown)}: use {', '.join(TASKS)}")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
     model_name = Path(args.model).name if args.model else DEFAULT_MODEL
     llm = LLM(model=args.model, dtype=args.dtype)
-    styles = [args.style]
-    conditions = [c.strip() for c in args.conditions.split(",") if c.strip()]
     if args.styles:
         styles = list(STYLES) if args.styles == "all" else args.styles.split(",")
-        conditions = ["spans_off"]
-    for condition in conditions:
-        condition_params(condition, 1)  # raises on an unknown policy
+        conditions, skipped = ["spans_off"], {}
+    else:
+        styles = [args.style]
+        conditions, skipped = choose_conditions(llm, args.conditions, log)
+    ttft_n = args.ttft_docs or max(counts)
+    per_task = {task: run_task(llm, task, args, counts, conditions, styles, ttft_n, log) for task in tasks}
 
-    maker = FactMaker(llm.get_tokenizer(), args.doc_tokens, args.facts_per_doc, args.seed)
-    sets = {n: make_questions(maker, n, args.questions) for n in counts}
-    per_style = {}
-    for style in styles:
-        items = [{"n": n, "depth": depth, "set": j, "name": q["name"], "answer": q["answer"],
-                  "prompt": build_prompts(llm, q, order_for(q, depth), style)}
-                 for n in counts for depth in DEPTHS for j, q in enumerate(sets[n])]
-        log(f"style {style!r}: {len(items)} questions x {len(conditions)} conditions "
-            f"(load average {os.getloadavg()[0]:.2f})")
-        max_tokens = args.max_tokens or (8 if STYLES[style][2] else 16)
-        results = evaluate(llm, items, conditions, max_tokens, log)
-        per_style[style] = {"items": items, "results": results, "summary": summarize(items, results)}
-
-    for style, r in per_style.items():
-        print_tables(style, r["summary"], conditions, model_name, llm, threads)
-    main_style = per_style[styles[0]] if not args.styles else None
-    goals = check_goals(main_style["summary"], args.doc_tokens) if main_style else {}
-    if goals:
-        print("\ngoals:")
-        for key, g in goals.items():
-            print(f"  {key}: {g['points']:+.1f} points -> {'met' if g['met'] else 'NOT met'}")
+    for task, r in per_task.items():
+        for i, (style, s) in enumerate(r["styles"].items()):
+            print_tables(task, style, s["summary"], r["ttft"] if i == 0 else {}, conditions, model_name, llm,
+                         threads, ttft_n)
+        if r["goals"]:
+            print(f"\ngoals ({task}):")
+            for key, g in r["goals"].items():
+                print(f"  {key}: {g['points']:+.1f} points -> {'met' if g['met'] else 'NOT met'}")
     data = {
         "benchmark": "accuracy",
         "model": model_name,
         "dtype": str(llm.engine.dtype).removeprefix("torch."),
         "quick": args.quick,
         "args": dict(vars(args)),
+        "conditions": conditions,
+        "skipped_conditions": skipped,
         "styles": {s: {"system": STYLES[s][0], "question": STYLES[s][1], "answer_prefix": STYLES[s][2]}
                    for s in styles},
         "machine": harness.machine_info(),
@@ -305,33 +315,73 @@ def run(args: argparse.Namespace) -> dict:
         "loadavg_before": loadavg_before,
         "loadavg_after": list(os.getloadavg()),
         "elapsed_s": time.perf_counter() - started,
-        "summary": {s: r["summary"] for s, r in per_style.items()},
-        "goals": goals,
-        "questions": {s: _records(r["items"], r["results"]) for s, r in per_style.items()},
+        "ttft_metric": f"median engine TTFT in seconds at N={ttft_n}, warm-shuffled (see the module docstring)",
+        "tasks": {task: {**{k: v for k, v in r.items() if k != "styles"},
+                         "summary": {s: x["summary"] for s, x in r["styles"].items()},
+                         "questions": {s: _records(x["items"], x["results"]) for s, x in r["styles"].items()}}
+                  for task, r in per_task.items()},
     }
     print(f"\n{time.perf_counter() - started:.0f} s in all")
-    default_name = "accuracy-styles" if args.styles else "accuracy"
-    harness.write_json(data, name=default_name, path=args.out)
+    name = ("accuracy-styles" if args.styles else "accuracy") + f"-{model_name}" + ("-quick" if args.quick else "")
+    harness.write_json(data, name=name, path=args.out)
     return data
 
 
-def print_tables(style: str, summary: dict, conditions: list[str], model: str, llm, threads: int) -> None:
+def run_task(llm, task: str, args, counts: list[int], conditions: list[str], styles: list[str], ttft_n: int,
+             log) -> dict:
+    """One task's question sets, asked in each style under every condition; TTFT for the main style."""
+    maker = make_maker(task, llm.get_tokenizer(), args)
+    sets = {n: make_questions(maker, n, args.questions) for n in counts}
+    lengths = sorted(maker.filler.count(d["text"]) for qs in sets.values() for q in qs for d in q["docs"])
+    out: dict = {"doc_tokens": {"limit": args.real_doc_tokens if task == "real" else args.doc_tokens,
+                                "min": lengths[0], "median": statistics.median(lengths), "max": lengths[-1]},
+                 "styles": {}, "ttft": {}}
+    for style in styles:
+        items = [{"task": task, "n": n, "depth": depth, "set": j, "name": q["name"], "answer": q["answer"],
+                  "prompt": build_prompts(llm, q, order_for(q, depth), style)}
+                 for n in counts for depth in DEPTHS for j, q in enumerate(sets[n])]
+        timing = None
+        if style == styles[0] and not args.styles and args.ttft_repeats and ttft_n in sets:
+            plan = ttft_plan(llm, sets[ttft_n], args.ttft_repeats, style, args.seed + 1)
+            timing = partial(warm_shuffled_ttft, llm, plan)
+        log(f"task {task!r}, style {style!r}: {len(items)} questions x {len(conditions)} conditions "
+            f"(documents of {out['doc_tokens']['median']:.0f} tokens; load average {os.getloadavg()[0]:.2f})")
+        max_tokens = args.max_tokens or (8 if STYLES[style][2] else 16)
+        results, timings = evaluate(llm, items, conditions, max_tokens, log, timing)
+        out["styles"][style] = {"items": items, "results": results, "summary": summarize(items, results)}
+        out["ttft"] = add_speedups(timings) if timing else out["ttft"]
+    main = out["styles"][styles[0]]["summary"]
+    out["goals"] = {} if args.styles else check_goals(main, out["doc_tokens"]["limit"])
+    return out
+
+
+def print_tables(task: str, style: str, summary: dict, ttft: dict, conditions: list[str], model: str, llm,
+                 threads: int, ttft_n: int) -> None:
     pct = lambda v: None if v is None else f"{100 * v:.1f}"  # noqa: E731
-    overall = summary["overall"]
-    questions = next(iter(overall.values()))["questions"]
+    overall, per_n = summary["overall"], summary["per_n"]
     base = overall.get("spans_off", {}).get("accuracy")
-    headers = ["condition", "exact match %", "vs spans off (points)", "first token = full %", "number = full %",
-               "output = full %"]
-    rows = [[c, pct(overall[c]["accuracy"]), None if base is None else f"{100 * (overall[c]['accuracy'] - base):+.1f}",
-             pct(overall[c].get("first_token_agreement")), pct(overall[c].get("answer_agreement")),
-             pct(overall[c].get("output_agreement"))] for c in conditions]
-    harness.print_table(headers, rows, title=f"key-value retrieval, style {style!r} ({model}, {llm.engine.dtype}, "
-                                             f"{threads} threads, {questions} questions per condition)")
+    headers = ["condition", *(f"exact % {n}" for n in per_n), "exact % all", "vs spans off (points)",
+               "first token = full %", "number = full %"]
+    if ttft:
+        headers += [f"TTFT ms N={ttft_n} warm shuffled", "x faster than spans off"]
+    rows = []
+    for c in conditions:
+        row = [c, *(pct(per_n[n][c]["accuracy"]) for n in per_n), pct(overall[c]["accuracy"]),
+               None if base is None else f"{100 * (overall[c]['accuracy'] - base):+.1f}",
+               pct(overall[c].get("first_token_agreement")), pct(overall[c].get("answer_agreement"))]
+        if ttft:
+            t = ttft[c]
+            row += [t["median_ttft_s"] * 1000, None if t["speedup_vs_spans_off"] is None
+                    else f"{t['speedup_vs_spans_off']:.1f}x"]
+        rows.append(row)
+    questions = {n: next(iter(s.values()))["questions"] for n, s in per_n.items()}
+    harness.print_table(headers, rows, title=f"{task} retrieval, style {style!r} ({model}, {llm.engine.dtype}, "
+                                             f"{threads} threads; questions per condition: "
+                                             + ", ".join(f"{q} at {n}" for n, q in questions.items()) + ")")
     cells = list(summary["cells"])
-    headers = ["exact match %", *cells]
     rows = [[c, *(pct(summary["cells"][cell][c]["accuracy"]) for cell in cells)] for c in conditions]
     per_cell = summary["cells"][cells[0]][conditions[0]]["questions"]
-    harness.print_table(headers, rows, title=f"per N and depth ({per_cell} questions each)")
+    harness.print_table(["exact match %", *cells], rows, title=f"{task}: per N and depth ({per_cell} questions each)")
 
 
 def _records(items: list[dict], results: dict) -> list[dict]:

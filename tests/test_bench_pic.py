@@ -1,12 +1,12 @@
-"""The span benchmarks (benchmarks/rag.py, benchmarks/accuracy.py) run end to end on a tiny random model
-and report every condition in the documented shape."""
+"""The RAG benchmark (benchmarks/rag.py) runs end to end on a tiny random model and reports every
+condition in the documented shape (the accuracy benchmark: test_bench_accuracy.py)."""
 
 import argparse
 import json
 
 import pytest
 
-from benchmarks import accuracy, rag
+from benchmarks import rag
 
 
 def _args(module, argv: list[str]) -> argparse.Namespace:
@@ -66,50 +66,3 @@ def test_rag_documents_are_distinct_and_sized(tiny_llama_path):
     for d in docs:
         assert 60 < maker.count(d["text"]) <= 120
         assert f"The capital of {d['place']} is {d['capital']}." in d["text"]
-
-
-@pytest.fixture(scope="module")
-def accuracy_result(tiny_llama_path, tmp_path_factory):
-    out = tmp_path_factory.mktemp("accuracy") / "accuracy.json"
-    args = _args(accuracy, ["--model", str(tiny_llama_path), "--dtype", "float32", "--docs", "2,3",
-                            "--doc-tokens", "48", "--questions", "2", "--max-tokens", "3", "--out", str(out)])
-    return accuracy.run(args), out
-
-
-def test_accuracy_reports_every_condition_in_range(accuracy_result):
-    data, out = accuracy_result
-    overall = data["summary"]["prefix"]["overall"]
-    assert set(overall) == set(accuracy.CONDITIONS)
-    for condition, row in overall.items():
-        assert row["questions"] == 2 * 2 * len(accuracy.DEPTHS)
-        for key in ("accuracy", "first_token_agreement", "answer_agreement", "output_agreement"):
-            assert 0.0 <= row[key] <= 1.0, (condition, key)
-    assert set(data["summary"]["prefix"]["cells"]) == {f"N={n} {d}" for n in (2, 3) for d in accuracy.DEPTHS}
-    assert json.loads(out.read_text())["benchmark"] == "accuracy"
-
-
-def test_accuracy_full_policy_equals_spans_off(accuracy_result):
-    data, _ = accuracy_result
-    overall = data["summary"]["prefix"]["overall"]
-    assert overall["full"]["accuracy"] == overall["spans_off"]["accuracy"]
-    assert overall["full"]["first_token_agreement"] == 1.0
-    records = data["questions"]["prefix"]
-    assert all(q["full"]["text"] == q["spans_off"]["text"] for q in records)
-    assert data["goals"]["full == spans off"]["met"]
-
-
-def test_accuracy_puts_the_answer_at_each_depth():
-    q = {"docs": [{}] * 5, "target": 3}
-    assert [accuracy.order_for(q, d).index(3) for d in accuracy.DEPTHS] == [0, 2, 4]
-    assert all(sorted(accuracy.order_for(q, d)) == list(range(5)) for d in accuracy.DEPTHS)
-    assert accuracy.first_number(" 4821. The") == "4821" and accuracy.first_number("none") is None
-
-
-def test_accuracy_diagnostics_keep_the_spans_they_name_and_whole_document_gaps_set_no_goal():
-    prompt = {"ids": list(range(64)), "spans": [[16, 32], [32, 48], [48, 64]], "text_ids": []}
-    assert accuracy.condition_prompt(prompt, "first_in_context")["spans"] == [[32, 48], [48, 64]]
-    assert accuracy.condition_prompt(prompt, "first_span_only")["spans"] == [[16, 32]]
-    assert accuracy.condition_prompt(prompt, "gap16")["spans"] == prompt["spans"]
-    assert accuracy.condition_params("first_in_context", 4).link_policy == "none"
-    overall = {c: {"accuracy": 0.5} for c in ("spans_off", "gap16", "gap128")}
-    assert list(accuracy.check_goals({"overall": overall}, doc_tokens=128)) == ["gap16 within 2 points of spans off"]

@@ -1,0 +1,143 @@
+"""The accuracy benchmark (benchmarks/accuracy.py) runs both tasks end to end on a tiny random model, with
+every condition's warm-shuffled TTFT; its real-text documents are held-out prose holding one fact each."""
+
+import argparse
+import json
+import random
+
+import pytest
+
+from benchmarks import accuracy, fact_docs
+from spanserve import LLM
+from spanserve.corpus import paragraphs
+from spanserve.errors import InvalidRequestError
+from spanserve.models.loader import load_tokenizer
+
+TASKS = ("generated", "real")
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    accuracy.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def accuracy_result(tiny_llama_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("accuracy") / "accuracy.json"
+    args = _args(["--model", str(tiny_llama_path), "--dtype", "float32", "--docs", "2,3", "--doc-tokens", "48",
+                  "--real-doc-tokens", "64", "--questions", "2", "--max-tokens", "3", "--ttft-repeats", "2",
+                  "--out", str(out)])
+    return accuracy.run(args), out
+
+
+def test_accuracy_reports_every_condition_of_both_tasks_in_range(accuracy_result):
+    data, out = accuracy_result
+    assert set(accuracy.CONDITIONS) <= set(data["conditions"])
+    for task in TASKS:
+        summary = data["tasks"][task]["summary"]["prefix"]
+        assert set(summary["overall"]) == set(data["conditions"])
+        for condition, row in summary["overall"].items():
+            assert row["questions"] == 2 * 2 * len(accuracy.DEPTHS)
+            for key in ("accuracy", "first_token_agreement", "answer_agreement", "output_agreement"):
+                assert 0.0 <= row[key] <= 1.0, (task, condition, key)
+        assert {n: s["spans_off"]["questions"] for n, s in summary["per_n"].items()} == {"N=2": 6, "N=3": 6}
+        assert set(summary["cells"]) == {f"N={n} {d}" for n in (2, 3) for d in accuracy.DEPTHS}
+    assert json.loads(out.read_text())["benchmark"] == "accuracy"
+
+
+def test_accuracy_full_policy_equals_spans_off_on_both_tasks(accuracy_result):
+    data, _ = accuracy_result
+    for task in TASKS:
+        overall = data["tasks"][task]["summary"]["prefix"]["overall"]
+        assert overall["full"]["accuracy"] == overall["spans_off"]["accuracy"]
+        assert overall["full"]["first_token_agreement"] == 1.0
+        assert all(q["full"]["text"] == q["spans_off"]["text"] for q in data["tasks"][task]["questions"]["prefix"])
+        assert data["tasks"][task]["goals"]["full == spans off"]["met"]
+
+
+def test_real_task_documents_stay_within_their_limit(accuracy_result):
+    data, _ = accuracy_result
+    tokens = data["tasks"]["real"]["doc_tokens"]
+    assert tokens["limit"] == 64 and 0.75 * (64 - fact_docs.RealFactMaker.FACT_ROOM) < tokens["min"]
+    assert tokens["max"] <= 64
+
+
+def test_every_condition_is_timed_warm_shuffled_at_the_largest_n(accuracy_result):
+    data, _ = accuracy_result
+    for task in TASKS:
+        ttft = data["tasks"][task]["ttft"]
+        assert set(ttft) == set(data["conditions"])
+        assert ttft["spans_off"]["speedup_vs_spans_off"] == 1.0
+        for condition, t in ttft.items():
+            assert len(t["runs"]) == 2 and t["median_ttft_s"] > 0 and t["speedup_vs_spans_off"] > 0, condition
+            assert all(r["warm_cached_tokens"] > 0 and len(r["order"]) == 3 for r in t["runs"])
+        # Reordered, spans off reuses the system prompt only; spans reuse every document as well.
+        for off, spans in zip(ttft["spans_off"]["runs"], ttft["none"]["runs"]):
+            assert off["cached_tokens"] < spans["cached_tokens"]
+            assert off["prompt_tokens"] == spans["prompt_tokens"]
+
+
+def test_the_timed_order_opens_with_a_document_no_accuracy_prompt_opened():
+    q = {"docs": [{}] * 8, "target": 5}
+    firsts = {accuracy.order_for(q, d)[0] for d in accuracy.DEPTHS}
+    for seed in range(20):
+        order = accuracy.new_order(random.Random(seed), q)
+        assert sorted(order) == list(range(8)) and order[0] not in firsts
+
+
+def test_real_documents_are_held_out_prose_with_one_fact(tiny_llama_path):
+    tokenizer = load_tokenizer(tiny_llama_path)
+    maker = fact_docs.RealFactMaker(tokenizer, 256, seed=1)
+    held_out = "\n".join(paragraphs("eval"))
+    for _ in range(20):
+        doc = maker.document()
+        [(name, code)] = doc["facts"].items()
+        fact = fact_docs.FACT.format(name=name, code=code)
+        assert doc["text"].count(fact) == 1 and doc["text"].count(code) == 1
+        assert len(tokenizer.encode(doc["text"], add_special_tokens=False)) <= 256
+        for line in doc["text"].replace(fact, "").split("\n"):
+            assert all(sentence in held_out for sentence in fact_docs.sentences(" ".join(line.split())))
+
+
+def test_sentences_end_at_stops_but_not_at_abbreviations_or_initials():
+    text = 'Mr. J. M. Chambers reached the U.S. Capitol. He said "Enough." Gen. Grant agreed! Did he? Yes.'
+    assert fact_docs.sentences(text) == ["Mr. J. M. Chambers reached the U.S. Capitol.", 'He said "Enough."',
+                                         "Gen. Grant agreed!", "Did he?", "Yes."]
+
+
+def test_passages_are_whole_sentences_within_budget_and_not_too_short():
+    words = lambda s: len(s.split())  # noqa: E731
+    paras = ["One two three four. Five six seven eight.", "Nine ten eleven twelve thirteen fourteen fifteen.",
+             "Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma.", "End."]
+    passages = fact_docs.pack(paras, words, budget=12)  # the 18-word sentence cannot fit: dropped
+    assert passages == [[["One two three four.", "Five six seven eight."]],
+                        [["Nine ten eleven twelve thirteen fourteen fifteen."], ["End."]]]
+    assert fact_docs.pack(["Too short."], words, budget=12) == []  # under 3/4 of the budget
+
+
+def test_default_conditions_skip_policies_the_engine_cannot_serve(tiny_llama_path):
+    from spanserve.pic.link import POLICIES
+
+    llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=64)
+    conditions, skipped = accuracy.choose_conditions(llm, None, lambda msg: None, (*POLICIES, "unserved"))
+    assert conditions[:len(accuracy.CONDITIONS)] == list(accuracy.CONDITIONS) and "unserved" in skipped
+    with pytest.raises(InvalidRequestError):
+        accuracy.choose_conditions(llm, "spans_off,unserved", lambda msg: None)
+
+
+def test_accuracy_puts_the_answer_at_each_depth():
+    q = {"docs": [{}] * 5, "target": 3}
+    assert [accuracy.order_for(q, d).index(3) for d in accuracy.DEPTHS] == [0, 2, 4]
+    assert all(sorted(accuracy.order_for(q, d)) == list(range(5)) for d in accuracy.DEPTHS)
+    assert accuracy.first_number(" 4821. The") == "4821" and accuracy.first_number("none") is None
+
+
+def test_accuracy_diagnostics_keep_the_spans_they_name_and_whole_document_gaps_set_no_goal():
+    prompt = {"ids": list(range(64)), "spans": [[16, 32], [32, 48], [48, 64]], "text_ids": []}
+    assert accuracy.condition_prompt(prompt, "first_in_context")["spans"] == [[32, 48], [48, 64]]
+    assert accuracy.condition_prompt(prompt, "first_span_only")["spans"] == [[16, 32]]
+    assert accuracy.condition_prompt(prompt, "gap16")["spans"] == prompt["spans"]
+    assert accuracy.condition_params("first_in_context", 4).link_policy == "none"
+    overall = {c: {"accuracy": 0.5} for c in ("spans_off", "gap16", "gap128")}
+    assert list(accuracy.check_goals({"overall": overall}, doc_tokens=128)) == ["gap16 within 2 points of spans off"]
