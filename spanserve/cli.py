@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads s
 from spanserve.comb import train as comb_train  # noqa: E402
 from spanserve.config import EngineConfig  # noqa: E402
 from spanserve.errors import SpanserveError  # noqa: E402
-from spanserve.pic.link import POLICIES  # noqa: E402
+from spanserve.pic.link import APE_SCALE, APE_TEMPERATURE, BLEND_LAYERS, POLICIES  # noqa: E402
 from spanserve.sampling import SamplingParams  # noqa: E402
 
 
@@ -32,6 +32,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="default link policy of requests with position-independent spans")
     g.add_argument("--gap-length", type=int, default=32, help="tokens recomputed at each span's head (gap)")
     g.add_argument("--blend-ratio", type=float, default=0.15, help="fraction of span tokens recomputed (blend)")
+    g.add_argument("--blend-layers", type=int, default=BLEND_LAYERS,
+                   help="check layers of the blend probe: the picks shrink layer by layer to the ratio")
+    g.add_argument("--ape-temperature", type=float, default=APE_TEMPERATURE,
+                   help="attention temperature on span keys, in (0, 1] (ape)")
+    g.add_argument("--ape-scale", type=float, default=APE_SCALE,
+                   help="power on the spans' share of the softmax, over the temperature, in (0, 1] (ape)")
     g.add_argument("--comb-plugin", default=None,
                    help="COMB encoder plug-in file (comb; default: the one shipped for the model)")
 
@@ -42,7 +48,8 @@ def engine_config(args) -> EngineConfig:
         num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching, link_policy=args.link_policy, gap_length=args.gap_length,
-        blend_ratio=args.blend_ratio, comb_plugin=args.comb_plugin,
+        blend_ratio=args.blend_ratio, comb_plugin=args.comb_plugin, blend_layers=args.blend_layers,
+        ape_temperature=args.ape_temperature, ape_scale=args.ape_scale,
     )
 
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from spanserve.errors import InvalidRequestError
+from spanserve.pic.link import APE_SCALE, APE_TEMPERATURE, BLEND_LAYERS
 from spanserve.utils import strict_kwargs
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -31,6 +32,9 @@ class EngineConfig:
     link_policy: str = "none"
     gap_length: int = 32
     blend_ratio: float = 0.15
+    blend_layers: int = BLEND_LAYERS  # check layers of the blend probe (gradual filtering)
+    ape_temperature: float = APE_TEMPERATURE
+    ape_scale: float = APE_SCALE
     span_anchor: bool = True  # compute spans after a fixed anchor block (pic/layout.py)
     # link_policy="comb": the encoder plug-in's file; None: the one shipped for the model, if any
     comb_plugin: str | None = None
@@ -42,7 +46,8 @@ class EngineConfig:
             raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
         from spanserve.pic.link import LinkPolicy
 
-        LinkPolicy(self.link_policy, self.gap_length, self.blend_ratio)  # raises on bad values
+        LinkPolicy(self.link_policy, self.gap_length, self.blend_ratio, blend_layers=self.blend_layers,
+                   ape_temperature=self.ape_temperature, ape_scale=self.ape_scale)  # raises on bad values
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}; use auto or one of {sorted(_DTYPES)}")
 

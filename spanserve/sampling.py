@@ -27,9 +27,12 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token
     skip_special_tokens: bool = True
     # Position-independent spans (pic/link.py): None takes the engine's default.
-    link_policy: str | None = None  # none | gap | blend | full
+    link_policy: str | None = None  # none | gap | blend | full | comb | ape
     gap_length: int | None = None
     blend_ratio: float | None = None
+    blend_layers: int | None = None
+    ape_temperature: float | None = None
+    ape_scale: float | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -65,10 +68,12 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop),
              "stop must be a non-empty string or a list of non-empty strings"),
         ]
-        if self.link_policy is not None or self.gap_length is not None or self.blend_ratio is not None:
+        link_fields = ("gap_length", "blend_ratio", "blend_layers", "ape_temperature", "ape_scale")
+        given = {f: getattr(self, f) for f in link_fields if getattr(self, f) is not None}
+        if self.link_policy is not None or given:
             from spanserve.pic.link import LinkPolicy
 
-            LinkPolicy(self.link_policy or "none", self.gap_length or 0, self.blend_ratio or 0.0)  # raises if bad
+            LinkPolicy(self.link_policy or "none", **given)  # raises if bad
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)

@@ -62,6 +62,15 @@ def tiny_llama_path(tmp_path_factory, tokenizer_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama4_path(tmp_path_factory, tokenizer_dir) -> Path:
+    """Llama with four layers: room for three CacheBlend check layers (the second to the fourth).
+    Weights 5x larger than the default init, so attention is peaked rather than near uniform and
+    depends on where each key sits."""
+    config = LlamaConfig(**{**_TINY, "num_hidden_layers": 4}, tie_word_embeddings=False, initializer_range=0.1)
+    return _save_random_model(config, tokenizer_dir, tmp_path_factory.mktemp("tiny-llama4"))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_path(tmp_path_factory, tokenizer_dir) -> Path:
     """Qwen3: q/k RMSNorm per head, head_dim (32) independent of hidden/heads (16), tied embeddings."""
     config = Qwen3Config(**_TINY, head_dim=32, tie_word_embeddings=True)

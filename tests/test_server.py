@@ -355,12 +355,14 @@ def test_completion_prompt_parts_match_offline_and_reuse_reordered_documents(tin
     assert 0 < samples["spanserve_span_hit_rate"] <= 1
 
 
-def test_token_prompt_spans_and_link_policy_match_offline(client, model_name, offline):
+@pytest.mark.parametrize("policy", [{"link_policy": "gap", "gap_length": 16},
+                                    {"link_policy": "ape", "ape_temperature": 0.5, "ape_scale": 0.7},
+                                    {"link_policy": "blend", "blend_ratio": 0.3, "blend_layers": 2}])
+def test_token_prompt_spans_and_link_policy_match_offline(client, model_name, offline, policy):
     tokens = [7 + i % 50 for i in range(80)]
-    extra = {"spans": [[16, 64]], "link_policy": "gap", "gap_length": 16, "ignore_eos": True}
+    extra = {"spans": [[16, 64]], **policy, "ignore_eos": True}
     out = client.completions.create(model=model_name, prompt=tokens, max_tokens=6, temperature=0, extra_body=extra)
-    expected = offline.generate({"prompt_token_ids": tokens, "spans": [[16, 64]]},
-                                greedy(6, link_policy="gap", gap_length=16))
+    expected = offline.generate({"prompt_token_ids": tokens, "spans": [[16, 64]]}, greedy(6, **policy))
     assert out.choices[0].text == expected[0].outputs[0].text
 
 
@@ -439,6 +441,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {**OK, "prompt": [{"text": "doc", "span": "yes"}]}, 400, "prompt", None),
     ("/v1/completions", {**OK, "link_policy": "blender"}, 400, "link_policy", "link_policy"),
     ("/v1/completions", {**OK, "gap_length": -1}, 400, "gap_length", "gap_length"),
+    ("/v1/completions", {**OK, "link_policy": "ape", "ape_temperature": 0}, 400, "ape_temperature", "ape_temperature"),
+    ("/v1/completions", {**OK, "ape_scale": 1.5}, 400, "ape_scale", "ape_scale"),
+    ("/v1/completions", {**OK, "blend_layers": 0}, 400, "blend_layers", "blend_layers"),
     ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "doc", "span": 1}]}]}, 400, "span", None),
 ]

@@ -1,4 +1,4 @@
-from spanserve.attention.backend import AttentionBackend, AttentionMetadata, KeyRotation
+from spanserve.attention.backend import AttentionBackend, AttentionMetadata, KeyRotation, SpanShare
 from spanserve.attention.torch_ref import TorchAttention
 
 
@@ -9,4 +9,4 @@ def get_backend(name: str = "torch") -> AttentionBackend:
     return backends[name]()
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "KeyRotation", "TorchAttention", "get_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "KeyRotation", "SpanShare", "TorchAttention", "get_backend"]

@@ -53,6 +53,26 @@ class KeyRotation:
 
 
 @dataclass
+class SpanShare:
+    """APE's scaling factor for one sequence (pic/link.py span_weighting): which cached keys are
+    span keys, and the power their summed weight takes in each query's softmax. Their division
+    by the attention temperature is folded into the sequence's KeyRotation."""
+
+    keys: torch.Tensor  # [n] bool: key j < n is a span key; keys from n on are not
+    power: float  # S * T
+    _masks: dict = field(default_factory=dict, repr=False)  # by context length
+
+    def mask(self, length: int) -> torch.Tensor:
+        """[length] bool: which of a context's first `length` keys are span keys."""
+        if length not in self._masks:
+            mask = torch.zeros(length, dtype=torch.bool, device=self.keys.device)
+            n = min(length, len(self.keys))
+            mask[:n] = self.keys[:n]
+            self._masks = {length: mask}  # contexts grow by one token a step: keep the newest
+        return self._masks[length]
+
+
+@dataclass
 class AttentionMetadata:
     """Where a flat batch of tokens sits in the paged cache.
 
@@ -71,6 +91,8 @@ class AttentionMetadata:
     # Per sequence, None or the rotation its cached keys need before use: span keys are stored
     # at span-local positions (pic/layout.py).
     key_rotation: list[KeyRotation | None] | None = None
+    # Per sequence, None or how its queries weigh span keys against the others (APE).
+    span_share: list[SpanShare | None] | None = None
     # First block id of each sequence whose blocks are one contiguous run of ids (the common
     # case for a fresh request), else None: lets a backend slice the cache instead of gathering.
     contiguous_from: list[int | None] | None = None

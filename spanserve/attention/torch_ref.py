@@ -1,4 +1,6 @@
-"""Reference attention in plain PyTorch: matmuls for prefill and SDPA for decode on CPU; SDPA on other devices."""
+"""Reference attention in plain PyTorch: matmuls for prefill and SDPA for decode on CPU; SDPA on other devices.
+Sequences whose queries reweight span keys (APE's SpanShare) take the matmul paths everywhere:
+the reweighting needs each query's scores before its softmax."""
 
 import torch
 import torch.nn.functional as F
@@ -50,20 +52,21 @@ class TorchAttention(AttentionBackend):
     def _one_sequence(self, i, q, k, v, positions, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         q_len, ctx_len = len(q), meta.context_lens[i]
         rotation = meta.key_rotation[i] if meta.key_rotation else None
+        share = meta.span_share[i] if meta.span_share else None
         on_cpu = q.device.type == "cpu"
-        if q_len == ctx_len and rotation is None:
+        if q_len == ctx_len and rotation is None and share is None:
             # Whole context is in this batch: plain causal attention, no cache gather.
             if on_cpu:
                 return _matmul_attention(q, _head_major(k), _head_major(v), positions, scale)
             return _sdpa(q, k, v, None, scale, causal=True)
         first = meta.contiguous_from[i] if meta.contiguous_from else None
-        if on_cpu and (q_len > 1 or rotation is not None):  # a decode token over moved span keys too
+        if (on_cpu and (q_len > 1 or rotation is not None)) or share is not None:  # moved span keys too
             keys, values = gather_head_major(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
             if rotation is not None:
                 # Elementwise and memory-bound: a second thread's wake-up cost more than it saved.
                 with attention_threads(0):
                     rotation.rotate_(keys, head_major=True)
-            return _matmul_attention(q, keys, values, positions, scale)
+            return _matmul_attention(q, keys, values, positions, scale, share)
         keys, values = gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
         if q_len == 1:  # the newest token: it sees the whole context
             return _single_query(q, keys, values, scale, rotation)
@@ -85,17 +88,18 @@ class TorchAttention(AttentionBackend):
         values = gather_blocks(v_cache, tables).flatten(1, 2)[:, :max_len]
         if rotations is not None and any(r is not None for r in rotations):
             keys = _rotate_padded(keys, rotations)
+        shares = _padded_shares(meta, seqs, max_len, q.device)
         q_lens = [meta.query_lens[i] for i in seqs]
         width = max(q_lens)
         if width == 1:  # decode: one query per sequence, rows in order
             mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]
-            return _grouped_queries(q[:, None], keys, values, mask[:, None, None, :], scale)[:, 0]
+            return _grouped_queries(q[:, None], keys, values, mask[:, None, None, :], scale, shares)[:, 0]
         # Row of each padded query slot within q (padding repeats a sequence's last query).
         first = torch.tensor([0, *q_lens[:-1]]).cumsum(0)
         slot = torch.arange(width)[None, :].clamp(max=torch.tensor(q_lens)[:, None] - 1)
         rows = (first[:, None] + slot).flatten().to(q.device)
         mask = torch.arange(max_len, device=q.device)[None, None, :] <= positions[rows].view(len(seqs), width, 1)
-        out = _grouped_queries(q[rows].view(len(seqs), width, *q.shape[1:]), keys, values, mask[:, None], scale)
+        out = _grouped_queries(q[rows].view(len(seqs), width, *q.shape[1:]), keys, values, mask[:, None], scale, shares)
         valid = (torch.arange(width)[None, :] < torch.tensor(q_lens)[:, None]).flatten().to(q.device)
         return out.flatten(0, 1)[valid]
 
@@ -139,23 +143,25 @@ def causal_mask(query_idx: torch.Tensor, ctx_len: int) -> torch.Tensor:
     return key_idx[None, :] <= query_idx[:, None]
 
 
-def _matmul_attention(q, keys, values, positions, scale):
+def _matmul_attention(q, keys, values, positions, scale, share=None):
     """Queries q [Q, heads, D] over head-major keys/values [kv_heads, L, D], query i seeing the
     keys up to positions[i] (in any order: spans and CacheBlend's scattered tokens alike), slice
     by slice of queries so the scores stay small and a slice skips the keys after its last query
-    (half the work of a causal prompt)."""
+    (half the work of a causal prompt). `share`: APE's reweighting of span keys, if any."""
     rows = max(1, MATMUL_SLICE_SCORES // (q.shape[1] * keys.shape[1]))
+    span, power = (share.mask(keys.shape[1]), share.power) if share is not None else (None, 1.0)
     if len(q) <= rows:
-        return _matmul_slice(q, keys, values, positions, scale)
+        return _matmul_slice(q, keys, values, positions, scale, span, power)
     out = torch.empty_like(q)
     for start in range(0, len(q), rows):
         part = slice(start, start + rows)
         end = int(positions[part].max()) + 1
-        out[part] = _matmul_slice(q[part], keys[:, :end], values[:, :end], positions[part], scale)
+        out[part] = _matmul_slice(q[part], keys[:, :end], values[:, :end], positions[part], scale,
+                                  None if span is None else span[:end], power)
     return out
 
 
-def _matmul_slice(q, keys, values, positions, scale):
+def _matmul_slice(q, keys, values, positions, scale, span=None, power=1.0):
     """Scores, a masked softmax and the values, in the keys' dtype. In bf16 a score rounds to bf16
     where flash keeps float32: on the real model this moved logprobs no further from float32's
     than flash does (tests/test_attention.py), and float32 scores gave back much of the speed."""
@@ -167,9 +173,33 @@ def _matmul_slice(q, keys, values, positions, scale):
     if first + 1 < keys.shape[1]:
         hidden = torch.arange(first, keys.shape[1], device=q.device)[None, :] > positions[:, None]
         scores.view(kv_heads, groups, num_q, -1)[..., first:].masked_fill_(hidden, float("-inf"))
+    if span is not None:
+        _share_spans(scores, span, power)
     probs = torch.softmax(scores, -1)  # computed in float32, stored in the scores' dtype
     out = torch.matmul(probs, values)  # [kv_heads, groups * Q, D]
     return out.view(kv_heads, groups, num_q, dim).permute(2, 0, 1, 3).reshape(num_q, heads, dim)
+
+
+def _share_spans(scores: torch.Tensor, span: torch.Tensor, power) -> None:
+    """APE's scaling factor, in place on masked scores [..., L] whose span keys (`span`, [L] or
+    broadcastable) already carry the temperature: each query's span-key scores get
+    (power - 1) * log Z, Z the sum of their exps, so together they weigh Z ** power beside the
+    other keys' plain weights. A query that sees no span key is left as it is."""
+    log_z = torch.logsumexp(scores.float().masked_fill(~span, float("-inf")), -1, keepdim=True)
+    log_z = torch.where(torch.isfinite(log_z), log_z, 0.0)
+    scores.add_(torch.where(span, (power - 1) * log_z, 0.0).to(scores.dtype))
+
+
+def _padded_shares(meta: AttentionMetadata, seqs: list[int], length: int, device):
+    """The span shares of sequences `seqs` for keys padded to `length`: ([B, 1, 1, length] span
+    masks, [B, 1, 1, 1] powers), or None if none of them has one."""
+    shares = [meta.span_share[i] for i in seqs] if meta.span_share else []
+    if not any(share is not None for share in shares):
+        return None
+    masks = torch.stack([s.mask(length) if s is not None else torch.zeros(length, dtype=torch.bool, device=device)
+                         for s in shares])
+    powers = torch.tensor([s.power if s is not None else 1.0 for s in shares], device=device)
+    return masks[:, None, None, :], powers[:, None, None, None]
 
 
 def _rotate_padded(keys: torch.Tensor, rotations) -> torch.Tensor:
@@ -187,10 +217,11 @@ def _single_query(q, k, v, scale, rotation=None):
     return _grouped_queries(q[None], k[None], v[None], None, scale)[0]
 
 
-def _grouped_queries(q, keys, values, mask, scale):
+def _grouped_queries(q, keys, values, mask, scale, shares=None):
     """Queries q [B, Q, heads, D] over keys/values [B, L, kv_heads, D], mask [B, 1, Q, L] or None:
     the query heads sharing a kv head become that head's query rows, so grouped keys are read as
-    they are (no repeat, no float copy: 2x faster on CPU than expanding them to float32)."""
+    they are (no repeat, no float copy: 2x faster on CPU than expanding them to float32).
+    `shares` (from _padded_shares): APE's reweighting, computed with explicit scores."""
     num_seqs, width, heads, dim = q.shape
     kv_heads = keys.shape[2]
     groups = heads // kv_heads
@@ -199,8 +230,14 @@ def _grouped_queries(q, keys, values, mask, scale):
     if mask is not None and width > 1:
         mask = mask[:, :, None].expand(num_seqs, 1, groups, width, mask.shape[-1]).reshape(
             num_seqs, 1, groups * width, mask.shape[-1])
-    out = F.scaled_dot_product_attention(folded, keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=mask, scale=scale)
+    if shares is None:
+        out = F.scaled_dot_product_attention(folded, keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask, scale=scale)
+    else:
+        scores = torch.matmul(folded * scale, keys.permute(0, 2, 3, 1))  # [B, kv_heads, groups * Q, L]
+        scores.masked_fill_(~mask, float("-inf"))
+        _share_spans(scores, *shares)
+        out = torch.matmul(torch.softmax(scores, -1), values.transpose(1, 2))
     return out.view(num_seqs, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4).reshape(q.shape)
 
 

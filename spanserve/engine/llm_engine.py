@@ -2,7 +2,6 @@
 
 import itertools
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -216,7 +215,9 @@ class LLMEngine:
         name = params.link_policy or self.config.link_policy
         if name == "comb" and self.comb is None:
             raise InvalidRequestError(_NO_COMB)
-        return LinkPolicy(name, gap, ratio, plugin=self.comb.signature if name == "comb" else "")
+        rest = {f: getattr(params, f) if getattr(params, f) is not None else getattr(self.config, f)
+                for f in ("blend_layers", "ape_temperature", "ape_scale")}
+        return LinkPolicy(name, gap, ratio, plugin=self.comb.signature if name == "comb" else "", **rest)
 
     def make_group(self, prompt: PromptInput, params: SamplingParams,
                    request_id: str | None = None) -> RequestGroup:
@@ -318,9 +319,8 @@ class LLMEngine:
             if not (layout.awaiting_selection and req.num_computed_tokens >= layout.spans[0].start
                     and all(d >= s.sub_end for d, s in zip(req.span_done, layout.spans))):
                 continue
-            tokens, deviation = self.runner.blend_deviation(req)
-            count = min(len(tokens), math.ceil(layout.link.blend_ratio * len(tokens)))
-            chosen = sorted(tokens[i] for i in deviation.topk(count).indices.tolist())
+            counts = layout.link.blend_counts(int(layout.independent.sum()), self.runner.max_blend_checks)
+            chosen = self.runner.blend_select(req, counts)
             self.runner.copy_blocks(self.kv.relink(req, chosen))
 
     def _append(self, req: Request, sample: Sample, detok: IncrementalDetokenizer) -> None:

@@ -3,9 +3,10 @@ token batch with its cache metadata, runs the model, and samples."""
 
 from contextlib import contextmanager, nullcontext
 
+import numpy as np
 import torch
 
-from spanserve.attention import AttentionMetadata, KeyRotation
+from spanserve.attention import AttentionMetadata, KeyRotation, SpanShare
 from spanserve.engine.sampler import Sample, sample
 from spanserve.engine.scheduler import ScheduledRequest
 from spanserve.heap import keep_freed_memory
@@ -58,7 +59,7 @@ class ModelRunner:
     def _prepare(self, batch: list[ScheduledRequest]):
         input_ids, positions, slots, logit_rows = [], [], [], []
         query_lens, context_lens, contiguous_from, tables, rotations = [], [], [], [], []
-        encoder_rows = []
+        encoder_rows, shares = [], []
         for item in batch:
             encodes = item.request.layout.link.name == "comb"
             for tokens, pos, table, ctx_len, layout, samples, in_span in _sequences(item):
@@ -73,6 +74,7 @@ class ModelRunner:
                 query_lens.append(len(pos))
                 context_lens.append(ctx_len)
                 rotations.append(self._rotation(layout, ctx_len))
+                shares.append(self._span_share(layout, ctx_len))
                 if samples:
                     logit_rows.append(len(input_ids) - 1)
         block_tables = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.long)
@@ -84,21 +86,47 @@ class ModelRunner:
             block_tables=block_tables.to(self.device), context_lens_tensor=to(context_lens),
             positions=to(positions), contiguous_from=contiguous_from,
             key_rotation=rotations if any(r is not None for r in rotations) else None,
+            span_share=shares if any(s is not None for s in shares) else None,
         )
         return to(input_ids), meta.positions, meta, logit_rows, encoder_rows
 
     def _rotation(self, layout, ctx_len: int) -> KeyRotation | None:
         """What moves each cached key of a sequence from where it was computed to where it is
-        now; built once per layout (not per step) and reused while its deltas stay the same."""
+        now (and, under APE, divides span keys by the attention temperature: a factor on a key
+        is one on its scores); built once per layout (not per step) and reused while its deltas
+        stay the same."""
         if layout is None or ctx_len <= layout.first_shifted_key():
             return None
         rotation = layout.derived.get("key_rotation")
         if rotation is None:
-            rope, deltas = self.model.rope, layout.key_deltas().to(self.model.rope.cos.device)
-            index, sign = deltas.abs(), deltas.sign().unsqueeze(-1).float()  # R(-a): cos a, -sin a
-            rotation = KeyRotation.from_angles(rope.cos[index], sign * rope.sin[index], self.model.cfg.num_kv_heads)
-            layout.derived["key_rotation"] = rotation
+            factors, weighting = None, layout.link.span_weighting
+            if weighting is not None:
+                factors = torch.ones(len(layout.key_deltas()))
+                factors[torch.from_numpy(layout.independent[:len(factors)])] = weighting[0]
+            rotation = layout.derived["key_rotation"] = self._key_rotation(layout.key_deltas(), factors)
         return rotation
+
+    def _key_rotation(self, deltas: torch.Tensor, factors: torch.Tensor | None = None) -> KeyRotation:
+        """Rotate key j back by deltas[j] positions (and multiply it by factors[j])."""
+        rope = self.model.rope
+        deltas = deltas.to(rope.cos.device)
+        index, sign = deltas.abs(), deltas.sign().unsqueeze(-1).float()  # R(-a): cos a, -sin a
+        cos, sin = rope.cos[index], sign * rope.sin[index]
+        if factors is not None:
+            factors = factors.to(cos.device, cos.dtype).unsqueeze(-1)
+            cos, sin = cos * factors, sin * factors
+        return KeyRotation.from_angles(cos, sin, self.model.cfg.num_kv_heads)
+
+    def _span_share(self, layout, ctx_len: int) -> SpanShare | None:
+        """APE: which keys of a sequence are span keys and the power of their summed weight."""
+        weighting = None if layout is None else layout.link.span_weighting
+        if weighting is None or ctx_len <= layout.first_shifted_key():
+            return None
+        share = layout.derived.get("span_share")
+        if share is None:
+            keys = torch.from_numpy(layout.independent[:len(layout.key_deltas())]).to(self.device)
+            share = layout.derived["span_share"] = SpanShare(keys, weighting[1])
+        return share
 
     @torch.inference_mode()
     def prefill_pinned(self, token_ids: list[int], block_ids: list[int]) -> None:
@@ -113,37 +141,74 @@ class ModelRunner:
         )
         self.model(self._tensor(token_ids), positions, meta)
 
-    @torch.inference_mode()
-    def blend_deviation(self, req) -> tuple[list[int], torch.Tensor]:
-        """CacheBlend's signal for each independent span token of `req`: how far its second-
-        layer K and V move when the first layer sees the whole context instead of its span.
+    @property
+    def max_blend_checks(self) -> int:
+        """Check layers a CacheBlend probe can have: the second layer to the last."""
+        return len(self.model.layers) - 1
 
-        The first layer's keys need no recomputation (before any attention they are the same
-        in a span or in context, up to the rotation we apply anyway), so one layer of attention
-        over the cache, plus the second layer's projections, is the whole cost."""
-        layout, bs = req.layout, self.block_size
-        tokens = layout.independent.nonzero()[0].tolist()
-        span_view = [(req.shadows.get(i) or b).block_id for i, b in enumerate(req.block_table)]
-        own_view = [b.block_id for b in req.block_table]  # unused until relinked: a scratch pad
-        to = self._tensor
-        positions = to(tokens)
-        ctx_len = tokens[-1] + 1
+    @torch.inference_mode()
+    def blend_select(self, req, counts: list[int]) -> list[int]:
+        """CacheBlend's probe of `req` (its spans and the text before them computed, its span
+        blocks all shadowed): the span tokens to recompute in context, by gradual filtering.
+
+        Every span token is a candidate at the first check: all of them run the first layer
+        in context, and the check keeps the counts[0] whose second-layer K and V deviate most
+        from their cached span KV. Each later check runs only the previous one's picks through
+        one more layer, attending to the whole context (their own fresh KV, the cached span KV
+        of the other span tokens), and keeps counts[l] of them; the last check's picks are the
+        answer. Text between spans (in context, not computed yet) runs with the picks at every
+        layer, so they read it as it will be rather than whatever its blocks hold.
+
+        CacheBlend also keeps a dropped token's KV from the layers where it was still picked;
+        we keep none of the probe's KV: the picks are recomputed at every layer afterwards and
+        the others keep their cached span KV."""
+        layout = req.layout
+        picks = np.flatnonzero(layout.independent)
+        ctx_len = int(picks[-1]) + 1  # no probe query reads further
+        between = np.asarray(layout.in_context(layout.spans[0].start, ctx_len), dtype=np.int64)
+        rows = np.union1d(picks, between)
+        hidden = self.model.embed_tokens(self._tensor([req.token_ids[t] for t in rows]))
+        for layer, keep in enumerate(counts):
+            hidden = self._probe_layer(req, layer, rows, picks, hidden, ctx_len)
+            deviation = self._deviation(req, layer + 1, picks, hidden[self._rows(np.isin(rows, picks))])
+            picks = np.sort(picks[deviation.topk(keep).indices.cpu().numpy()])
+            kept = np.isin(rows, picks) | np.isin(rows, between)
+            rows, hidden = rows[kept], hidden[self._rows(kept)]
+        return picks.tolist()
+
+    def _probe_layer(self, req, layer: int, rows: np.ndarray, fresh: np.ndarray, hidden: torch.Tensor,
+                     ctx_len: int) -> torch.Tensor:
+        """Run model layer `layer` for the probe's `rows`. The request's own span blocks are
+        its scratch pad until relinked: they get this layer's cached span KV, then the rows'
+        fresh KV over it; only the `fresh` span keys are not rotated (computed where they are)."""
+        bs, to = self.block_size, self._tensor
+        pairs = [(shadow.block_id, req.block_table[i].block_id) for i, shadow in req.shadows.items()]
+        if pairs:
+            src, dst = (to(list(ids)) for ids in zip(*pairs))
+            self.kv_cache[layer, :, dst] = self.kv_cache[layer, :, src]
+        deltas = req.layout.key_deltas().clone()
+        deltas[torch.from_numpy(fresh)] = 0
+        own = [b.block_id for b in req.block_table]
+        positions = to(rows.tolist())
         meta = AttentionMetadata(
-            slot_mapping=to([own_view[t // bs] * bs + t % bs for t in tokens]), query_lens=[len(tokens)],
-            context_lens=[ctx_len], block_tables=to(span_view)[None], context_lens_tensor=to([ctx_len]),
-            positions=positions, key_rotation=[self._rotation(layout, ctx_len)],
+            slot_mapping=to([own[t // bs] * bs + t % bs for t in rows]), query_lens=[len(rows)],
+            context_lens=[ctx_len], block_tables=to(own)[None], context_lens_tensor=to([ctx_len]),
+            positions=positions, key_rotation=[self._key_rotation(deltas) if deltas.any() else None],
         )
-        first, second = self.model.layers[0], self.model.layers[1]
-        hidden = first(self.model.embed_tokens(to([req.token_ids[t] for t in tokens])), positions, meta)
-        k, v = second.self_attn.key_values(second.input_layernorm(hidden), positions)
-        slots = to([span_view[t // bs] * bs + t % bs for t in tokens])
-        cache = self.kv_cache[1]
-        cached_k = cache[0].flatten(0, 1)[slots]
-        cached_v = cache[1].flatten(0, 1)[slots]
-        rotation = meta.key_rotation[0]
-        if rotation is not None:
-            cached_k = KeyRotation(rotation.cos[positions], rotation.sin[positions]).apply(cached_k)
-        return tokens, _relative_change(k, cached_k) + _relative_change(v, cached_v)
+        return self.model.layers[layer](hidden, positions, meta)
+
+    def _deviation(self, req, layer: int, tokens: np.ndarray, hidden: torch.Tensor) -> torch.Tensor:
+        """How far the K and V of span `tokens` at `layer`, from their fresh input `hidden`, are
+        from their cached span KV (moved to their real positions): per token, the squared
+        distance over the tokens' mean square, for K plus for V."""
+        bs, attn = self.block_size, self.model.layers[layer]
+        positions = self._tensor(tokens.tolist())
+        k, v = attn.self_attn.key_values(attn.input_layernorm(hidden), positions)
+        span_view = [(req.shadows.get(i) or b).block_id for i, b in enumerate(req.block_table)]
+        slots = self._tensor([span_view[t // bs] * bs + t % bs for t in tokens])
+        cached_k, cached_v = (part.flatten(0, 1)[slots] for part in self.kv_cache[layer])
+        cached_k = self._key_rotation(req.layout.key_deltas()[torch.from_numpy(tokens)]).apply(cached_k)
+        return _relative_change(k, cached_k) + _relative_change(v, cached_v)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (every layer, K and V): src -> dst."""
@@ -153,6 +218,9 @@ class ModelRunner:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _rows(self, mask: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(mask).to(self.device)
 
 
 def _relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

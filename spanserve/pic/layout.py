@@ -105,11 +105,14 @@ class PromptLayout:
 
     def shadow_blocks(self, s: int) -> list[int]:
         """Full blocks of span s that have linked tokens: their span-local version lives apart
-        from the request's private one. Before a selecting policy's probe: all of them."""
+        from the request's private one. Before a selecting policy's probe: all of them, and a
+        partial last block too, since the probe writes scratch KV into the request's own
+        version of every block it reads (engine/runner.py); after it, the partial block's
+        span-local version becomes the request's (nothing else reads it)."""
         span, bs = self.spans[s], self.block_size
-        blocks = range(span.start // bs, span.sub_end // bs)
         if self.awaiting_selection:
-            return list(blocks)
+            return list(range(span.start // bs, -(-span.sub_end // bs)))
+        blocks = range(span.start // bs, span.sub_end // bs)
         return [i for i in blocks if not self.independent[i * bs:(i + 1) * bs].all()]
 
     def in_context(self, start: int, end: int) -> list[int]:
@@ -167,10 +170,14 @@ class PromptLayout:
         return self._deltas
 
     def first_shifted_key(self) -> int:
-        """Index of the first key whose rotation must change (a large number if none)."""
+        """Index of the first key that in-context queries must transform: rotate (its span was
+        computed elsewhere) or, under APE, reweight (every span key). A large number if none."""
         if "first_shifted_key" not in self.derived:
             deltas = self.key_deltas()
-            shifted = [] if deltas is None else deltas.nonzero()
+            if deltas is not None and self.link.span_weighting:
+                shifted = np.flatnonzero(self.independent)
+            else:
+                shifted = [] if deltas is None else deltas.nonzero()
             self.derived["first_shifted_key"] = int(shifted[0]) if len(shifted) else 1 << 62
         return self.derived["first_shifted_key"]
 

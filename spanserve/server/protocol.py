@@ -58,13 +58,17 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # spanserve extension: how requests with position-independent spans link them (pic/link.py)
-    link_policy: Literal["none", "gap", "blend", "full", "comb"] | None = None
+    link_policy: Literal["none", "gap", "blend", "full", "comb", "ape"] | None = None
     gap_length: _int(ge=0, le=_SAFE) | None = None
     blend_ratio: float | None = Field(None, ge=0, le=1)
+    blend_layers: _int(ge=1, le=_SAFE) | None = None
+    ape_temperature: float | None = Field(None, gt=0, le=1)
+    ape_scale: float | None = Field(None, gt=0, le=1)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
         optional = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                                  "link_policy", "gap_length", "blend_ratio")
+                                                  "link_policy", "gap_length", "blend_ratio", "blend_layers",
+                                                  "ape_temperature", "ape_scale")
                     if getattr(self, k) is not None}
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
