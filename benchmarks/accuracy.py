@@ -253,6 +253,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="model name, HF directory or .gguf (default: the embedded SmolLM2)")
     parser.add_argument("--dtype", default="auto", help="engine dtype (auto: bf16 on CPUs with native bf16)")
+    parser.add_argument("--comb-plugin", default=None,
+                        help="COMB encoder plug-in file for link policy comb (default: the one shipped for the model)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: N=3, 2 question sets, short documents, 2 TTFT repeats")
@@ -282,7 +284,7 @@ def run(args: argparse.Namespace) -> dict:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
     model_name = Path(args.model).name if args.model else DEFAULT_MODEL
-    llm = LLM(model=args.model, dtype=args.dtype)
+    llm = LLM(model=args.model, dtype=args.dtype, comb_plugin=args.comb_plugin)
     if args.styles:
         styles = list(STYLES) if args.styles == "all" else args.styles.split(",")
         conditions, skipped = ["spans_off"], {}
