@@ -37,7 +37,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ape-temperature", type=float, default=APE_TEMPERATURE,
                    help="attention temperature on span keys, in (0, 1] (ape)")
     g.add_argument("--ape-scale", type=float, default=APE_SCALE,
-                   help="power on the spans' share of the softmax, over the temperature, in (0, 1] (ape)")
+                   help="scaling factor S, in (0, 1]: the spans' summed weight Z counts as Z^(S*T) (ape)")
     g.add_argument("--comb-plugin", default=None,
                    help="COMB encoder plug-in file (comb; default: the one shipped for the model)")
 
