@@ -45,3 +45,9 @@ class CacheFullError(InvalidRequestError):
 
 class CorpusNotFoundError(SpanserveError, FileNotFoundError):
     """The real-text corpus package (spanserve/corpus.py) is not installed."""
+
+
+class PluginNotLoadedError(InvalidRequestError):
+    """The request asks for a plug-in the engine does not have (link policy comb without one)."""
+
+    code = "plugin_not_loaded"

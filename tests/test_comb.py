@@ -4,9 +4,11 @@ The engine's paged, batched, cached path must compute what the dense reference
 (spanserve/comb/dense.py, the training forward) computes, at any span position, cold or warm.
 """
 
+import httpx
 import pytest
 import torch
 from helpers import assert_engine_idle, greedy, random_prompt
+from server_utils import ServerProcess, assert_openai_error
 
 from spanserve import LLM, InvalidRequestError
 from spanserve.comb import dense
@@ -106,6 +108,27 @@ def test_comb_span_kv_is_never_shared_with_none_or_another_plugin(comb_llm):
     assert cold.num_cached_tokens <= len(HEAD)
     warm, _ = run(comb_llm, p)
     assert warm.num_cached_tokens > cold.num_cached_tokens
+
+
+def test_the_server_serves_comb_as_offline_and_answers_400_without_a_plugin(tiny_llama_path, plugin_file, tmp_path):
+    p = prompt([2, 0])
+    body = {"model": "m", "prompt": p["prompt_token_ids"], "spans": p["spans"], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "link_policy": "comb"}
+    with_plugin = ServerProcess(["--model", str(tiny_llama_path), "--dtype", "float32", "--num-blocks", "256",
+                                 "--served-model-name", "m", "--comb-plugin", str(plugin_file)], tmp_path / "a.log")
+    try:
+        text = httpx.post(f"{with_plugin.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    finally:
+        with_plugin.stop()
+    offline = make_llm(tiny_llama_path, comb_plugin=str(plugin_file))
+    assert text == offline.generate(p, greedy(6, link_policy="comb"))[0].outputs[0].text
+    without = ServerProcess(["--model", str(tiny_llama_path), "--dtype", "float32", "--num-blocks", "256",
+                             "--served-model-name", "m"], tmp_path / "b.log")
+    try:
+        error = assert_openai_error(httpx.post(f"{without.url}/v1/completions", json=body, timeout=60), 400, "plug-in")
+        assert error["code"] == "plugin_not_loaded"
+    finally:
+        without.stop()
 
 
 def test_comb_without_a_plugin_is_a_clear_error(tiny_llama_path):

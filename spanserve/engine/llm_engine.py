@@ -15,7 +15,13 @@ from spanserve.engine.request import Request
 from spanserve.engine.runner import ModelRunner
 from spanserve.engine.sampler import Sample
 from spanserve.engine.scheduler import Scheduler
-from spanserve.errors import CacheFullError, InvalidRequestError, InvalidSpanError, PromptTooLongError
+from spanserve.errors import (
+    CacheFullError,
+    InvalidRequestError,
+    InvalidSpanError,
+    PluginNotLoadedError,
+    PromptTooLongError,
+)
 from spanserve.kv.hashing import extend_block_hashes
 from spanserve.kv.manager import KVCacheManager
 from spanserve.models.config import ModelConfig
@@ -110,7 +116,7 @@ class LLMEngine:
             self.comb.attach(model)
             self.runner.encoder = self.comb
         elif config.link_policy == "comb":
-            raise InvalidRequestError(_NO_COMB)
+            raise PluginNotLoadedError(_NO_COMB)
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
         self.pad_token_id = self._span_pad_token()
         self.anchor = self._make_anchor() if config.span_anchor else None
@@ -214,7 +220,7 @@ class LLMEngine:
         ratio = params.blend_ratio if params.blend_ratio is not None else self.config.blend_ratio
         name = params.link_policy or self.config.link_policy
         if name == "comb" and self.comb is None:
-            raise InvalidRequestError(_NO_COMB)
+            raise PluginNotLoadedError(_NO_COMB)
         rest = {f: getattr(params, f) if getattr(params, f) is not None else getattr(self.config, f)
                 for f in ("blend_layers", "ape_temperature", "ape_scale")}
         return LinkPolicy(name, gap, ratio, plugin=self.comb.signature if name == "comb" else "", **rest)
