@@ -1,5 +1,7 @@
 """Small helpers shared by the test modules (fixtures live in conftest.py)."""
 
+import argparse
+
 import torch
 
 from spanserve import SamplingParams
@@ -29,3 +31,10 @@ def assert_engine_idle(llm) -> None:
     assert not engine.has_unfinished_requests()
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks - len(engine.kv.anchor_blocks)
+
+
+def bench_args(module, argv: list[str]) -> argparse.Namespace:
+    """A benchmark module's arguments as its CLI would parse them."""
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser.parse_args(argv)

@@ -1,11 +1,11 @@
 """The accuracy benchmark (benchmarks/accuracy.py) runs both tasks end to end on a tiny random model, with
 every condition's warm-shuffled TTFT; its real-text documents are held-out prose holding one fact each."""
 
-import argparse
 import json
 import random
 
 import pytest
+from helpers import bench_args
 
 from benchmarks import accuracy, fact_docs
 from spanserve import LLM
@@ -16,18 +16,12 @@ from spanserve.models.loader import load_tokenizer
 TASKS = ("generated", "real")
 
 
-def _args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    accuracy.add_arguments(parser)
-    return parser.parse_args(argv)
-
-
 @pytest.fixture(scope="module")
 def accuracy_result(tiny_llama_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("accuracy") / "accuracy.json"
-    args = _args(["--model", str(tiny_llama_path), "--dtype", "float32", "--docs", "2,3", "--doc-tokens", "48",
-                  "--real-doc-tokens", "64", "--questions", "2", "--max-tokens", "3", "--ttft-repeats", "2",
-                  "--out", str(out)])
+    args = bench_args(accuracy, [
+        "--model", str(tiny_llama_path), "--dtype", "float32", "--docs", "2,3", "--doc-tokens", "48",
+        "--real-doc-tokens", "64", "--questions", "2", "--max-tokens", "3", "--ttft-repeats", "2", "--out", str(out)])
     return accuracy.run(args), out
 
 

@@ -1,25 +1,19 @@
 """The RAG benchmark (benchmarks/rag.py) runs end to end on a tiny random model and reports every
 condition in the documented shape (the accuracy benchmark: test_bench_accuracy.py)."""
 
-import argparse
 import json
 
 import pytest
+from helpers import bench_args
 
 from benchmarks import rag
-
-
-def _args(module, argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    module.add_arguments(parser)
-    return parser.parse_args(argv)
 
 
 @pytest.fixture(scope="module")
 def rag_result(tiny_llama_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("rag") / "rag.json"
-    args = _args(rag, ["--model", str(tiny_llama_path), "--dtype", "float32", "--docs", "1,3", "--doc-tokens", "40",
-                       "--repeats", "2", "--answer-tokens", "4", "--out", str(out)])
+    args = bench_args(rag, ["--model", str(tiny_llama_path), "--dtype", "float32", "--docs", "1,3",
+                            "--doc-tokens", "40", "--repeats", "2", "--answer-tokens", "4", "--out", str(out)])
     return rag.run(args), out
 
 
