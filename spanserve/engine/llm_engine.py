@@ -113,8 +113,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device)
         self.comb = find_plugin(model, config.comb_plugin)  # span encoder for link_policy="comb"
         if self.comb:
-            self.comb.attach(model)
-            self.runner.encoder = self.comb
+            self.runner.use_encoder(self.comb)
         elif config.link_policy == "comb":
             raise PluginNotLoadedError(_NO_COMB)
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})

@@ -24,7 +24,7 @@ class ModelRunner:
             dtype=dtype, device=device,
         )
         model.bind_kv_cache(self.kv_cache)
-        self.encoder = None  # a CombPlugin attached to the model (spanserve/comb/), if any
+        self.encoder = None  # the span encoder plug-in (spanserve/comb/), see use_encoder
         if device.type == "cpu":
             use_pool_for_matmuls(model)
             keep_freed_memory()
@@ -39,6 +39,12 @@ class ModelRunner:
                 return []
             logits = self.model.compute_logits(hidden[logit_rows]).cpu()
             return sample(logits, [item.request for item in batch if item.samples])
+
+    def use_encoder(self, plugin) -> None:
+        """Attach a CombPlugin: its deltas then apply to the span rows of requests whose link
+        policy encodes spans."""
+        plugin.attach(self.model)
+        self.encoder = plugin
 
     @contextmanager
     def _encoding(self, rows: list[int]):
@@ -61,7 +67,7 @@ class ModelRunner:
         query_lens, context_lens, contiguous_from, tables, rotations = [], [], [], [], []
         encoder_rows, shares = [], []
         for item in batch:
-            encodes = item.request.layout.link.name == "comb"
+            encodes = item.request.layout.link.encodes_spans
             for tokens, pos, table, ctx_len, layout, samples, in_span in _sequences(item):
                 if encodes and in_span:
                     encoder_rows.extend(range(len(input_ids), len(input_ids) + len(tokens)))

@@ -63,6 +63,11 @@ class LinkPolicy:
         return self.name != "full"
 
     @property
+    def encodes_spans(self) -> bool:
+        """True if span tokens are computed by the encoder plug-in rather than the decoder."""
+        return self.name == "comb"
+
+    @property
     def selects(self) -> bool:
         """True if the linked tokens are chosen by a probe of the request's own KV."""
         return self.name == "blend" and self.blend_ratio > 0
