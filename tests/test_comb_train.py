@@ -1,8 +1,10 @@
 """Training the COMB encoder: the self-distillation loss falls when only the plug-in learns."""
 
 import torch
+from helpers import greedy
 
-from spanserve import LLM
+from spanserve import LLM, Span
+from spanserve.cli import main
 from spanserve.comb import train
 from spanserve.comb.data import FACTS, ExampleMaker
 from spanserve.comb.plugin import CombPlugin
@@ -44,3 +46,16 @@ def test_examples_hold_one_fact_per_document_and_ask_for_one_of_them(tiny_llama_
         fact_docs = [d for d in docs if any(s in d for s in sentences)]
         assert len(fact_docs) in (0, 3)  # a reading question, or one fact in every document
         assert all("access code" not in d for d in docs)  # the benchmark's facts stay out of training
+
+
+def test_train_comb_from_the_cli_writes_a_plugin_the_engine_serves(tiny_llama_path, tmp_path):
+    out = tmp_path / "plugin.safetensors"
+    main(["train", "comb", "--model", str(tiny_llama_path), "--dtype", "float32", "--steps", "3", "--rank", "2",
+          "--max-docs", "2", "--max-answer", "2", "--log-every", "1", "--save-every", "2", "--val-examples", "1",
+          "--out", str(out)])
+    plugin = CombPlugin.load(out)
+    assert plugin.meta["steps"] == 3 and plugin.rank == 2
+    assert [h["step"] for h in plugin.meta["history"] if "val_kl" in h] == [2, 3]
+    llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=128, comb_plugin=str(out))
+    reply = llm.generate([["Intro\n", Span("a document " * 20), "question"]], greedy(2, link_policy="comb"))[0]
+    assert reply.num_cached_tokens == 0 and len(reply.outputs[0].token_ids) == 2

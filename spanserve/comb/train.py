@@ -55,6 +55,22 @@ def kl_loss(model, plugin: CombPlugin, layout, positions, teacher_logprobs) -> t
     return (teacher_logprobs.exp() * (teacher_logprobs - student)).sum(-1).mean()
 
 
+def train_step(model, plugin: CombPlugin, opt, example, lr: float) -> float:
+    for group in opt.param_groups:
+        group["lr"] = lr
+    loss = kl_loss(model, plugin, *example)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(plugin.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def validation_kl(model, plugin: CombPlugin, examples) -> float:
+    with torch.no_grad():
+        return sum(kl_loss(model, plugin, *example).item() for example in examples) / max(1, len(examples))
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -75,28 +91,28 @@ def train(args) -> Path:
     opt = torch.optim.AdamW(plugin.parameters(), lr=args.lr, weight_decay=0.0)
     maker = ExampleMaker(llm.get_tokenizer(), seed=args.seed, min_docs=args.min_docs, max_docs=args.max_docs)
     out = Path(args.out) if args.out else SHIPPED / f"{Path(args.model or DEFAULT_MODEL).stem.lower()}.safetensors"
+    # A fixed held-out set (another seed) tracks progress: single-example losses are too noisy.
+    val_maker = ExampleMaker(llm.get_tokenizer(), seed=args.seed + 10_000, min_docs=args.min_docs,
+                             max_docs=args.max_docs)
+    val = [build(llm, val_maker, args.max_answer)[:3] for _ in range(args.val_examples)]
     started, history, window = time.monotonic(), [], []
-    for step in range(args.steps):
-        if args.time_limit and time.monotonic() - started > args.time_limit:
-            log.info("time limit reached after %d steps", step)
-            break
-        layout, positions, teacher, _ = build(llm, maker, args.max_answer)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        loss = kl_loss(model, plugin, layout, positions, teacher)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(plugin.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        window.append(loss.item())
-        if (step + 1) % args.log_every == 0:
-            history.append({"step": step + 1, "kl": sum(window) / len(window),
-                            "seconds": round(time.monotonic() - started)})
-            log.info("step %d  kl %.4f  %.0f s", step + 1, history[-1]["kl"], history[-1]["seconds"])
+    log.info("held-out KL before training (link policy none): %.4f", validation_kl(model, plugin, val))
+    done = 0
+    while done < args.steps and not (args.time_limit and time.monotonic() - started > args.time_limit):
+        lr = lr_at(done, args.steps, args.lr, args.warmup)
+        window.append(train_step(model, plugin, opt, build(llm, maker, args.max_answer)[:3], lr))
+        done += 1
+        if done % args.log_every == 0:
+            seconds = round(time.monotonic() - started)
+            history.append({"step": done, "kl": sum(window) / len(window), "seconds": seconds})
+            log.info("step %d  kl %.4f  %.0f s", done, history[-1]["kl"], history[-1]["seconds"])
             window = []
-        if (step + 1) % args.save_every == 0:
-            _save(plugin, out, args, history, step + 1, started)
-    _save(plugin, out, args, history, len(history) * args.log_every or args.steps, started)
+        if done % args.save_every == 0 or done == args.steps:
+            history.append({"step": done, "val_kl": validation_kl(model, plugin, val)})
+            log.info("step %d  held-out KL %.4f", done, history[-1]["val_kl"])
+            _save(plugin, out, args, history, done, started)
+    if done % args.save_every and done < args.steps:  # stopped by the time limit
+        _save(plugin, out, args, history, done, started)
     return out
 
 
@@ -124,6 +140,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--val-examples", type=int, default=8, help="held-out prompts whose KL is logged at each save")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--save-every", type=int, default=50)
 
