@@ -54,8 +54,14 @@ def test_train_comb_from_the_cli_writes_a_plugin_the_engine_serves(tiny_llama_pa
           "--max-docs", "2", "--max-answer", "2", "--log-every", "1", "--save-every", "2", "--val-examples", "1",
           "--out", str(out)])
     plugin = CombPlugin.load(out)
-    assert plugin.meta["steps"] == 3 and plugin.rank == 2
+    assert plugin.meta["steps"] == 3 and plugin.rank == 2 and plugin.meta["previous"] is None
     assert [h["step"] for h in plugin.meta["history"] if "val_kl" in h] == [2, 3]
     llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=128, comb_plugin=str(out))
     reply = llm.generate([["Intro\n", Span("a document " * 20), "question"]], greedy(2, link_policy="comb"))[0]
     assert reply.num_cached_tokens == 0 and len(reply.outputs[0].token_ids) == 2
+    main(["train", "comb", "--model", str(tiny_llama_path), "--dtype", "float32", "--steps", "1", "--seed", "1",
+          "--init", str(out), "--max-docs", "2", "--max-answer", "2", "--val-examples", "1", "--out", str(out)])
+    continued = CombPlugin.load(out)
+    assert continued.meta["steps"] == 1 and continued.meta["previous"]["steps"] == 3
+    assert continued.rank == 2 and any(not torch.equal(a, b) for a, b in zip(continued.parameters(),
+                                                                               plugin.parameters()))

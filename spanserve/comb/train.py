@@ -77,17 +77,27 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
+def trainable_plugin(model, args) -> CombPlugin:
+    """A fresh plug-in (or --init's), attached to the frozen model, its deltas learning in float32."""
+    model.requires_grad_(False)
+    if args.init:
+        plugin = CombPlugin.load(Path(args.init))
+    else:
+        plugin = CombPlugin.zeros(model, args.rank, args.alpha, args.seed)
+    for t in plugin.parameters():
+        t.requires_grad_(True)
+    plugin.attach(model, cast=False)
+    return plugin
+
+
 def train(args) -> Path:
     from spanserve import LLM
 
     torch.manual_seed(args.seed)
     llm = LLM(model=args.model, dtype=args.dtype, num_blocks=args.num_blocks, span_anchor=True)
     model = llm.engine.runner.model
-    model.requires_grad_(False)
-    plugin = CombPlugin.zeros(model, rank=args.rank, alpha=args.alpha, seed=args.seed)
-    for t in plugin.parameters():
-        t.requires_grad_(True)
-    plugin.attach(model, cast=False)
+    plugin = trainable_plugin(model, args)
+    previous = plugin.meta or None  # what an --init plug-in was trained with
     opt = torch.optim.AdamW(plugin.parameters(), lr=args.lr, weight_decay=0.0)
     maker = ExampleMaker(llm.get_tokenizer(), seed=args.seed, min_docs=args.min_docs, max_docs=args.max_docs)
     out = Path(args.out) if args.out else SHIPPED / f"{Path(args.model or DEFAULT_MODEL).stem.lower()}.safetensors"
@@ -96,7 +106,7 @@ def train(args) -> Path:
                              max_docs=args.max_docs)
     val = [build(llm, val_maker, args.max_answer)[:3] for _ in range(args.val_examples)]
     started, history, window = time.monotonic(), [], []
-    log.info("held-out KL before training (link policy none): %.4f", validation_kl(model, plugin, val))
+    log.info("held-out KL at the start: %.4f", validation_kl(model, plugin, val))
     done = 0
     while done < args.steps and not (args.time_limit and time.monotonic() - started > args.time_limit):
         lr = lr_at(done, args.steps, args.lr, args.warmup)
@@ -110,14 +120,16 @@ def train(args) -> Path:
         if done % args.save_every == 0 or done == args.steps:
             history.append({"step": done, "val_kl": validation_kl(model, plugin, val)})
             log.info("step %d  held-out KL %.4f", done, history[-1]["val_kl"])
-            _save(plugin, out, args, history, done, started)
+            _save(plugin, out, args, history, done, started, previous)
     if done % args.save_every and done < args.steps:  # stopped by the time limit
-        _save(plugin, out, args, history, done, started)
+        _save(plugin, out, args, history, done, started, previous)
     return out
 
 
-def _save(plugin: CombPlugin, out: Path, args, history, steps: int, started: float) -> None:
-    plugin.meta = {"model": args.model, "steps": steps, "rank": args.rank, "lr": args.lr, "seed": args.seed,
+def _save(plugin: CombPlugin, out: Path, args, history, steps: int, started: float, previous) -> None:
+    """Write the plug-in with what made it: this run's settings and curve, and the run it continued."""
+    plugin.meta = {"model": args.model, "steps": steps, "rank": plugin.rank, "lr": args.lr, "seed": args.seed,
+                   "previous": previous,
                    "data": "spanserve/comb/data.py (corpus split train)", "docs": [args.min_docs, args.max_docs],
                    "wall_s": round(time.monotonic() - started), "threads": torch.get_num_threads(),
                    "history": history}
@@ -130,6 +142,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="plug-in file (default: spanserve/comb/plugins/<model>.safetensors)")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--time-limit", type=float, default=0, help="stop after this many seconds (0: no limit)")
+    p.add_argument("--init", default=None, help="continue from this plug-in (its rank and alpha win; give another "
+                   "--seed so the prompts are new)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--lr", type=float, default=5e-4)
