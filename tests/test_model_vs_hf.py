@@ -169,13 +169,14 @@ def _installed(name: str) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _installed("qwen2.5-coder-0.5b-instruct"), reason="needs `make models`")
-def test_qwen25_coder_greedy_chat_replies_match_transformers_on_the_converted_weights():
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"])
+def test_qwen25_coder_greedy_chat_replies_match_transformers_on_the_converted_weights(name):
     from spanserve.models.loader import resolve_model
 
-    llm = LLM(model="qwen2.5-coder-0.5b-instruct", dtype="float32", num_blocks=64)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(resolve_model("qwen2.5-coder-0.5b-instruct")),
-                                                    dtype=torch.float32)
+    if not _installed(name):
+        pytest.skip("needs `make models`")
+    llm = LLM(model=name, dtype="float32", num_blocks=64)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(resolve_model(name)), dtype=torch.float32)
     prompts = [llm.apply_chat_template([{"role": "user", "content": text}]) for text in TEXT_PROMPTS]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(24))
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 24) for p in prompts]
