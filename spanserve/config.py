@@ -29,7 +29,9 @@ class EngineConfig:
     attention_backend: str = "torch"
     seed: int = 0
     # Defaults for requests with position-independent spans (pic/link.py).
-    link_policy: str = "none"
+    # auto: comb where an encoder plug-in ships for the model (or comb_plugin names one), else none:
+    # the most accurate policy that keeps warm spans fast (README, "COMB")
+    link_policy: str = "auto"
     gap_length: int = 32
     blend_ratio: float = 0.15
     blend_layers: int = BLEND_LAYERS  # check layers of the blend probe (gradual filtering)
@@ -46,7 +48,8 @@ class EngineConfig:
             raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
         from spanserve.pic.link import LinkPolicy
 
-        LinkPolicy(self.link_policy, self.gap_length, self.blend_ratio, blend_layers=self.blend_layers,
+        name = "none" if self.link_policy == "auto" else self.link_policy  # the engine resolves auto
+        LinkPolicy(name, self.gap_length, self.blend_ratio, blend_layers=self.blend_layers,
                    ape_temperature=self.ape_temperature, ape_scale=self.ape_scale)  # raises on bad values
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}; use auto or one of {sorted(_DTYPES)}")

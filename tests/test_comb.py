@@ -146,3 +146,12 @@ def test_a_plugin_trained_for_another_model_or_a_corrupt_file_is_rejected(tiny_q
     bad.write_bytes(b"not a plug-in")
     with pytest.raises(InvalidRequestError, match="cannot read COMB plug-in"):
         make_llm(tiny_qwen2_path, comb_plugin=str(bad))
+
+
+def test_the_default_link_policy_is_comb_where_a_plugin_is_loaded_else_none(tiny_llama_path, plugin_file):
+    assert make_llm(tiny_llama_path).engine.default_link == "none"
+    llm = make_llm(tiny_llama_path, comb_plugin=str(plugin_file))
+    assert llm.engine.default_link == "comb"
+    p = prompt([1, 2])
+    assert run(llm, p)[1] == run(llm, p, link_policy="comb")[1]
+    assert make_llm(tiny_llama_path, comb_plugin=str(plugin_file), link_policy="gap").engine.default_link == "gap"

@@ -116,6 +116,8 @@ class LLMEngine:
             self.runner.use_encoder(self.comb)
         elif config.link_policy == "comb":
             raise PluginNotLoadedError(_NO_COMB)
+        auto = "comb" if self.comb else "none"
+        self.default_link = auto if config.link_policy == "auto" else config.link_policy
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
         self.pad_token_id = self._span_pad_token()
         self.anchor = self._make_anchor() if config.span_anchor else None
@@ -124,8 +126,9 @@ class LLMEngine:
         self.derived: dict = {}  # what front ends build once from the tokenizer (a chat format)
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
-        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
-                 path.name, self.dtype, self.device, num_blocks, config.block_size, self.max_model_len)
+        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, span link policy %s",
+                 path.name, self.dtype, self.device, num_blocks, config.block_size, self.max_model_len,
+                 self.default_link)
 
     def _make_anchor(self) -> Anchor | None:
         """The span anchor: a short system message as the chat template renders it (or the
@@ -217,7 +220,7 @@ class LLMEngine:
         """The request's link policy, each unset field taken from the engine's defaults."""
         gap = params.gap_length if params.gap_length is not None else self.config.gap_length
         ratio = params.blend_ratio if params.blend_ratio is not None else self.config.blend_ratio
-        name = params.link_policy or self.config.link_policy
+        name = params.link_policy or self.default_link
         if name == "comb" and self.comb is None:
             raise PluginNotLoadedError(_NO_COMB)
         rest = {f: getattr(params, f) if getattr(params, f) is not None else getattr(self.config, f)
