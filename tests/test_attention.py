@@ -107,7 +107,8 @@ def test_bf16_matmul_attention_stays_close_to_float32(default_model_path):
     docs = [f"Document {i}. " + f"The harbour town of {name} exports {good} and hosts a {season} fair. " * 20
             for i, (name, good, season) in enumerate([("Velmont", "salt", "summer"), ("Tarholm", "wool", "winter"),
                                                       ("Kasdale", "tin", "spring"), ("Orvia", "amber", "autumn")])]
-    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    # link policy none, as measured: this is about attention precision (SmolLM2's default is comb)
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5, link_policy="none")
 
     def first_token(llm, order):
         llm.generate([Span(d) for d in docs] + ["warm"], params)  # the spans are cached in another order
