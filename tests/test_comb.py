@@ -8,6 +8,7 @@ import httpx
 import pytest
 import torch
 from helpers import assert_engine_idle, greedy, random_prompt
+from safetensors.torch import save_file
 from server_utils import ServerProcess, assert_openai_error
 
 from spanserve import LLM, InvalidRequestError
@@ -146,6 +147,12 @@ def test_a_plugin_trained_for_another_model_or_a_corrupt_file_is_rejected(tiny_q
     bad.write_bytes(b"not a plug-in")
     with pytest.raises(InvalidRequestError, match="cannot read COMB plug-in"):
         make_llm(tiny_qwen2_path, comb_plugin=str(bad))
+    weights = tmp_path / "weights.safetensors"  # a valid safetensors file, but not a plug-in
+    save_file({"w": torch.zeros(2)}, str(weights))
+    with pytest.raises(InvalidRequestError, match="not a spanserve COMB plug-in"):
+        make_llm(tiny_qwen2_path, comb_plugin=str(weights))
+    with pytest.raises(InvalidRequestError, match="cannot read COMB plug-in"):
+        make_llm(tiny_qwen2_path, comb_plugin=str(tmp_path / "missing.safetensors"))
 
 
 def test_the_default_link_policy_is_comb_where_a_plugin_is_loaded_else_none(tiny_llama_path, plugin_file):

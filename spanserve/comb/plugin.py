@@ -23,7 +23,7 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -135,15 +135,17 @@ class CombPlugin:
     @classmethod
     def load(cls, path: Path) -> "CombPlugin":
         try:
-            with safe_open(str(path), "pt") as f:
-                meta = f.metadata() or {}
-                if meta.get("format") != FORMAT:
-                    raise InvalidRequestError(f"{path} is not a spanserve COMB plug-in")
-                tensors = {k: f.get_tensor(k).float() for k in f.keys()}
-        except (OSError, json.JSONDecodeError, Exception) as e:
-            if isinstance(e, InvalidRequestError):
-                raise
+            return cls._read(path)
+        except (OSError, ValueError, KeyError, SafetensorError) as e:  # any unusable file: a clear error
             raise InvalidRequestError(f"cannot read COMB plug-in {path}: {e}") from e
+
+    @classmethod
+    def _read(cls, path: Path) -> "CombPlugin":
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != FORMAT:
+                raise ValueError("not a spanserve COMB plug-in")
+            tensors = {k: f.get_tensor(k).float() for k in f.keys()}
         names = sorted({k.rsplit(".", 1)[0] for k in tensors})
         deltas = {n: (tensors[f"{n}.A"], tensors[f"{n}.B"]) for n in names}
         return cls(meta["fingerprint"], int(meta["rank"]), float(meta["alpha"]), deltas,
