@@ -57,10 +57,8 @@ def prompt(order: list[int]) -> dict:
 def reference_logprobs(llm: LLM, p: dict, generated: list[int]) -> torch.Tensor:
     """Dense COMB logprobs after the prompt and each generated token but the last."""
     engine = llm.engine
-    anchor = engine.anchor_tokens if engine.anchor else []
     ids = p["prompt_token_ids"] + generated
-    spans = [(s, e, len(anchor) if s else 0) for s, e in p["spans"]]
-    layout = dense.DenseLayout(ids, spans, anchor)
+    layout = dense.DenseLayout.for_engine(engine, ids, p["spans"])
     first = len(p["prompt_token_ids"]) - 1
     with torch.no_grad():
         logits = dense.forward(engine.runner.model, engine.comb, layout, list(range(first, len(ids) - 1)))

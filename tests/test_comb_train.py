@@ -20,7 +20,7 @@ def test_training_steps_lower_the_kl_to_the_full_context_model_and_touch_only_th
         t.requires_grad_(True)
     plugin.attach(model, cast=False)
     maker = ExampleMaker(llm.get_tokenizer(), seed=3, min_docs=2, max_docs=3)
-    layout, positions, teacher, _ = train.build(llm, maker, max_answer=4)
+    layout, positions, teacher = train.build(llm, maker, max_answer=4)
     assert layout.spans and all(offset for _, _, offset in layout.spans)  # documents after the anchor
     opt = torch.optim.Adam(plugin.parameters(), lr=1e-3)
     losses = []

@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass
 
 from spanserve.corpus import paragraphs
+from spanserve.pic.prompt import Span
 
 FIRST = ["Amara", "Bastian", "Chiara", "Dmitri", "Elif", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kalani",
          "Lucia", "Mateo", "Nadia", "Oskar", "Priya", "Quentin", "Rosa", "Soren", "Tamsin", "Ulla", "Viktor",
@@ -77,8 +78,6 @@ class ExampleMaker:
         return name
 
     def example(self) -> Example:
-        from spanserve.pic.prompt import Span
-
         rng = self.rng
         docs = [self.document(rng.randrange(60, 231)) for _ in range(rng.randint(self.min_docs, self.max_docs))]
         system = rng.choice(SYSTEMS)

@@ -25,6 +25,13 @@ class DenseLayout:
     spans: list[tuple[int, int, int]]  # (start, end, offset): tokens [start, end) at offset + i in their sequence
     anchor_ids: list[int]  # what a span with offset > 0 is computed after
 
+    @classmethod
+    def for_engine(cls, engine, token_ids: list[int], spans) -> "DenseLayout":
+        """The layout the engine gives `spans` ([start, end) pairs): after its anchor, but for a
+        span at the prompt's start."""
+        anchor = engine.anchor_tokens if engine.anchor else []
+        return cls(token_ids, [(s, e, len(anchor) if s else 0) for s, e in spans], anchor)
+
 
 def _project(layer, x: torch.Tensor, positions: torch.Tensor):
     """q, k (rotated at `positions`), k before rotation, and v of hidden states x [T, hidden]."""

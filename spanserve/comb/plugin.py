@@ -57,7 +57,6 @@ class CombPlugin:
     deltas: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "layers.3.mlp.down_proj" -> (A [r, in], B [out, r])
     meta: dict = field(default_factory=dict)  # training facts: steps, data, wall time...
     rows: torch.Tensor | None = None
-    _handles: list = field(default_factory=list, repr=False)
 
     @classmethod
     def zeros(cls, model: nn.Module, rank: int = 16, alpha: float = 32.0, seed: int = 0) -> "CombPlugin":
@@ -105,7 +104,7 @@ class CombPlugin:
             self.deltas = {n: (a.to(param.device, param.dtype), b.to(param.device, param.dtype))
                            for n, (a, b) in self.deltas.items()}
         for name, linear in _targets(model):
-            self._handles.append(linear.register_forward_hook(self._hook(name)))
+            linear.register_forward_hook(self._hook(name))
 
     def _hook(self, name: str):
         def add_delta(module, inputs, out):
@@ -114,11 +113,6 @@ class CombPlugin:
                 out.index_add_(0, self.rows, self.delta(name, x.index_select(0, self.rows)))
             return out
         return add_delta
-
-    def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     # ---- files ----------------------------------------------------------------------------
 

@@ -41,9 +41,7 @@ def build(llm, maker: ExampleMaker, max_answer: int):
     positions = [p for p in range(first_span, len(full) - 1) if not _inside(p, prompt["spans"])]
     with torch.no_grad():
         teacher = dense.forward(engine.runner.model, None, dense.DenseLayout(full, [], []), positions)
-    anchor = engine.anchor_tokens if engine.anchor else []
-    spans = [(s, e, len(anchor) if s else 0) for s, e in prompt["spans"]]
-    return dense.DenseLayout(full, spans, anchor), positions, teacher.log_softmax(-1), len(answer)
+    return dense.DenseLayout.for_engine(engine, full, prompt["spans"]), positions, teacher.log_softmax(-1)
 
 
 def _inside(p: int, spans) -> bool:
@@ -104,13 +102,13 @@ def train(args) -> Path:
     # A fixed held-out set (another seed) tracks progress: single-example losses are too noisy.
     val_maker = ExampleMaker(llm.get_tokenizer(), seed=args.seed + 10_000, min_docs=args.min_docs,
                              max_docs=args.max_docs)
-    val = [build(llm, val_maker, args.max_answer)[:3] for _ in range(args.val_examples)]
+    val = [build(llm, val_maker, args.max_answer) for _ in range(args.val_examples)]
     started, history, window = time.monotonic(), [], []
     log.info("held-out KL at the start: %.4f", validation_kl(model, plugin, val))
     done = 0
     while done < args.steps and not (args.time_limit and time.monotonic() - started > args.time_limit):
         lr = lr_at(done, args.steps, args.lr, args.warmup)
-        window.append(train_step(model, plugin, opt, build(llm, maker, args.max_answer)[:3], lr))
+        window.append(train_step(model, plugin, opt, build(llm, maker, args.max_answer), lr))
         done += 1
         if done % args.log_every == 0:
             seconds = round(time.monotonic() - started)
