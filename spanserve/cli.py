@@ -41,6 +41,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="scaling factor S, in (0, 1]: the spans' summed weight Z counts as Z^(S*T) (ape)")
     g.add_argument("--comb-plugin", default=None,
                    help="COMB encoder plug-in file (comb; default: the one shipped for the model)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: the Triton paged-attention kernel on CUDA, else the torch reference")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the model's shape (benchmarks)")
 
 
 def engine_config(args) -> EngineConfig:
@@ -51,6 +56,7 @@ def engine_config(args) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching, link_policy=args.link_policy, gap_length=args.gap_length,
         blend_ratio=args.blend_ratio, comb_plugin=args.comb_plugin, blend_layers=args.blend_layers,
         ape_temperature=args.ape_temperature, ape_scale=args.ape_scale,
+        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager, load_format=args.load_format,
     )
 
 
@@ -229,7 +235,7 @@ def cmd_serve(args) -> None:
     llm.shutdown()
 
 
-BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality"]
+BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu"]
 
 
 def cmd_query(args) -> None:

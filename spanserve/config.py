@@ -26,7 +26,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens per step: the chunked-prefill budget
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto: the Triton kernel on CUDA (where installed), else torch
+    enforce_eager: bool = False  # CUDA: no decode graphs (as vLLM's flag)
+    load_format: str = "auto"  # dummy: random weights of the model's shape, for benchmarks (as vLLM's)
     seed: int = 0
     # Defaults for requests with position-independent spans (pic/link.py).
     # auto: comb where an encoder plug-in ships for the model (or comb_plugin names one), else none:
@@ -51,6 +53,13 @@ class EngineConfig:
         name = "none" if self.link_policy == "auto" else self.link_policy  # the engine resolves auto
         LinkPolicy(name, self.gap_length, self.blend_ratio, blend_layers=self.blend_layers,
                    ape_temperature=self.ape_temperature, ape_scale=self.ape_scale)  # raises on bad values
+        from spanserve.attention import BACKENDS
+
+        if self.attention_backend not in BACKENDS:
+            raise InvalidRequestError(f"unknown attention backend {self.attention_backend!r}; "
+                                      f"use one of {', '.join(BACKENDS)}")
+        if self.load_format not in ("auto", "dummy"):
+            raise InvalidRequestError(f"unknown load_format {self.load_format!r}; use auto or dummy")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}; use auto or one of {sorted(_DTYPES)}")
 

@@ -4,6 +4,7 @@ Every tiny model is built by transformers itself (random weights, fixed seed) an
 default model's tokenizer, so text prompts, chat templates and stop strings work on all of them.
 """
 
+import os
 from pathlib import Path
 
 import pytest
@@ -28,9 +29,13 @@ def default_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory, default_model_path) -> Path:
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """The default model's tokenizer; SPANSERVE_TEST_TOKENIZER names a saved copy on machines
+    without the default model (a GPU box running the CUDA tests)."""
+    if os.environ.get("SPANSERVE_TEST_TOKENIZER"):
+        return Path(os.environ["SPANSERVE_TEST_TOKENIZER"])
     out = tmp_path_factory.mktemp("tokenizer")
-    load_tokenizer(default_model_path).save_pretrained(str(out))
+    load_tokenizer(resolve_model(None)).save_pretrained(str(out))
     return out
 
 

@@ -1,12 +1,26 @@
+import torch
+
 from spanserve.attention.backend import AttentionBackend, AttentionMetadata, KeyRotation, SpanShare
 from spanserve.attention.torch_ref import TorchAttention
+from spanserve.attention.triton_paged import triton_available
+from spanserve.errors import InvalidRequestError
+
+BACKENDS = ("auto", "torch", "triton")
 
 
-def get_backend(name: str = "torch") -> AttentionBackend:
-    backends = {"torch": TorchAttention}
-    if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(backends)}")
-    return backends[name]()
+def get_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
+    """auto: the Triton kernel on CUDA where Triton is installed, else the torch reference."""
+    if name not in BACKENDS:
+        raise InvalidRequestError(f"unknown attention backend {name!r}; available: {', '.join(BACKENDS)}")
+    on_cuda = device is not None and device.type == "cuda"
+    if name == "triton" and not (on_cuda and triton_available()):
+        raise InvalidRequestError("attention backend 'triton' needs a CUDA device and the triton package")
+    if name == "triton" or (name == "auto" and on_cuda and triton_available()):
+        from spanserve.attention.triton_paged import TritonAttention
+
+        return TritonAttention()
+    return TorchAttention()
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "KeyRotation", "SpanShare", "TorchAttention", "get_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "KeyRotation", "SpanShare", "TorchAttention",
+           "get_backend"]

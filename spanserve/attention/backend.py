@@ -13,19 +13,29 @@ import torch
 
 @dataclass
 class KeyRotation:
-    """Rotates cached keys by a per-key angle (RoPE's rotate-half layout). cos and sin come
-    expanded to the keys' shape once per layout: broadcasting them in every layer was 10x slower."""
+    """Rotates cached keys by a per-key angle (RoPE's rotate-half layout).
 
-    cos: torch.Tensor  # [n, kv_heads, head_dim] float32: [cos, cos] for the first n keys
-    sin: torch.Tensor  # the same, with the sign folded in: [-sin, sin]
-    _tables: dict = field(default_factory=dict, repr=False)  # cos/sin in other dtypes
+    Stored compactly, one row of half-width angles per key; the torch path expands them to the
+    keys' shape once per dtype and layout (broadcasting in every layer was 10x slower), a fused
+    kernel reads `deltas` and the rotary tables instead."""
+
+    half_cos: torch.Tensor  # [n, head_dim/2] float32: cos of the first n keys' angles
+    half_sin: torch.Tensor  # [n, head_dim/2] float32, the angle's sign folded in
+    kv_heads: int
+    # [n] int32: the positions each key moves by, when the rotation is exactly RoPE's by them
+    # (no extra factor, as APE's temperature is), and the rotary cos/sin tables [positions,
+    # head_dim/2] they index: what a fused kernel reads instead of the angles.
+    deltas: torch.Tensor | None = None
+    rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    _tables: dict = field(default_factory=dict, repr=False)  # expanded cos/sin per (dtype, layout)
 
     @classmethod
     def from_angles(cls, cos: torch.Tensor, sin: torch.Tensor, kv_heads: int) -> "KeyRotation":
-        """cos/sin: [context_len, head_dim/2] from the rotary tables."""
-        shape = (cos.shape[0], kv_heads, 2 * cos.shape[1])
-        expand = lambda t: t[:, None, :].expand(shape).contiguous()  # noqa: E731
-        return cls(expand(torch.cat([cos, cos], -1)), expand(torch.cat([-sin, sin], -1)))
+        """cos/sin: [n, head_dim/2] from the rotary tables."""
+        return cls(cos.float(), sin.float(), kv_heads)
+
+    def __len__(self) -> int:
+        return self.half_cos.shape[0]
 
     def apply(self, keys: torch.Tensor) -> torch.Tensor:
         """Keys [context_len, kv_heads, head_dim] with the first n rotated, as a new tensor."""
@@ -44,11 +54,15 @@ class KeyRotation:
         return keys
 
     def _table(self, dtype: torch.dtype, head_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        if dtype == self.cos.dtype and not head_major:
-            return self.cos, self.sin
+        """cos as [cos, cos] and sin as [-sin, sin], expanded to [n, kv_heads, head_dim]
+        (or head-major), in `dtype`."""
         if (dtype, head_major) not in self._tables:
-            layout = (lambda t: t.transpose(0, 1).contiguous()) if head_major else (lambda t: t)
-            self._tables[dtype, head_major] = (layout(self.cos.to(dtype)), layout(self.sin.to(dtype)))
+            shape = (len(self), self.kv_heads, 2 * self.half_cos.shape[1])
+            expand = lambda t: t[:, None, :].expand(shape).to(dtype)  # noqa: E731
+            cos = expand(torch.cat([self.half_cos, self.half_cos], -1))
+            sin = expand(torch.cat([-self.half_sin, self.half_sin], -1))
+            layout = (lambda t: t.transpose(0, 1).contiguous()) if head_major else (lambda t: t.contiguous())
+            self._tables[dtype, head_major] = (layout(cos), layout(sin))
         return self._tables[dtype, head_major]
 
 
@@ -96,6 +110,8 @@ class AttentionMetadata:
     # First block id of each sequence whose blocks are one contiguous run of ids (the common
     # case for a fresh request), else None: lets a backend slice the cache instead of gathering.
     contiguous_from: list[int | None] | None = None
+    # What a backend derives from this metadata once per step and reuses in every layer.
+    derived: dict = field(default_factory=dict, repr=False)
 
 
 class AttentionBackend(ABC):

@@ -99,18 +99,20 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         torch.manual_seed(config.seed)
-        path = resolve_model(config.model)
+        path = resolve_model(config.model, weights=config.load_format != "dummy")
         self.model_path = path
         self.model_config = cfg = ModelConfig.from_dir(path)
         self.max_model_len = self._max_model_len(cfg)
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
         self.tokenizer = load_tokenizer(path)
-        model = load_model(path, self.dtype, self.device, get_backend(config.attention_backend),
-                           max_positions=self.max_model_len)
+        model = load_model(path, self.dtype, self.device, get_backend(config.attention_backend, self.device),
+                           max_positions=self.max_model_len, random_weights=config.load_format == "dummy")
         num_blocks = config.num_blocks or self._blocks_for_budget(cfg)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device)
+        graph_batch = 0 if config.enforce_eager or self.device.type != "cuda" else config.max_num_seqs
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device,
+                                  graph_batch=graph_batch, max_model_len=self.max_model_len)
         self.comb = find_plugin(model, config.comb_plugin)  # span encoder for link_policy="comb"
         if self.comb:
             self.runner.use_encoder(self.comb)

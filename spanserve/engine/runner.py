@@ -7,6 +7,8 @@ import numpy as np
 import torch
 
 from spanserve.attention import AttentionMetadata, KeyRotation, SpanShare
+from spanserve.attention.triton_paged import TritonAttention
+from spanserve.engine.cuda_graphs import DecodeGraphs
 from spanserve.engine.sampler import Sample, sample
 from spanserve.engine.scheduler import ScheduledRequest
 from spanserve.heap import keep_freed_memory
@@ -16,14 +18,18 @@ from spanserve.threads import step_threads, use_pool_for_matmuls
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, graph_batch: int = 0, max_model_len: int = 0):
+        """graph_batch > 0: replay decode steps of up to that many sequences as CUDA graphs
+        (Triton backend only), for contexts up to max_model_len."""
         cfg = model.cfg
         self.model, self.block_size, self.device = model, block_size, device
-        self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+        graphs = graph_batch > 0 and isinstance(model.layers[0].self_attn.backend, TritonAttention)
+        self.kv_cache = torch.zeros(  # with graphs, one more block: the padding rows' scratch
+            cfg.num_layers, 2, num_blocks + graphs, block_size, cfg.num_kv_heads, cfg.head_dim,
             dtype=dtype, device=device,
         )
         model.bind_kv_cache(self.kv_cache)
+        self.graphs = DecodeGraphs(model, graph_batch, max_model_len, block_size, num_blocks) if graphs else None
         self.encoder = None  # the span encoder plug-in (spanserve/comb/), see use_encoder
         if device.type == "cpu":
             use_pool_for_matmuls(model)
@@ -34,7 +40,10 @@ class ModelRunner:
         """Run one step; returns one Sample per request in `batch` whose `samples` is True."""
         input_ids, positions, meta, logit_rows, encoder_rows = self._prepare(batch)
         with self._threads(len(input_ids)), self._encoding(encoder_rows):
-            hidden = self.model(input_ids, positions, meta)
+            if self.graphs is not None and not encoder_rows and self.graphs.fits(meta):
+                hidden = self.graphs.run(input_ids, meta)
+            else:
+                hidden = self.model(input_ids, positions, meta)
             if not logit_rows:
                 return []
             logits = self.model.compute_logits(hidden[logit_rows]).cpu()
@@ -120,8 +129,8 @@ class ModelRunner:
         cos, sin = rope.cos[index], sign * rope.sin[index]
         if factors is not None:
             factors = factors.to(cos.device, cos.dtype).unsqueeze(-1)
-            cos, sin = cos * factors, sin * factors
-        return KeyRotation.from_angles(cos, sin, self.model.cfg.num_kv_heads)
+            return KeyRotation.from_angles(cos * factors, sin * factors, self.model.cfg.num_kv_heads)
+        return KeyRotation(cos, sin, self.model.cfg.num_kv_heads, deltas.to(torch.int32), (rope.cos, rope.sin))
 
     def _span_share(self, layout, ctx_len: int) -> SpanShare | None:
         """APE: which keys of a sequence are span keys and the power of their summed weight."""

@@ -41,8 +41,9 @@ def default_gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / _DEFAULT_GGUF[1]
 
 
-def resolve_model(model: str | None) -> Path:
-    """Return an HF-style directory (config.json + safetensors) for `model`."""
+def resolve_model(model: str | None, weights: bool = True) -> Path:
+    """Return an HF-style directory (config.json + safetensors) for `model`; without `weights`
+    (load_format dummy) a directory with config.json alone will do."""
     model = model or os.environ.get("SPANSERVE_MODEL") or DEFAULT_MODEL
     if model == DEFAULT_MODEL:
         return _converted(default_gguf_path())
@@ -51,7 +52,7 @@ def resolve_model(model: str | None) -> Path:
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _converted(path)
-    if path.is_dir() and (path / "config.json").exists() and any(path.glob("*.safetensors")):
+    if path.is_dir() and (path / "config.json").exists() and (not weights or any(path.glob("*.safetensors"))):
         return path
     if path.is_dir():
         raise ModelNotFoundError(f"model directory {path} has no config.json with *.safetensors")
@@ -73,11 +74,18 @@ def _converted(gguf: Path) -> Path:
 
 
 def load_model(
-    path: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend, max_positions: int
+    path: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend, max_positions: int,
+    random_weights: bool = False,
 ) -> LlamaModel:
+    """random_weights: the model's shape with random weights, none read (load_format dummy)."""
     cfg = ModelConfig.from_dir(path)
     with torch.device("meta"):
         model = LlamaModel(cfg, backend, max_positions)
+    if random_weights:
+        model = model.to(dtype=dtype).to_empty(device=device).eval()
+        _randomize(model)
+        model.rope.reset_tables()
+        return model
     model = model.to_empty(device=device)
     files = sorted(path.glob("*.safetensors"))
     model.load_weights(
@@ -86,6 +94,20 @@ def load_model(
     model = model.to(dtype=dtype).eval()
     model.rope.reset_tables()  # float32 tables: built after the dtype cast on purpose
     return model
+
+
+@torch.no_grad()
+def _randomize(model: LlamaModel) -> None:
+    """Weights as an initialized, untrained model has them: N(0, 0.02), norms 1, biases 0."""
+    if model.cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, 0.02)
 
 
 def load_tokenizer(path: Path):
