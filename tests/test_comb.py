@@ -62,7 +62,7 @@ def reference_logprobs(llm: LLM, p: dict, generated: list[int]) -> torch.Tensor:
     first = len(p["prompt_token_ids"]) - 1
     with torch.no_grad():
         logits = dense.forward(engine.runner.model, engine.comb, layout, list(range(first, len(ids) - 1)))
-    return logits.log_softmax(-1)
+    return logits.log_softmax(-1).cpu()
 
 
 def run(llm: LLM, p: dict, **params):

@@ -29,20 +29,22 @@ def our_logits(llm: LLM, token_ids: list[int], chunk: int | None = None) -> torc
     engine, model = llm.engine, llm.engine.runner.model
     block_size = engine.kv.block_size
     blocks = engine.kv.pool.allocate(cdiv(len(token_ids), block_size))
-    table = torch.tensor([[b.block_id for b in blocks]])
+    device = engine.device
+    table = torch.tensor([[b.block_id for b in blocks]], device=device)
     chunk = chunk or len(token_ids)
     logits = []
     try:
         for start in range(0, len(token_ids), chunk):
             end = min(start + chunk, len(token_ids))
-            positions = torch.arange(start, end)
+            positions = torch.arange(start, end, device=device)
             meta = AttentionMetadata(
                 slot_mapping=table[0, positions // block_size] * block_size + positions % block_size,
                 query_lens=[end - start], context_lens=[end], block_tables=table,
-                context_lens_tensor=torch.tensor([end]), positions=positions,
+                context_lens_tensor=torch.tensor([end], device=device), positions=positions,
             )
             with torch.inference_mode():
-                logits.append(model.compute_logits(model(torch.tensor(token_ids[start:end]), positions, meta)))
+                ids = torch.tensor(token_ids[start:end], device=device)
+                logits.append(model.compute_logits(model(ids, positions, meta)).cpu())
     finally:
         engine.kv.pool.release(blocks)
     return torch.cat(logits)

@@ -10,6 +10,7 @@ and serve as the engine's reference:
   to its real position at once).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,16 @@ def _anchor_kv(model: LlamaModel, anchor_ids: list[int]) -> list[tuple[torch.Ten
     return out
 
 
+def _on_model_device(fn):
+    """Tensors the function makes land on the model's device (CPU or GPU alike)."""
+    @functools.wraps(fn)
+    def run(model: LlamaModel, *args, **kwargs):
+        with torch.device(model.embed_tokens.weight.device):
+            return fn(model, *args, **kwargs)
+    return run
+
+
+@_on_model_device
 def encode_spans(model: LlamaModel, plugin: CombPlugin | None, layout: DenseLayout):
     """Per layer, every span's keys before rotation and values, [span tokens, kv_heads, D] in
     span order: the encoder's output, what the cache stores."""
@@ -111,6 +122,7 @@ def encode_spans(model: LlamaModel, plugin: CombPlugin | None, layout: DenseLayo
     return out
 
 
+@_on_model_device
 def forward(model: LlamaModel, plugin: CombPlugin | None, layout: DenseLayout,
             logit_positions: list[int]) -> torch.Tensor:
     """Logits [len(logit_positions), vocab] of context tokens at those positions."""

@@ -79,7 +79,7 @@ class CombPlugin:
         digest = hashlib.sha256(self.fingerprint.encode())
         for name in sorted(self.deltas):
             for t in self.deltas[name]:
-                digest.update(t.detach().to(torch.float32).contiguous().numpy().tobytes())
+                digest.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
         return digest.hexdigest()[:16]
 
     def parameters(self) -> list[torch.Tensor]:
