@@ -221,6 +221,7 @@ def cmd_serve(args) -> None:
     from spanserve.engine.llm_engine import LLMEngine
     from spanserve.models.loader import DEFAULT_MODEL
     from spanserve.server.app import create_app
+    from spanserve.spans.limits import QueryLimits
 
     name = args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL)
     llm = AsyncLLM(LLMEngine(engine_config(args)))
@@ -229,7 +230,9 @@ def cmd_serve(args) -> None:
         from spanserve.spans.retrieval import Retriever
 
         retriever = Retriever(args.corpus, confine=True)
-    app = create_app(llm, name, api_key=args.api_key, max_queued=args.max_queued, retriever=retriever)
+    limits = QueryLimits(args.max_query_depth, args.max_query_fanout, args.max_query_calls)
+    app = create_app(llm, name, api_key=args.api_key, max_queued=args.max_queued, retriever=retriever,
+                     max_body_bytes=int(args.max_body_mb * (1 << 20)), query_limits=limits)
     print(f"spanserve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
     llm.shutdown()
@@ -363,7 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     p.add_argument("--served-model-name", default=None, help="the model name clients pass")
-    p.add_argument("--max-queued", type=int, default=None, help="answer 503 beyond this many waiting requests")
+    p.add_argument("--max-queued", type=int, default=None,
+                   help="answer 503 beyond this many waiting sequences (n of each prompt, each call of a span query)")
+    p.add_argument("--max-body-mb", type=float, default=32, help="answer 413 to larger request bodies")
+    p.add_argument("--max-query-calls", type=int, default=256, help="model calls of one span query (400 beyond)")
+    p.add_argument("--max-query-depth", type=int, default=16, help="nesting of one span query (400 beyond)")
+    p.add_argument("--max-query-fanout", type=int, default=256, help="children of one span query node (400 beyond)")
     p.add_argument("--corpus", default=None, metavar="DIR",
                    help="corpus (or index) directory that retrieve nodes of /v1/spans queries search")
     add_engine_args(p)

@@ -57,8 +57,11 @@ class SamplingParams:
             (isinstance(self.top_k, int) and self.top_k >= 0,
              f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
-            (self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"),
+            # Beyond these a logit divided or multiplied by it overflows to inf (then NaN)
+            (0.01 <= self.repetition_penalty <= 100,
+             f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}"),
+            (self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64),
+             f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}"),
             (-2 <= self.presence_penalty <= 2,
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
             (-2 <= self.frequency_penalty <= 2,

@@ -84,7 +84,7 @@ def test_bad_engine_settings_are_rejected(kwargs, message):
     ({"n": 0}, "n must be an integer >= 1, got 0"),
     ({"min_tokens": 20, "max_tokens": 10}, r"min_tokens must be in \[0, max_tokens\], got 20"),
     ({"min_p": 1.5}, r"min_p must be in \[0, 1\], got 1.5"),
-    ({"repetition_penalty": 0}, "repetition_penalty must be > 0, got 0"),
+    ({"repetition_penalty": 0}, r"repetition_penalty must be in \[0.01, 100\], got 0"),
     ({"presence_penalty": 3}, r"presence_penalty must be in \[-2, 2\], got 3"),
     ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2, 2\], got -3"),
     ({"logprobs": 21}, r"logprobs must be an integer in \[0, 20\], got 21"),

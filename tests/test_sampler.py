@@ -132,3 +132,24 @@ def test_a_batch_mixes_greedy_and_sampled_rows():
     picks = [sample(logits, [greedy_req, sampled_req]) for _ in range(100)]
     assert {s[0].token_id for s in picks} == {1}
     assert {s[1].token_id for s in picks} == {0, 1, 2}
+
+
+# ---- extreme values (issue 13's probe: each turned the logits into NaN and every token into 0) -------
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1e-38), dict(top_p=5e-324), dict(temperature=1e-38, top_p=1e-300),
+                                    dict(temperature=1e-38, top_k=2)])
+def test_extreme_temperature_and_top_p_sample_the_most_likely_token(params):
+    logits = [0.5, -1.0, 3.0, 2.9]  # the best is token 2, not token 0
+    assert draws(logits, 20, **params).tolist() == [2] * 20
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 0.0, 1e6])
+def test_repetition_penalties_that_overflow_are_rejected(penalty):
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=penalty)
+
+
+def test_seeds_beyond_what_a_generator_takes_are_rejected():
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=10**23)

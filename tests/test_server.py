@@ -548,30 +548,38 @@ def test_overload_gives_503_with_retry_after(guarded_server):
 
 
 def test_a_burst_is_counted_at_admission_before_any_request_starts():
-    """--max-queued counts a request from the moment it is admitted, not from when its stream is
-    first read: requests admitted in one burst cannot all slip past the limit."""
+    """--max-queued counts a request's sequences from the moment it is admitted, not from when its
+    stream is first read: requests admitted in one burst cannot all slip past the limit, and a request
+    of many prompts (or n) counts each of them."""
     from types import SimpleNamespace
 
     from spanserve.server.app import APIError, Server
+    from spanserve.spans.limits import QueryLimits
 
     async def outputs():
         yield SimpleNamespace(outputs=[], finished=True)
 
     async def scenario():
-        server = Server(SimpleNamespace(submit=lambda prompt, params, request_id: outputs()), "m", max_queued=2)
+        server = Server(SimpleNamespace(submit=lambda prompt, params, request_id: outputs()), "m", max_queued=2,
+                        limits=QueryLimits())
         server._record = lambda *args: None
         first, second, third = (server.start("p", None) for _ in range(3))
-        server.admit([first])
-        server.admit([second])
+        server.admit([first], 1)
+        server.admit([second], 1)
         with pytest.raises(APIError) as refused:
-            server.admit([third])  # none of the admitted two has started yet
+            server.admit([third], 1)  # none of the admitted two has started yet
         assert refused.value.status == 503 and server.queued == 2
         del first  # admitted, never read (its client went away): its place comes back
         assert server.queued == 1
         assert [out.finished async for out in second] == [True] and server.queued == 0
+        with pytest.raises(APIError) as never:
+            server.admit([server.start("p", None)], 3)  # n=3: more than the queue holds, ever
+        assert never.value.status == 400 and "3 model sequences" in never.value.message and server.queued == 0
         burst = [server.start("p", None), server.start("p", None)]
-        server.admit(burst)  # one request of several prompts: admitted together
+        server.admit(burst, 2)  # one request of several prompts: admitted together
         assert server.queued == 2
+        with pytest.raises(APIError):
+            server.admit([server.start("p", None)], 1)
 
     asyncio.run(scenario())
 

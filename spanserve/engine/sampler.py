@@ -71,7 +71,9 @@ def _choose_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
 
 def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     temps = torch.tensor([r.params.temperature or 1.0 for r in requests]).unsqueeze(1)
-    logits = logits / temps
+    # Shifted by the row's maximum first: a tiny temperature then sends logits to -inf, never to
+    # +inf (whose softmax is NaN); the distribution is the same.
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temps
     top_k = [r.params.top_k for r in requests]
     top_p = [r.params.top_p for r in requests]
     if any(top_k) or any(p < 1.0 for p in top_p):
@@ -94,5 +96,6 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     p = torch.tensor(top_p).unsqueeze(1)
     # Drop a token once the ones before it already reach top_p (the first always stays).
     drop |= (cumulative - sorted_logits.softmax(dim=-1)) >= p
+    drop[:, 0] = False  # rounding must not drop the most likely token too (a tiny top_p)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)

@@ -7,11 +7,11 @@ block should be full, so the text before a span and the span itself are padded w
 token: then every block of the span is shared, whatever comes before or after it.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from spanserve.errors import InvalidRequestError, InvalidSpanError
 
-_MARK = "\x00span{}\x00"  # stands in for a span while a chat template renders the messages
+_MARK = "\x00part{}\x00"  # stands in for a message's text or span while a chat template renders
 
 
 @dataclass(frozen=True)
@@ -19,10 +19,19 @@ class Span:
     """Text whose KV is computed on its own, so a cached copy is reused at any position."""
 
     text: str
+    in_message: bool = field(default=False, compare=False)  # set by chat_parts: special tokens stay plain
 
     def __post_init__(self):
         if not isinstance(self.text, str) or not self.text:
             raise InvalidSpanError("a Span holds non-empty text")
+
+
+@dataclass(frozen=True)
+class MessageText:
+    """Text of a chat message: special tokens typed in it stay plain text, as in OpenAI-compatible
+    servers, so a user cannot open a system turn by writing its control token."""
+
+    text: str
 
 
 def is_parts_prompt(prompt) -> bool:
@@ -37,10 +46,16 @@ def tokenize_parts(tokenizer, parts, block_size: int, pad_id: int,
         raise InvalidRequestError("a prompt of parts is a non-empty list of strings and Spans")
     pieces = [(list(tokenizer.encode("", add_special_tokens=True)) if add_special_tokens else [], False)]
     for part in parts:
+        if isinstance(part, MessageText):
+            pieces.append((tokenizer.encode(part.text, add_special_tokens=False, split_special_tokens=True), False))
+            continue
         if not isinstance(part, (str, Span)):
             raise InvalidRequestError(f"a prompt part is a str or a Span, got {type(part).__name__}")
         text = part.text if isinstance(part, Span) else part
-        pieces.append((tokenizer.encode(text, add_special_tokens=False), isinstance(part, Span)))
+        # a span of a chat message is message text too; in a plain prompt it is tokenized as the text around it
+        plain = isinstance(part, Span) and part.in_message
+        pieces.append((tokenizer.encode(text, add_special_tokens=False, split_special_tokens=plain),
+                       isinstance(part, Span)))
     return assemble(pieces, block_size, pad_id)
 
 
@@ -65,25 +80,30 @@ def _pad(ids: list[int], block_size: int, pad_id: int) -> None:
 
 
 def chat_parts(tokenizer, messages: list[dict]) -> list:
-    """Render a conversation whose message contents may contain spans into str / Span parts.
+    """Render a conversation whose message contents may contain spans into str (the template's
+    own text), MessageText and Span parts.
 
     A content is a string or a list of parts: strings, Spans, or OpenAI-style
     {"type": "text", "text": ..., "span": true} dicts. The chat template renders the
-    conversation with a marker in place of each span; the text is then cut at the markers.
+    conversation with a marker in place of each piece of content; the text is then cut at the
+    markers. (A template that transforms contents, e.g. trims them, transforms the markers instead.)
     """
-    spans: list[Span] = []
-    rendered = [{**m, "content": _content_with_marks(m.get("content"), spans)} for m in messages]
+    pieces: list = []
+    rendered = [{**m, "content": _content_with_marks(m.get("content"), pieces)} for m in messages]
     text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
     parts: list = []
-    for k, span in enumerate(spans):
-        before, _, text = text.partition(_MARK.format(k))
-        parts += [before, span] if before else [span]
+    for k, piece in enumerate(pieces):
+        before, found, text = text.partition(_MARK.format(k))
+        if not found:  # the template dropped this content: so do we
+            text = before
+            continue
+        parts += [before, piece] if before else [piece]
     return parts + [text] if text else parts
 
 
-def _content_with_marks(content, spans: list[Span]) -> str:
+def _content_with_marks(content, pieces: list) -> str:
     if isinstance(content, str):
-        return content
+        content = [content]
     if not isinstance(content, list):
         raise InvalidRequestError("a message content is a string or a list of parts")
     out = []
@@ -93,10 +113,13 @@ def _content_with_marks(content, spans: list[Span]) -> str:
                 raise InvalidRequestError("a content part is {'type': 'text', 'text': str, 'span': bool}")
             part = Span(part["text"]) if part.get("span") else part["text"]
         if isinstance(part, Span):
-            out.append(_MARK.format(len(spans)))
-            spans.append(part)
+            piece = replace(part, in_message=True)
         elif isinstance(part, str):
-            out.append(part)
+            if not part:
+                continue
+            piece = MessageText(part)
         else:
             raise InvalidRequestError(f"a content part is a str, a Span or a dict, got {type(part).__name__}")
+        out.append(_MARK.format(len(pieces)))
+        pieces.append(piece)
     return "".join(out)

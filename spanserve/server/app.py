@@ -8,6 +8,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator
+from contextlib import contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +36,7 @@ from spanserve.server.protocol import (
 )
 from spanserve.spans.api import prepare, run_async
 from spanserve.spans.ir import Generate, QueryError
+from spanserve.spans.limits import QueryLimits
 
 log = logging.getLogger("spanserve.server")
 
@@ -72,27 +74,68 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodyLimitMiddleware:
+    """Refuses request bodies over `max_bytes` with a 413: by their Content-Length before reading
+    any, else once the chunks read pass the limit (the body is read before the app runs, as
+    FastAPI would read it anyway; later messages, a disconnect, pass through). Plain ASGI for the
+    same reason as APIKeyMiddleware."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await _too_large(self.max_bytes)(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await _too_large(self.max_bytes)(scope, receive, send)
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+
+        async def replay():
+            nonlocal body
+            if body is None:
+                return await receive()
+            message, body = {"type": "http.request", "body": body, "more_body": False}, None
+            return message
+
+        await self.app(scope, replay, send)
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return error_response(413, f"request body larger than {limit} bytes (--max-body-mb)", code="body_too_large")
+
+
 class _Place:
     """A request's place among the waiting: held from admission until its first output or its end."""
 
     def __init__(self, server: "Server"):
-        self.server, self.held = server, False
+        self.server, self.held = server, 0
 
-    def take(self) -> None:
-        self.held = True
-        self.server.queued += 1
+    def take(self, sequences: int) -> None:
+        self.held = sequences
+        self.server.queued += sequences
 
     def release(self) -> None:
         if self.held:
-            self.held = False
-            self.server.queued -= 1
+            self.server.queued -= self.held
+            self.held = 0
 
 
 class Server:
     """Request handling shared by the routes: validation, admission, metrics, logging."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str, max_queued: int | None):
-        self.llm, self.model_name, self.max_queued = llm, model_name, max_queued
+    def __init__(self, llm: AsyncLLM, model_name: str, max_queued: int | None, limits: QueryLimits):
+        self.llm, self.model_name, self.max_queued, self.limits = llm, model_name, max_queued, limits
         self.metrics = ServerMetrics()
         self.queued = 0  # admitted requests that have not produced a token yet
         self._places: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # run -> its _Place
@@ -102,14 +145,34 @@ class Server:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            "NotFoundError", "model_not_found")
 
-    def admit(self, runs: list) -> None:
-        """Count `runs` (from start) as waiting, or turn them away with a 503. Checking and counting
-        in one step keeps a burst of requests from all passing the check before any is counted."""
-        if self.max_queued is not None and self.queued >= self.max_queued:
-            raise APIError(503, f"server overloaded: {self.queued} requests waiting (--max-queued "
-                           f"{self.max_queued}); retry later", "server_overloaded", headers={"Retry-After": "1"})
+    def admit(self, runs: list, sequences: int) -> None:
+        """Count `runs` (from start; `sequences` engine sequences in all, n of each prompt) as waiting,
+        or turn them away: a 400 if they could never fit, a 503 while the queue is full. Checking and
+        counting in one step keeps a burst of requests from all passing the check before any is counted."""
+        self.check_room(sequences)
         for run in runs:
-            self._places[run].take()
+            self._places[run].take(sequences // len(runs))
+
+    def check_room(self, sequences: int) -> None:
+        if self.max_queued is None:
+            return
+        if sequences > self.max_queued:
+            raise APIError(400, f"the request makes {sequences} model sequences; this server queues at most "
+                           f"{self.max_queued} (--max-queued)", code="too_many_sequences")
+        if self.queued + sequences > self.max_queued:
+            raise APIError(503, f"server overloaded: {self.queued} sequences waiting, {sequences} more asked, "
+                           f"at most {self.max_queued} (--max-queued); retry later", "server_overloaded",
+                           headers={"Retry-After": "1"})
+
+    @contextmanager
+    def reserved(self, sequences: int):
+        """Hold `sequences` places for the whole of a span query (its calls start as it runs)."""
+        self.check_room(sequences)
+        self.queued += sequences
+        try:
+            yield
+        finally:
+            self.queued -= sequences
 
     def check_length(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         limit = self.llm.engine.max_model_len
@@ -225,6 +288,7 @@ _ERRORS = {status: {"model": ErrorResponse, "description": description} for stat
     (400, "Invalid request: malformed JSON, a wrong type or value, or a prompt too long for the model"),
     (401, "Missing or wrong API key (when the server runs with --api-key)"),
     (404, "Unknown model"),
+    (413, "Request body over --max-body-mb"),
     (503, "Overloaded (more than --max-queued requests waiting); retry after the Retry-After header"),
 )}
 _ERRORS[503]["headers"] = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "string"}}}
@@ -235,10 +299,11 @@ _SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
 
 
 def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
-               max_queued: int | None = None, retriever=None) -> FastAPI:
+               max_queued: int | None = None, retriever=None, max_body_bytes: int = 32 << 20,
+               query_limits: QueryLimits | None = None) -> FastAPI:
     app = FastAPI(title="spanserve", version=__version__,
                   description="OpenAI-compatible LLM server with span-aware KV caching")
-    server = Server(llm, model_name, max_queued)
+    server = Server(llm, model_name, max_queued, query_limits or QueryLimits())
     app.state.server = server
     tokenizer = llm.tokenizer
     vocab_size = llm.engine.model_config.vocab_size
@@ -268,6 +333,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # outermost: before the key is read
 
     @app.get("/health")
     async def health() -> Health:
@@ -291,14 +357,15 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse, "content": _SSE}, **_ERRORS})
     async def completions(body: CompletionRequest, http: Request):
         server.check_model(body.model)
-        prompts = fmt.completion_prompts(body.prompt, body.spans, llm.engine)
+        # Tokenizing a long text takes a while: off the event loop, which other clients share.
+        prompts = await asyncio.to_thread(fmt.completion_prompts, body.prompt, body.spans, llm.engine)
         runs = []
         for text, prompt in prompts:  # validate every prompt before any starts
             ids = prompt["prompt_token_ids"]
             max_tokens = server.check_length(ids, body.max_tokens)
             params = body.sampling_params(max_tokens, body.logprobs, vocab_size)
             runs.append((text, ids, server.start(prompt, params)))
-        server.admit([run for _, _, run in runs])
+        server.admit([run for _, _, run in runs], len(runs) * body.n)
         if body.stream:
             return sse(fmt.stream_completion(runs, body, model_name, tokenizer))
         finals = await asyncio.gather(*(final_output(r, http) for _, _, r in runs))
@@ -309,14 +376,14 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         server.check_model(body.model)
         try:
-            prompt = llm.engine.chat_prompt(body.chat_messages())
+            prompt = await asyncio.to_thread(llm.engine.chat_prompt, body.chat_messages())
         except TemplateError as exc:  # e.g. a template that insists on alternating user/assistant turns
             raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}") from exc
         max_tokens = server.check_length(prompt["prompt_token_ids"], body.max_completion_tokens or body.max_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, top, vocab_size)
         run = server.start(prompt, params)
-        server.admit([run])
+        server.admit([run], body.n)
         if body.stream:
             return sse(fmt.stream_chat(run, body, model_name, tokenizer))
         return fmt.chat_response(await final_output(run, http), body, model_name, tokenizer)
@@ -325,20 +392,35 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     async def span_query(body: SpanQueryRequest, http: Request):
         """Run a span query: inner calls batched, their KV reused by the calls that read them."""
         server.check_model(body.model)
-        # A bad query is a 400 here; retrieval embeds text, so it runs off the event loop.
-        tree = (await asyncio.to_thread(prepare, body.query, retriever, body.judge_arity)).tree
+        # A bad query is a 400 here, before any call runs; retrieval embeds text and the limits
+        # tokenize it, so both run off the event loop.
+        tree, calls = await asyncio.to_thread(_checked_query, body)
+        if body.stream:
+            server.check_room(calls)  # a 400 or 503 before the stream's 200
+            return sse(_stream_query(tree, calls))
+        with server.reserved(calls):
+            task = asyncio.create_task(run_async(llm, tree))
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await http.is_disconnected():
+                    task.cancel()  # aborts every call still running
+                    await asyncio.gather(task, return_exceptions=True)
+                    raise APIError(499, "client disconnected", "client_closed_request")
+            return _query_body(task.result())
+
+    def _checked_query(body: SpanQueryRequest):
+        tree = prepare(body.query, retriever, body.judge_arity).tree
         if not isinstance(tree, Generate):
             raise QueryError("$", "the root of a span query is a g or a chat")
-        if body.stream:
-            return sse(_stream_query(tree))
-        task = asyncio.create_task(run_async(llm, tree))
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.25)
-            if not task.done() and await http.is_disconnected():
-                task.cancel()  # aborts every call still running
-        return _query_body(task.result())
+        count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+        return tree, server.limits.check(tree, llm.engine.max_model_len, count)
 
-    async def _stream_query(tree) -> AsyncIterator[dict]:
+    async def _stream_query(tree, calls: int) -> AsyncIterator[dict]:
+        with server.reserved(calls):
+            async for chunk in _query_chunks(tree):
+                yield chunk
+
+    async def _query_chunks(tree) -> AsyncIterator[dict]:
         deltas: asyncio.Queue = asyncio.Queue()
         shown = 0
 

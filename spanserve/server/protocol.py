@@ -5,7 +5,7 @@ The response models document the API (/openapi.json); the routes build plain dic
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from spanserve.sampling import SamplingParams
 
@@ -35,6 +35,30 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class _Request(_Body):
+    """A whole request body: its text must be valid Unicode. JSON's \\ud800 escapes decode to lone
+    surrogates, which no tokenizer or encoder takes: refused here, once for the whole tree."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, body):
+        stack = [(body, "")]
+        while stack:
+            value, where = stack.pop()
+            if isinstance(value, dict):
+                stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in value.items())
+                stack.extend((k, where or "body") for k in value if isinstance(k, str))
+            elif isinstance(value, list):
+                stack.extend((v, f"{where}.{i}") for i, v in enumerate(value))
+            elif isinstance(value, str) and not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError(f"{where or 'body'} is not valid Unicode (a lone surrogate escape such "
+                                     f"as \\ud800)") from None
+        return body
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
@@ -46,7 +70,7 @@ class _SamplingFields(_Body):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: _int(ge=-1, le=_SAFE) | None = None
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     seed: _int(ge=-_SAFE, le=_SAFE) | None = None
@@ -87,7 +111,7 @@ class PromptPart(_Body):
     span: bool = False
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, _Request):
     # a text, texts, token ids, lists of token ids, or (extension) one prompt as a list of parts; never empty
     prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1)]
@@ -110,7 +134,7 @@ class ChatMessage(_Body):
     content: str | list[TextContentPart] | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, _Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: _int(ge=1) | None = None
     max_completion_tokens: _int(ge=1) | None = None
@@ -130,7 +154,7 @@ class ChatCompletionRequest(_SamplingFields):
         return out
 
 
-class SpanQueryRequest(_Body):
+class SpanQueryRequest(_Request):
     """spanserve extension: run a span query (see the README): its JSON tree under `query`."""
 
     model: str | None = None

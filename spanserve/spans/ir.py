@@ -197,7 +197,7 @@ def _generate_params(body: dict, path: str) -> dict:
         "max_tokens": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
         "temperature": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 2,
         "n": lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 64,
-        "seed": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
+        "seed": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and -2**53 <= v <= 2**53),
         "stop": lambda v: isinstance(v, (str, list)) and all(isinstance(s, str) and s for s in
                                                               ([v] if isinstance(v, str) else v)),
         "bare": lambda v: isinstance(v, bool),

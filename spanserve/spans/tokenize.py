@@ -43,8 +43,9 @@ class ChatFormat:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def message(self, role: str, text: str) -> list[int]:
+        """A message's tokens; control tokens typed in its text stay plain text."""
         header, footer = self._parts[role]
-        return header + self._encode(text) + footer
+        return header + self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True) + footer
 
     def output(self, token_ids: list[int]) -> list[int]:
         """An inner call's output as its caller sees it: after the generation prompt, the tokens
