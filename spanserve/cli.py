@@ -221,9 +221,11 @@ def cmd_serve(args) -> None:
     from spanserve.engine.llm_engine import LLMEngine
     from spanserve.models.loader import DEFAULT_MODEL
     from spanserve.server.app import create_app
+    from spanserve.server.tenants import Tenants
     from spanserve.spans.limits import QueryLimits
 
     name = args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL)
+    tenants = Tenants.load(args.api_key, args.api_keys)  # a bad keys file fails before the model loads
     llm = AsyncLLM(LLMEngine(engine_config(args)))
     retriever = None
     if args.corpus:
@@ -231,8 +233,9 @@ def cmd_serve(args) -> None:
 
         retriever = Retriever(args.corpus, confine=True)
     limits = QueryLimits(args.max_query_depth, args.max_query_fanout, args.max_query_calls)
-    app = create_app(llm, name, api_key=args.api_key, max_queued=args.max_queued, retriever=retriever,
-                     max_body_bytes=int(args.max_body_mb * (1 << 20)), query_limits=limits)
+    app = create_app(llm, name, max_queued=args.max_queued, retriever=retriever, tenants=tenants,
+                     max_body_bytes=int(args.max_body_mb * (1 << 20)), query_limits=limits,
+                     metrics_public=args.metrics_public)
     print(f"spanserve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
     llm.shutdown()
@@ -364,7 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* and /metrics")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="keys by tenant, one `KEY TENANT` per line: tenants never share cached KV")
+    p.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
     p.add_argument("--served-model-name", default=None, help="the model name clients pass")
     p.add_argument("--max-queued", type=int, default=None,
                    help="answer 503 beyond this many waiting sequences (n of each prompt, each call of a span query)")

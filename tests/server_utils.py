@@ -76,17 +76,17 @@ def parse_metrics(text: str) -> dict[str, float]:
     return samples
 
 
-def metrics(url: str) -> dict[str, float]:
-    r = httpx.get(f"{url}/metrics", timeout=10)
+def metrics(url: str, headers: dict | None = None) -> dict[str, float]:
+    r = httpx.get(f"{url}/metrics", timeout=10, headers=headers)
     r.raise_for_status()
     return parse_metrics(r.text)
 
 
-def wait_for_metrics(url: str, predicate, timeout: float) -> dict[str, float]:
+def wait_for_metrics(url: str, predicate, timeout: float, headers: dict | None = None) -> dict[str, float]:
     """Poll /metrics until predicate(samples) holds; return the last samples either way."""
     deadline = time.monotonic() + timeout
     while True:
-        samples = metrics(url)
+        samples = metrics(url, headers)
         if predicate(samples) or time.monotonic() > deadline:
             return samples
         time.sleep(0.05)

@@ -507,8 +507,10 @@ def test_api_key(guarded_server):
                                    headers={"Authorization": "sekret"}), 401)
     r = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sekret"})
     assert r.status_code == 200 and r.json()["object"] == "list"
-    for path in ("/health", "/version", "/metrics", "/openapi.json"):  # only /v1/* is guarded
+    for path in ("/health", "/version", "/openapi.json"):  # /v1/* and /metrics are guarded
         assert httpx.get(f"{url}{path}").status_code == 200
+    assert_openai_error(httpx.get(f"{url}/metrics"), 401)
+    assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sekret"}).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     with openai.OpenAI(base_url=f"{url}/v1", api_key="sekret", max_retries=0) as good:
@@ -530,9 +532,9 @@ def test_overload_gives_503_with_retry_after(guarded_server):
                         ("waiting", lambda s: s["spanserve_num_requests_waiting"] == 1)):
         threads.append(threading.Thread(target=post, args=(name,)))
         threads[-1].start()
-        assert ready(wait_for_metrics(url, ready, timeout=30)), name
+        assert ready(wait_for_metrics(url, ready, timeout=30, headers=auth)), name
     turned_away = [httpx.post(f"{url}/v1/completions", json=long, headers=auth) for _ in range(2)]
-    still = metrics(url)
+    still = metrics(url, auth)
     for t in threads:
         t.join()
     assert still["spanserve_num_requests_running"] == 1, "the first request ended before the test could overload"

@@ -1,7 +1,6 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLM engine loop."""
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -34,6 +33,7 @@ from spanserve.server.protocol import (
     SpanQueryResponse,
     Version,
 )
+from spanserve.server.tenants import Tenants, cache_salt
 from spanserve.spans.api import prepare, run_async
 from spanserve.spans.ir import Generate, QueryError
 from spanserve.spans.limits import QueryLimits
@@ -57,21 +57,31 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-class APIKeyMiddleware:
-    """Requires `Authorization: Bearer KEY` on /v1/*. Plain ASGI, not @app.middleware("http"): Starlette's
-    BaseHTTPMiddleware hides client disconnects from Request.is_disconnected(), and a non-streamed request
-    whose client went away would then run to the end."""
+class AuthMiddleware:
+    """Requires `Authorization: Bearer KEY` of a known key on /v1/* (and /metrics unless public), and
+    records the key's tenant in the request's state. Plain ASGI, not @app.middleware("http"):
+    Starlette's BaseHTTPMiddleware hides client disconnects from Request.is_disconnected(), and a
+    non-streamed request whose client went away would then run to the end."""
 
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app, tenants: Tenants, metrics_public: bool):
+        self.app, self.tenants, self.metrics_public = app, tenants, metrics_public
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+        if scope["type"] == "http" and self._guarded(scope["path"]):
+            tenant = self.tenants.tenant_of(dict(scope["headers"]).get(b"authorization", b""))
+            if tenant is None:
                 response = error_response(401, "missing or invalid API key", "authentication_error", "invalid_api_key")
                 return await response(scope, receive, send)
+            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
+
+    def _guarded(self, path: str) -> bool:
+        return path.startswith("/v1/") or (path == "/metrics" and not self.metrics_public)
+
+
+def _salt(http: Request, client_salt: str | None) -> str | None:
+    """The cache salt of a request: its tenant's namespace (when keys name tenants) and the client's."""
+    return cache_salt(getattr(http.state, "tenant", None), client_salt)
 
 
 class BodyLimitMiddleware:
@@ -286,7 +296,7 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 _ERRORS = {status: {"model": ErrorResponse, "description": description} for status, description in (
     (400, "Invalid request: malformed JSON, a wrong type or value, or a prompt too long for the model"),
-    (401, "Missing or wrong API key (when the server runs with --api-key)"),
+    (401, "Missing or wrong API key (when the server runs with --api-key or --api-keys)"),
     (404, "Unknown model"),
     (413, "Request body over --max-body-mb"),
     (503, "Overloaded (more than --max-queued requests waiting); retry after the Retry-After header"),
@@ -300,7 +310,10 @@ _SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
 
 def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
                max_queued: int | None = None, retriever=None, max_body_bytes: int = 32 << 20,
-               query_limits: QueryLimits | None = None) -> FastAPI:
+               query_limits: QueryLimits | None = None, tenants: Tenants | None = None,
+               metrics_public: bool = False) -> FastAPI:
+    """api_key: one key (tenant "default"); tenants: keys by tenant (server/tenants.py), whose caches
+    never mix. With neither, the server is open and /metrics too."""
     app = FastAPI(title="spanserve", version=__version__,
                   description="OpenAI-compatible LLM server with span-aware KV caching")
     server = Server(llm, model_name, max_queued, query_limits or QueryLimits())
@@ -331,8 +344,9 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         log.exception("internal error")
         return JSONResponse({"error": ERROR_500}, status_code=500)
 
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    tenants = tenants or Tenants.load(api_key)
+    if tenants:
+        app.add_middleware(AuthMiddleware, tenants=tenants, metrics_public=metrics_public)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # outermost: before the key is read
 
     @app.get("/health")
@@ -359,8 +373,10 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         server.check_model(body.model)
         # Tokenizing a long text takes a while: off the event loop, which other clients share.
         prompts = await asyncio.to_thread(fmt.completion_prompts, body.prompt, body.spans, llm.engine)
+        salt = _salt(http, body.cache_salt)
         runs = []
         for text, prompt in prompts:  # validate every prompt before any starts
+            prompt["cache_salt"] = salt
             ids = prompt["prompt_token_ids"]
             max_tokens = server.check_length(ids, body.max_tokens)
             params = body.sampling_params(max_tokens, body.logprobs, vocab_size)
@@ -377,6 +393,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         server.check_model(body.model)
         try:
             prompt = await asyncio.to_thread(llm.engine.chat_prompt, body.chat_messages())
+            prompt["cache_salt"] = _salt(http, body.cache_salt)
         except TemplateError as exc:  # e.g. a template that insists on alternating user/assistant turns
             raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}") from exc
         max_tokens = server.check_length(prompt["prompt_token_ids"], body.max_completion_tokens or body.max_tokens)
@@ -395,11 +412,12 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         # A bad query is a 400 here, before any call runs; retrieval embeds text and the limits
         # tokenize it, so both run off the event loop.
         tree, calls = await asyncio.to_thread(_checked_query, body)
+        salt = _salt(http, body.cache_salt)
         if body.stream:
             server.check_room(calls)  # a 400 or 503 before the stream's 200
-            return sse(_stream_query(tree, calls))
+            return sse(_stream_query(tree, calls, salt))
         with server.reserved(calls):
-            task = asyncio.create_task(run_async(llm, tree))
+            task = asyncio.create_task(run_async(llm, tree, cache_salt=salt))
             while not task.done():
                 await asyncio.wait({task}, timeout=0.25)
                 if not task.done() and await http.is_disconnected():
@@ -415,12 +433,12 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
         return tree, server.limits.check(tree, llm.engine.max_model_len, count)
 
-    async def _stream_query(tree, calls: int) -> AsyncIterator[dict]:
+    async def _stream_query(tree, calls: int, salt: str | None) -> AsyncIterator[dict]:
         with server.reserved(calls):
-            async for chunk in _query_chunks(tree):
+            async for chunk in _query_chunks(tree, salt):
                 yield chunk
 
-    async def _query_chunks(tree) -> AsyncIterator[dict]:
+    async def _query_chunks(tree, salt: str | None) -> AsyncIterator[dict]:
         deltas: asyncio.Queue = asyncio.Queue()
         shown = 0
 
@@ -431,7 +449,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
                 deltas.put_nowait({"delta": text[shown:]})
                 shown = len(text)
 
-        task = asyncio.create_task(run_async(llm, tree, on_root))
+        task = asyncio.create_task(run_async(llm, tree, on_root, cache_salt=salt))
         try:
             while not task.done() or not deltas.empty():
                 getter = asyncio.create_task(deltas.get())

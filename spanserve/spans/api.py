@@ -31,12 +31,13 @@ def query_tokenizer(engine: LLMEngine) -> QueryTokenizer:
     return QueryTokenizer(fmt, engine.config.block_size, engine.pad_token_id, anchor)
 
 
-async def run_async(llm, tree: Node, on_root_output=None) -> QueryResult:
-    """Run an optimized query on an AsyncLLM (the server's engine)."""
+async def run_async(llm, tree: Node, on_root_output=None, cache_salt: str | None = None) -> QueryResult:
+    """Run an optimized query on an AsyncLLM (the server's engine); every call carries `cache_salt`
+    (the tenant's cache namespace on a server with keys)."""
 
     async def complete(prompt: dict, params: SamplingParams, on_output=None) -> RequestOutput:
         final = None
-        async for out in llm.generate(prompt, params):
+        async for out in llm.generate({**prompt, "cache_salt": cache_salt}, params):
             final = out
             if on_output is not None:
                 on_output(out)
