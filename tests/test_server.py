@@ -8,7 +8,6 @@ import asyncio
 import itertools
 import json
 import threading
-import time
 
 import httpx
 import jsonschema_rs
@@ -304,8 +303,7 @@ def test_streaming_client_disconnect_frees_blocks(tiny_server):
             during = metrics(tiny_server.url)
             assert during["spanserve_kv_blocks_used"] > before["spanserve_kv_blocks_used"]
             assert during["spanserve_num_requests_running"] == 2
-        closed = time.monotonic()  # leaving the block closed the half-read response, and its connection
-    _assert_aborted_and_freed(tiny_server.url, before, aborts, since=closed)
+    _assert_aborted_and_freed(tiny_server.url, before, aborts)
 
 
 def test_non_streaming_client_timeout_frees_blocks(tiny_server):
@@ -315,15 +313,16 @@ def test_non_streaming_client_timeout_frees_blocks(tiny_server):
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.6))
-    _assert_aborted_and_freed(tiny_server.url, before, aborts, since=time.monotonic())
+    _assert_aborted_and_freed(tiny_server.url, before, aborts)
 
 
-def _assert_aborted_and_freed(url: str, before: dict, aborts: float, since: float) -> None:
-    """Within a second of the client leaving, its blocks are back and one more abort is counted."""
+def _assert_aborted_and_freed(url: str, before: dict, aborts: float) -> None:
+    """Once the client has left, its blocks are back and one more abort is counted: the request was
+    aborted, not run to its end (which would count it "ok"). No wall-clock bound: it would flake
+    on a loaded machine, and the abort count already tells an abort from a finish."""
     after = wait_for_metrics(url, lambda s: s["spanserve_kv_blocks_used"] == before[
         "spanserve_kv_blocks_used"] and s.get('spanserve_requests_total{status="abort"}', 0) == aborts + 1,
-        timeout=1.0)
-    assert time.monotonic() - since < 1.5
+        timeout=30)
     assert after["spanserve_kv_blocks_used"] == before["spanserve_kv_blocks_used"]
     assert after['spanserve_requests_total{status="abort"}'] == aborts + 1
     assert _idle(after)
@@ -352,7 +351,8 @@ def test_completion_prompt_parts_match_offline_and_reuse_reordered_documents(tin
     assert first["usage"]["prompt_tokens"] == second["usage"]["prompt_tokens"]
     samples = metrics(tiny_server.url)
     assert samples["spanserve_span_hit_tokens_total"] >= doc_tokens - 2 * 16
-    assert 0 < samples["spanserve_span_hit_rate"] <= 1
+    assert samples["spanserve_span_hit_rate"] == round(
+        samples["spanserve_span_hit_tokens_total"] / samples["spanserve_span_tokens_total"], 6)
 
 
 @pytest.mark.parametrize("policy", [{"link_policy": "gap", "gap_length": 16},
