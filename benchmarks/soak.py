@@ -1,0 +1,252 @@
+"""Soak: many clients against one server for a long while, with the mistakes real clients make.
+
+Starts `spanserve serve` (--model, default the embedded SmolLM2) and runs --clients concurrent
+clients for --minutes. Each client loops over a seeded mix: completions, chat, chat over span
+documents drawn from a small shared pool (spans reused in new orders), streamed completions it
+drops after two chunks, non-streamed requests it abandons after a short timeout, and span
+queries. It records every request (kind, status, latency) and samples the server's RSS and KV
+blocks in use every --sample-s seconds. At the end it waits for the server to go idle and checks
+that the KV blocks in use are back to the baseline taken before the first request.
+
+Reports, per kind: requests, statuses, errors (5xx, or a broken connection the client did not
+cause), p50/p99 latency; and RSS at the start, peak and end. JSON in benchmarks/results/soak.json
+and a plot (RSS and blocks over time) beside it.
+
+    spanserve bench soak [--clients 64] [--minutes 10] [--model M]
+"""
+
+import argparse
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks import harness
+from benchmarks.serve import make_prompt, percentile
+
+KINDS = ("completion", "chat", "chat_spans", "stream_dropped", "abandoned", "span_query")
+ABANDON_AFTER_S = 0.3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model to serve (default: the embedded SmolLM2)")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between RSS / KV samples")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--serve-args", default="", help="extra `spanserve serve` arguments, space separated")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/soak.json)")
+    parser.add_argument("--no-chart", action="store_true")
+
+
+class Server:
+    """`spanserve serve` in a subprocess on a free local port."""
+
+    def __init__(self, model: str | None, extra: list[str], log_path: Path):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "spanserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+               *(["--model", model] if model else []), *extra]
+        self.log = open(log_path, "wb")
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {log_path}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"server not healthy after 300 s; see {log_path}")
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def _docs(rng: random.Random) -> list[str]:
+    return [make_prompt(rng, 120) for _ in range(8)]
+
+
+async def _one(http: httpx.AsyncClient, kind: str, rng: random.Random, docs: list[str], max_tokens: int) -> int:
+    """Send one request of `kind`; returns its HTTP status (0: the client gave up on purpose)."""
+    if kind == "completion":
+        body = {"prompt": make_prompt(rng, rng.choice([16, 64, 256])), "max_tokens": max_tokens}
+        return (await http.post("/v1/completions", json=body)).status_code
+    if kind == "chat":
+        body = {"messages": [{"role": "user", "content": make_prompt(rng, 48)}], "max_tokens": max_tokens}
+        return (await http.post("/v1/chat/completions", json=body)).status_code
+    if kind == "chat_spans":
+        chosen = rng.sample(docs, 3)
+        content = [{"type": "text", "text": d, "span": True} for d in chosen] + [
+            {"type": "text", "text": "Which document mentions a river?"}]
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+        return (await http.post("/v1/chat/completions", json=body)).status_code
+    if kind == "stream_dropped":
+        body = {"prompt": make_prompt(rng, 32), "max_tokens": 4 * max_tokens, "stream": True, "ignore_eos": True}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen == 2:
+                    break  # leaving the block closes the connection mid-stream
+            return r.status_code
+    if kind == "abandoned":
+        body = {"prompt": make_prompt(rng, 64), "max_tokens": 8 * max_tokens, "ignore_eos": True}
+        try:
+            return (await http.post("/v1/completions", json=body, timeout=ABANDON_AFTER_S)).status_code
+        except httpx.ReadTimeout:
+            return 0
+    query = {"g": {"input": {"cross": [{"system": "Be brief."}, {"plus": [
+        {"g": {"input": {"user": f"Name a {w}."}, "max_tokens": 8}} for w in rng.sample(["river", "tree", "city",
+                                                                                          "bird"], 2)]},
+        {"user": "Which is best?"}]}, "max_tokens": max_tokens}}
+    return (await http.post("/v1/spans", json={"query": query})).status_code
+
+
+async def _client(url: str, index: int, deadline: float, seed: int, docs: list[str], max_tokens: int,
+                  records: list) -> None:
+    rng = random.Random(seed * 1000 + index)
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+        while time.monotonic() < deadline:
+            kind = rng.choice(KINDS)
+            start = time.monotonic()
+            try:
+                status, error = await _one(http, kind, rng, docs, max_tokens), None
+            except httpx.HTTPError as exc:  # a broken connection the client did not ask for
+                status, error = -1, type(exc).__name__
+            records.append({"kind": kind, "status": status, "error": error, "start": start,
+                            "latency_s": time.monotonic() - start})
+
+
+async def _sampler(server: Server, deadline: float, every: float, samples: list, t0: float) -> None:
+    while time.monotonic() < deadline:
+        blocks = await asyncio.to_thread(server.metric, "spanserve_kv_blocks_used")
+        samples.append({"t": time.monotonic() - t0, "rss_mb": server.rss_mb(), "kv_blocks_used": blocks})
+        await asyncio.sleep(every)
+
+
+def run(args: argparse.Namespace) -> dict:
+    out = Path(args.out) if args.out else harness.result_path("soak")
+    server = Server(args.model, args.serve_args.split(), out.with_suffix(".server.log"))
+    try:
+        baseline = server.metric("spanserve_kv_blocks_used")
+        records, samples, t0 = [], [], time.monotonic()
+        deadline = t0 + args.minutes * 60
+        docs = _docs(random.Random(args.seed))
+
+        async def main():
+            await asyncio.gather(_sampler(server, deadline, args.sample_s, samples, t0),
+                                 *(_client(server.url, i, deadline, args.seed, docs, args.max_tokens, records)
+                                   for i in range(args.clients)))
+
+        asyncio.run(main())
+        idle_at, end_blocks = _wait_idle(server, baseline)
+        result = {"benchmark": "soak", "clients": args.clients, "minutes": args.minutes,
+                  "machine": harness.machine_info(), "kv_blocks_baseline": baseline, "kv_blocks_end": end_blocks,
+                  "kv_blocks_back_to_baseline": end_blocks == baseline, "seconds_to_idle": idle_at,
+                  "rss_mb": {"start": samples[0]["rss_mb"] if samples else None,
+                             "peak": max(s["rss_mb"] for s in samples) if samples else None,
+                             "end": server.rss_mb()},
+                  "per_kind": summarize(records), "samples": samples, "requests": records}
+    finally:
+        server.stop()
+    _report(result)
+    harness.write_json(result, path=out)
+    if not args.no_chart:
+        _chart(result, out.with_suffix(".png"))
+    return result
+
+
+def _wait_idle(server: Server, baseline: float, timeout: float = 120) -> tuple[float | None, float]:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        blocks = server.metric("spanserve_kv_blocks_used")
+        if blocks == baseline and server.metric("spanserve_num_requests_running") == 0:
+            return time.monotonic() - start, blocks
+        time.sleep(0.5)
+    return None, server.metric("spanserve_kv_blocks_used")
+
+
+def summarize(records: list[dict]) -> dict:
+    out = {}
+    for kind in KINDS:
+        rows = [r for r in records if r["kind"] == kind]
+        statuses: dict[str, int] = {}
+        for r in rows:
+            statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+        latencies = [r["latency_s"] for r in rows if r["status"] not in (0, -1)]
+        out[kind] = {"requests": len(rows), "statuses": statuses,
+                     "errors": sum(1 for r in rows if r["status"] == -1 or r["status"] >= 500),
+                     "p50_s": percentile(latencies, 50), "p99_s": percentile(latencies, 99)}
+    return out
+
+
+def _report(result: dict) -> None:
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    rows = [[kind, s["requests"], " ".join(f"{k}:{v}" for k, v in sorted(s["statuses"].items())), s["errors"],
+             fmt(s["p50_s"]), fmt(s["p99_s"])] for kind, s in result["per_kind"].items()]
+    harness.print_table(["kind", "requests", "statuses", "errors", "p50 s", "p99 s"], rows,
+                        title=f"soak: {result['clients']} clients, {result['minutes']} min")
+    rss = result["rss_mb"]
+    print(f"RSS MB: start {fmt(rss['start'])}, peak {fmt(rss['peak'])}, end {fmt(rss['end'])}; KV blocks in use: "
+          f"baseline {result['kv_blocks_baseline']:.0f}, end {result['kv_blocks_end']:.0f} "
+          f"({'back to baseline' if result['kv_blocks_back_to_baseline'] else 'NOT back to baseline'})")
+
+
+def _chart(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart")
+        return
+    t = [s["t"] / 60 for s in result["samples"]]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    top.plot(t, [s["rss_mb"] for s in result["samples"]])
+    top.set_ylabel("server RSS (MB)")
+    bottom.plot(t, [s["kv_blocks_used"] for s in result["samples"]])
+    bottom.set_ylabel("KV blocks in use")
+    bottom.set_xlabel("minutes")
+    top.set_title(f"soak: {result['clients']} clients")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.cli_main("soak", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
