@@ -40,6 +40,10 @@ class EngineConfig:
     ape_temperature: float = APE_TEMPERATURE
     ape_scale: float = APE_SCALE
     span_anchor: bool = True  # compute spans after a fixed anchor block (pic/layout.py)
+    # Decode over private copies of a request's moved span keys, rotated once when its prompt is
+    # computed (while the pool stays at least 10% free), instead of rotating the shared keys at
+    # every step: memory for speed. False: span blocks stay shared for the whole request.
+    span_key_copies: bool = True
     # link_policy="comb": the encoder plug-in's file; None: the one shipped for the model, if any
     comb_plugin: str | None = None
 

@@ -23,7 +23,9 @@ def make_llm(path, **kwargs) -> LLM:
 
 @pytest.fixture
 def llm(tiny_llama_path):
-    return make_llm(tiny_llama_path)
+    """Span blocks stay shared after prefill too, so tests can see which blocks requests share
+    (the private rotated copies for decode have their own tests at the end)."""
+    return make_llm(tiny_llama_path, span_key_copies=False)
 
 
 def spanned(prefix: list[int], chunk: list[int] = CHUNK, suffix: list[int] = SUFFIX) -> dict:
@@ -345,3 +347,38 @@ def test_blend_of_every_token_equals_plain_and_blend_outputs_do_not_depend_on_th
     assert token_ids(small.generate([prompt] * 3, greedy(40, link_policy="blend"))) == longer * 3
     assert small.engine.scheduler.num_preemptions > 0
     assert_engine_idle(small)
+
+
+# ---- decode over private rotated copies of moved span keys -----------------------------------------
+
+
+def test_span_key_copies_change_no_output_and_leave_the_shared_blocks_cached(tiny_llama_path):
+    """Rotating the moved span keys once into private copies gives the tokens and logprobs of
+    rotating the shared keys at every step (the same arithmetic, once); the shared blocks stay
+    in the cache for the next request, and every block comes back at the end."""
+    prompts = [spanned(random_prompt(16, seed=5)), spanned(random_prompt(48, seed=6))]
+    results = {}
+    for copies in (False, True):
+        llm = make_llm(tiny_llama_path, span_key_copies=copies)
+        warm_ids = warm_chunk(llm)
+        outs = llm.generate(prompts, greedy(8, logprobs=0))
+        results[copies] = [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs,
+                                                                             o.outputs[0].token_ids)]) for o in outs]
+        assert_engine_idle(llm)
+        req = prefill(llm, spanned(random_prompt(32, seed=7)))
+        held = block_ids(req.block_table[2:4])
+        assert (held != warm_ids) == copies  # private copies while it decodes, or the shared blocks
+        assert cached_ids(llm, [req.local_hashes[2], req.local_hashes[3]]) == warm_ids
+        drain(llm)
+    assert results[True] == results[False]
+
+
+def test_no_span_key_copies_when_the_pool_is_short(tiny_llama_path, monkeypatch):
+    from spanserve.engine import llm_engine
+
+    llm = make_llm(tiny_llama_path)
+    warm_ids = warm_chunk(llm)
+    monkeypatch.setattr(llm_engine, "SPAN_COPY_FREE_FRACTION", 0.99)  # as if the pool were nearly full
+    req = prefill(llm, spanned(random_prompt(32, seed=8)))  # the chunk moves from 16 to 32
+    assert block_ids(req.block_table[2:4]) == warm_ids
+    drain(llm)

@@ -8,7 +8,7 @@ from spanserve.attention import KeyRotation
 from spanserve.models.rope import RotaryEmbedding
 from spanserve.pic.layout import PromptLayout, validate_spans
 from spanserve.pic.link import LinkPolicy
-from spanserve.pic.prompt import chat_parts, tokenize_parts
+from spanserve.pic.prompt import MessageText, chat_parts, tokenize_parts
 
 BS = 16
 
@@ -127,8 +127,15 @@ def test_bad_link_policies_are_rejected():
 class FakeTokenizer:
     """One token per character; a template that wraps each message in brackets."""
 
-    def encode(self, text, add_special_tokens=True):
-        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+    def encode(self, text, add_special_tokens=True, split_special_tokens=False):
+        """"<s>" is its special token 2, unless special tokens are split (then it is three characters)."""
+        ids = [1] if add_special_tokens else []
+        while text:
+            if text.startswith("<s>") and not split_special_tokens:
+                ids, text = ids + [2], text[3:]
+            else:
+                ids, text = ids + [ord(text[0])], text[1:]
+        return ids
 
     def apply_chat_template(self, messages, add_generation_prompt, tokenize):
         return "".join(f"<{m['role']}>{m['content']}</>" for m in messages) + "<assistant>"
@@ -145,8 +152,17 @@ def test_parts_are_padded_so_each_span_fills_whole_blocks():
 def test_chat_parts_keep_spans_inside_the_template():
     messages = [{"role": "system", "content": "s"},
                 {"role": "user", "content": [Span("doc1"), {"type": "text", "text": "doc2", "span": True}, "q?"]}]
-    expected = ["<system>s</><user>", Span("doc1"), Span("doc2"), "q?</><assistant>"]
+    expected = ["<system>", MessageText("s"), "</><user>", Span("doc1"), Span("doc2"), MessageText("q?"),
+                "</><assistant>"]
     assert chat_parts(FakeTokenizer(), messages) == expected
+
+
+def test_special_tokens_typed_in_a_message_stay_text_but_the_template_keeps_its_own():
+    tokenizer = FakeTokenizer()
+    parts = chat_parts(tokenizer, [{"role": "user", "content": [Span("a<s>"), "b<s>"]}])
+    ids, _ = tokenize_parts(tokenizer, ["<s>", *parts], BS, pad_id=0, add_special_tokens=False)
+    assert ids.count(2) == 1  # the template's own (here the leading "<s>" part), none from the message
+    assert tokenize_parts(tokenizer, ["x", Span("a<s>")], BS, pad_id=0)[0].count(2) == 1  # a plain prompt parses it
 
 
 def test_an_empty_span_is_rejected():

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 PromptInput = str | list | dict
 
 
+SPAN_COPY_FREE_FRACTION = 0.1  # span key copies only while they leave this much of the pool free
+
 _NO_COMB = ("link_policy 'comb' needs a COMB encoder plug-in trained for this model: none ships for it and "
             "none was given (train one with `spanserve train comb --model M`, load it with --comb-plugin FILE)")
 
@@ -307,6 +309,7 @@ class LLMEngine:
         if not batch:
             return []
         sampled = [item.request for item in batch if item.samples]
+        prefilling = [item.request for item in batch if item.request.is_prefilling]
         samples = self.runner.execute(batch)
         self.scheduler.after_step(batch)
         touched: dict[str, RequestGroup] = {}
@@ -314,12 +317,31 @@ class LLMEngine:
             group = self.groups[req.group_id]
             self._append(req, sample, group.detokenizers[req.index])
             touched[group.request_id] = group
+        for req in prefilling:
+            if not req.is_prefilling and not req.is_finished:  # it decodes from the next step on
+                self._settle_span_keys(req)
         outputs = []
         for group in touched.values():
             outputs.append(group.to_output())
             if group.finished:
                 del self.groups[group.request_id]
         return outputs
+
+    def _settle_span_keys(self, req: Request) -> None:
+        """A request whose prompt is computed decodes over its moved span keys at every step: give it
+        private copies of the blocks holding them, rotated once (counted in the pool like any block).
+        If the pool is short, the keys stay shared and are rotated at each step as before."""
+        layout = req.layout
+        deltas = layout.key_deltas()
+        if not self.config.span_key_copies or deltas is None or layout.first_shifted_key() >= len(deltas):
+            return
+        bs = self.config.block_size
+        indices = list(range(layout.first_shifted_key() // bs, -(-len(deltas) // bs)))
+        if self.kv.pool.num_free - len(indices) < SPAN_COPY_FREE_FRACTION * self.kv.pool.num_blocks:
+            return  # memory is short: sharing the blocks matters more than the rotation saved
+        copies = self.kv.privatize(req, indices)
+        if copies is not None:
+            self.runner.settle_keys(layout, [b.block_id for b in req.block_table], copies)
 
     def _select_links(self) -> None:
         """CacheBlend (link_policy="blend"): once a request's spans and the text before them are

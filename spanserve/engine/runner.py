@@ -88,7 +88,7 @@ class ModelRunner:
                 contiguous_from.append(table[0] if contiguous else None)
                 query_lens.append(len(pos))
                 context_lens.append(ctx_len)
-                rotations.append(self._rotation(layout, ctx_len))
+                rotations.append(None if self._settled(layout, table) else self._rotation(layout, ctx_len))
                 shares.append(self._span_share(layout, ctx_len))
                 if samples:
                     logit_rows.append(len(input_ids) - 1)
@@ -120,6 +120,28 @@ class ModelRunner:
                 factors[torch.from_numpy(layout.independent[:len(factors)])] = weighting[0]
             rotation = layout.derived["key_rotation"] = self._key_rotation(layout.key_deltas(), factors)
         return rotation
+
+    @torch.inference_mode()
+    def settle_keys(self, layout, table: list[int], copies: list[tuple[int, int]]) -> None:
+        """Decode reads a request's moved span keys at every step: rotate them once instead, in the
+        private copies the KV manager just made of their blocks (`copies`, source -> copy), every
+        layer. `table` is the request's context view afterwards; while it starts with the same
+        blocks, its keys need no rotation (a preempted request gets shared blocks back, and rotates
+        again)."""
+        self.copy_blocks(copies)
+        rotation = self._rotation(layout, 1 << 62)
+        num_blocks = -(-len(rotation) // self.block_size)
+        blocks = self._tensor(table[:num_blocks])  # rotated from key 0, as the rotation counts keys
+        copied = torch.isin(blocks, self._tensor([dst for _, dst in copies]))
+        for layer in self.kv_cache:  # [2, num_blocks, block_size, kv_heads, head_dim]
+            keys = rotation.rotate_(layer[0, blocks].flatten(0, 1)).view(num_blocks, self.block_size, -1,
+                                                                         layer.shape[-1])
+            layer[0, blocks[copied]] = keys[copied]  # blocks before the first moved key stay untouched
+        layout.derived["settled_blocks"] = tuple(table[:num_blocks])
+
+    def _settled(self, layout, table: list[int]) -> bool:
+        settled = layout.derived.get("settled_blocks") if layout is not None else None
+        return settled is not None and tuple(table[: len(settled)]) == settled
 
     def _key_rotation(self, deltas: torch.Tensor, factors: torch.Tensor | None = None) -> KeyRotation:
         """Rotate key j back by deltas[j] positions (and multiply it by factors[j])."""

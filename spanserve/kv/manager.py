@@ -148,6 +148,19 @@ class KVCacheManager:
         req.num_cached_tokens = max(0, (req.num_cached_tokens or 0) - was_cached)
         return copies
 
+    def privatize(self, req, indices: list[int]) -> list[tuple[int, int]] | None:
+        """Give `req` private copies of its context blocks at `indices` (copy on write), or None,
+        changing nothing, if the pool is short. Returns (source, copy) block ids for the runner,
+        which must copy before anything else is allocated: the sources are released here."""
+        if len(indices) > self.pool.num_free:
+            return None
+        copies = self.pool.allocate(len(indices))
+        pairs = [(req.block_table[i].block_id, copy.block_id) for i, copy in zip(indices, copies)]
+        self.pool.release([req.block_table[i] for i in indices])
+        for i, copy in zip(indices, copies):
+            req.block_table[i] = copy
+        return pairs
+
     # ---- growth, publication, release ---------------------------------------------------
 
     def allocate_slots(self, req, end: int) -> bool:
