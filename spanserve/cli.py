@@ -241,7 +241,7 @@ def cmd_serve(args) -> None:
     llm.shutdown()
 
 
-BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu", "soak"]
+BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu", "soak", "span_decode"]
 
 
 def cmd_query(args) -> None:
