@@ -64,7 +64,13 @@ def test_warm_spans_in_a_new_order_equal_the_cpu_reference(tiny_llama_path, link
 
 
 def test_decode_graphs_replay_rotated_span_keys(tiny_llama_path):
-    llm = make_llm(tiny_llama_path, "cuda")
-    run(llm, [spanned([0, 1], 4)])
-    run(llm, [spanned([1, 0], 5)])  # warm, moved: decode reads rotated keys
-    assert (1, True) in llm.engine.runner.graphs.graphs
+    """With the moved span keys left shared, decode graphs rotate them; with private rotated
+    copies (the default), decode is a plain graph."""
+    rotating = make_llm(tiny_llama_path, "cuda", span_key_copies=False)
+    copying = make_llm(tiny_llama_path, "cuda")
+    for llm in (rotating, copying):
+        run(llm, [spanned([0, 1], 4)])
+    warm = [spanned([1, 0], 5)]  # moved: decode reads keys at new positions
+    assert_same(run(rotating, warm), run(copying, warm))
+    assert (1, True) in rotating.engine.runner.graphs.graphs
+    assert (1, True) not in copying.engine.runner.graphs.graphs

@@ -370,7 +370,9 @@ def test_span_key_copies_change_no_output_and_leave_the_shared_blocks_cached(tin
         assert (held != warm_ids) == copies  # private copies while it decodes, or the shared blocks
         assert cached_ids(llm, [req.local_hashes[2], req.local_hashes[3]]) == warm_ids
         drain(llm)
-    assert results[True] == results[False]
+    (tokens, logprobs), (ref_tokens, ref_logprobs) = zip(*results[True]), zip(*results[False])
+    assert tokens == ref_tokens  # on CPU the logprobs are equal too; a GPU kernel rounds its rotation apart
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=1e-5, rtol=0)
 
 
 def test_no_span_key_copies_when_the_pool_is_short(tiny_llama_path, monkeypatch):
