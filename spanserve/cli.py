@@ -373,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
     p.add_argument("--served-model-name", default=None, help="the model name clients pass")
     p.add_argument("--max-queued", type=int, default=None,
-                   help="answer 503 beyond this many waiting sequences (n of each prompt, each call of a span query)")
+                   help="answer 429 beyond this many waiting sequences (n of each prompt, each call of a span query)")
     p.add_argument("--max-body-mb", type=float, default=32, help="answer 413 to larger request bodies")
     p.add_argument("--max-query-calls", type=int, default=256, help="model calls of one span query (400 beyond)")
     p.add_argument("--max-query-depth", type=int, default=16, help="nesting of one span query (400 beyond)")

@@ -83,7 +83,7 @@ def test_health_version_models_openapi(tiny_server, client, tiny_llama_path):
     assert {"/health", "/version", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"} <= set(
         spec["paths"])
     completions = spec["paths"]["/v1/completions"]["post"]["responses"]
-    assert {"200", "400", "401", "404", "503"} <= set(completions) and "422" not in completions
+    assert {"200", "400", "401", "404", "429"} <= set(completions) and "422" not in completions
     assert set(completions["200"]["content"]) == {"application/json", "text/event-stream"}
 
 
@@ -518,7 +518,7 @@ def test_api_key(guarded_server):
         assert r.usage.completion_tokens <= 3
 
 
-def test_overload_gives_503_with_retry_after(guarded_server):
+def test_overload_gives_429_with_retry_after(guarded_server):
     """--max-num-seqs 1 --max-queued 1: one request runs, one waits, the next is turned away."""
     url, auth = guarded_server.url, {"Authorization": "Bearer sekret"}
     long = {"prompt": "Go on and on.", "max_tokens": 480, "temperature": 1.0, "ignore_eos": True}
@@ -539,7 +539,7 @@ def test_overload_gives_503_with_retry_after(guarded_server):
         t.join()
     assert still["spanserve_num_requests_running"] == 1, "the first request ended before the test could overload"
     for r in turned_away:
-        error = assert_openai_error(r, 503, "overloaded")
+        error = assert_openai_error(r, 429, "overloaded")
         assert error["type"] == "server_overloaded"
         assert int(r.headers["retry-after"]) >= 1
     assert results["running"].status_code == 200 and results["waiting"].status_code == 200
@@ -570,7 +570,7 @@ def test_a_burst_is_counted_at_admission_before_any_request_starts():
         server.admit([second], 1)
         with pytest.raises(APIError) as refused:
             server.admit([third], 1)  # none of the admitted two has started yet
-        assert refused.value.status == 503 and server.queued == 2
+        assert refused.value.status == 429 and server.queued == 2
         del first  # admitted, never read (its client went away): its place comes back
         assert server.queued == 1
         assert [out.finished async for out in second] == [True] and server.queued == 0

@@ -157,7 +157,7 @@ class Server:
 
     def admit(self, runs: list, sequences: int) -> None:
         """Count `runs` (from start; `sequences` engine sequences in all, n of each prompt) as waiting,
-        or turn them away: a 400 if they could never fit, a 503 while the queue is full. Checking and
+        or turn them away: a 400 if they could never fit, a 429 while the queue is full. Checking and
         counting in one step keeps a burst of requests from all passing the check before any is counted."""
         self.check_room(sequences)
         for run in runs:
@@ -170,7 +170,7 @@ class Server:
             raise APIError(400, f"the request makes {sequences} model sequences; this server queues at most "
                            f"{self.max_queued} (--max-queued)", code="too_many_sequences")
         if self.queued + sequences > self.max_queued:
-            raise APIError(503, f"server overloaded: {self.queued} sequences waiting, {sequences} more asked, "
+            raise APIError(429, f"server overloaded: {self.queued} sequences waiting, {sequences} more asked, "
                            f"at most {self.max_queued} (--max-queued); retry later", "server_overloaded",
                            headers={"Retry-After": "1"})
 
@@ -200,7 +200,7 @@ class Server:
         place = _Place(self)
         run = self._run(request_id, self.llm.submit(prompt, params, request_id), place)
         self._places[run] = place
-        weakref.finalize(run, place.release)  # a run that never starts (a 503, a client gone) gives it back
+        weakref.finalize(run, place.release)  # a run that never starts (a 429, a client gone) gives it back
         return run
 
     async def _run(self, request_id: str, outputs: AsyncIterator[RequestOutput],
@@ -299,9 +299,9 @@ _ERRORS = {status: {"model": ErrorResponse, "description": description} for stat
     (401, "Missing or wrong API key (when the server runs with --api-key or --api-keys)"),
     (404, "Unknown model"),
     (413, "Request body over --max-body-mb"),
-    (503, "Overloaded (more than --max-queued requests waiting); retry after the Retry-After header"),
+    (429, "Overloaded (more than --max-queued requests waiting); retry after the Retry-After header"),
 )}
-_ERRORS[503]["headers"] = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "string"}}}
+_ERRORS[429]["headers"] = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "string"}}}
 # With stream=true: server-sent events (before Open API 3.2, `schema` describes one event), each
 # `data` a JSON chunk, the last `[DONE]`.
 _SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
@@ -414,7 +414,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         tree, calls = await asyncio.to_thread(_checked_query, body)
         salt = _salt(http, body.cache_salt)
         if body.stream:
-            server.check_room(calls)  # a 400 or 503 before the stream's 200
+            server.check_room(calls)  # a 400 or 429 before the stream's 200
             return sse(_stream_query(tree, calls, salt))
         with server.reserved(calls):
             task = asyncio.create_task(run_async(llm, tree, cache_salt=salt))
