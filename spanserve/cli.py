@@ -46,6 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shape (benchmarks)")
+    g.add_argument("--quantization", default=None,
+                   help="int8: weight-only int8 projections and LM head (CPU; faster decode)")
 
 
 def engine_config(args) -> EngineConfig:
@@ -57,6 +59,7 @@ def engine_config(args) -> EngineConfig:
         blend_ratio=args.blend_ratio, comb_plugin=args.comb_plugin, blend_layers=args.blend_layers,
         ape_temperature=args.ape_temperature, ape_scale=args.ape_scale,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager, load_format=args.load_format,
+        quantization=args.quantization,
     )
 
 
@@ -241,7 +244,7 @@ def cmd_serve(args) -> None:
     llm.shutdown()
 
 
-BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu", "soak", "span_decode"]
+BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu", "soak", "span_decode", "quant"]
 
 
 def cmd_query(args) -> None:

@@ -29,6 +29,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: the Triton kernel on CUDA (where installed), else torch
     enforce_eager: bool = False  # CUDA: no decode graphs (as vLLM's flag)
     load_format: str = "auto"  # dummy: random weights of the model's shape, for benchmarks (as vLLM's)
+    quantization: str | None = None  # int8: weight-only int8 projections on CPU (models/quant.py)
     seed: int = 0
     # Defaults for requests with position-independent spans (pic/link.py).
     # auto: comb where an encoder plug-in ships for the model (or comb_plugin names one), else none:
@@ -62,6 +63,11 @@ class EngineConfig:
         if self.attention_backend not in BACKENDS:
             raise InvalidRequestError(f"unknown attention backend {self.attention_backend!r}; "
                                       f"use one of {', '.join(BACKENDS)}")
+        from spanserve.models.quant import QUANTIZATIONS
+
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(f"unknown quantization {self.quantization!r}; available: "
+                                      f"{', '.join(QUANTIZATIONS)}")
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(f"unknown load_format {self.load_format!r}; use auto or dummy")
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -46,14 +46,17 @@ def use_pool_for_matmuls(model: torch.nn.Module) -> None:
     """Hooks on every Linear of `model`: inside a step, one with MATMUL_MIN_WORK or more takes
     the whole pool."""
     def before(module, args):
-        module._spanserve_threads = _threads_for(args[0].shape[0] * module.weight.numel() >= MATMUL_MIN_WORK)
+        work = args[0].shape[0] * module.in_features * module.out_features
+        module._spanserve_threads = _threads_for(work >= MATMUL_MIN_WORK)
         module._spanserve_threads.__enter__()
 
     def after(module, args, output):
         module._spanserve_threads.__exit__(None, None, None)
 
+    from spanserve.models.quant import Int8Linear
+
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, (torch.nn.Linear, Int8Linear)):
             module.register_forward_pre_hook(before)
             module.register_forward_hook(after)
 

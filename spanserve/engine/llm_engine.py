@@ -24,6 +24,7 @@ from spanserve.errors import (
 )
 from spanserve.kv.hashing import extend_block_hashes
 from spanserve.kv.manager import KVCacheManager
+from spanserve.models import quant
 from spanserve.models.config import ModelConfig
 from spanserve.models.loader import load_model, load_tokenizer, resolve_model
 from spanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -106,9 +107,13 @@ class LLMEngine:
         self.model_config = cfg = ModelConfig.from_dir(path)
         self.max_model_len = self._max_model_len(cfg)
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
+        if config.quantization:
+            quant.check(config.quantization, self.device, self.dtype)
         self.tokenizer = load_tokenizer(path)
         model = load_model(path, self.dtype, self.device, get_backend(config.attention_backend, self.device),
                            max_positions=self.max_model_len, random_weights=config.load_format == "dummy")
+        if config.quantization:
+            quant.quantize(model)
         num_blocks = config.num_blocks or self._blocks_for_budget(cfg)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
