@@ -85,6 +85,17 @@ def test_span_query_limits_are_checked_before_any_call_runs(server):
     assert "deeper than" in assert_openai_error(post(server, "/v1/spans", {"query": deep_query}), 400)["message"]
 
 
+def test_json_nested_deeper_than_the_parser_goes_is_a_400(server):
+    body = '{"prompt": ' + "[" * 25_000 + "]" * 25_000 + "}"  # valid JSON, 25,000 levels, under 50 KB
+    r = httpx.post(f"{server.url}/v1/completions", content=body, timeout=60,
+                   headers={"content-type": "application/json"})
+    assert assert_openai_error(r, 400, "could not be parsed")["type"] == "invalid_request_error"
+    deep = '{"query": ' + '{"g": {"input": ' * 2_000 + '{"user": "x"}' + "}}" * 2_000 + "}"
+    r = httpx.post(f"{server.url}/v1/spans", content=deep, timeout=60, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+
+
 def test_every_prompt_and_n_count_against_max_queued(server):
     r = post(server, "/v1/completions", {"prompt": ["a b c"] * 300, "n": 4, "max_tokens": 1})
     assert "1200 model sequences" in assert_openai_error(r, 400)["message"]

@@ -335,7 +335,11 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         return error_response(exc.status, exc.message, exc.kind, exc.code, headers=exc.headers)
 
     @app.exception_handler(HTTPException)
-    async def _http_error(_, exc: HTTPException):  # unknown path (404), unsupported method (405, with Allow)
+    async def _http_error(_, exc: HTTPException):
+        """Unknown path (404), unsupported method (405, with Allow), or a body FastAPI could not
+        parse (400: e.g. JSON nested deeper than the parser goes)."""
+        if exc.status_code == 400:
+            return error_response(400, f"request body could not be parsed as JSON ({exc.detail})")
         return error_response(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else "error",
                               headers=exc.headers)
 
