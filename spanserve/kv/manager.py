@@ -194,6 +194,9 @@ class KVCacheManager:
         self.pool.release(req.shadows.values())
         req.block_table, req.shadows = [], {}
         req.num_hashed_blocks = 0
+        # Rotated private copies of span keys (ModelRunner.settle_keys) went with the blocks: a
+        # preempted request that comes back reads shared keys again, even if it gets the same ids.
+        req.layout.derived.pop("settled_blocks", None)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)

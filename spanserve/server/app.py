@@ -147,7 +147,7 @@ class Server:
     def __init__(self, llm: AsyncLLM, model_name: str, max_queued: int | None, limits: QueryLimits):
         self.llm, self.model_name, self.max_queued, self.limits = llm, model_name, max_queued, limits
         self.metrics = ServerMetrics()
-        self.queued = 0  # admitted requests that have not produced a token yet
+        self.queued = 0  # sequences admitted that have not produced a token yet
         self._places: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # run -> its _Place
 
     def check_model(self, name: str | None) -> None:
@@ -299,7 +299,7 @@ _ERRORS = {status: {"model": ErrorResponse, "description": description} for stat
     (401, "Missing or wrong API key (when the server runs with --api-key or --api-keys)"),
     (404, "Unknown model"),
     (413, "Request body over --max-body-mb"),
-    (429, "Overloaded (more than --max-queued requests waiting); retry after the Retry-After header"),
+    (429, "Overloaded (more than --max-queued sequences waiting); retry after the Retry-After header"),
 )}
 _ERRORS[429]["headers"] = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "string"}}}
 # With stream=true: server-sent events (before Open API 3.2, `schema` describes one event), each
