@@ -100,9 +100,8 @@ def write_json(data: dict, name: str | None = None, path: str | Path | None = No
     return out
 
 
-def bar_chart(path: str | Path, title: str, categories: Sequence[str], series: dict[str, Sequence[float | None]],
-              ylabel: str = "", log_scale: bool = False) -> Path | None:
-    """Grouped bar chart: one group per category, one bar per series. Skips if matplotlib is missing."""
+def pyplot():
+    """matplotlib.pyplot without a display, or None (saying so) if matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -110,6 +109,29 @@ def bar_chart(path: str | Path, title: str, categories: Sequence[str], series: d
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed; skipping the chart (pip install matplotlib)")
+        return None
+    return plt
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Lay out, write and close a figure of pyplot()'s."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path
+
+
+def bar_chart(path: str | Path, title: str, categories: Sequence[str], series: dict[str, Sequence[float | None]],
+              ylabel: str = "", log_scale: bool = False) -> Path | None:
+    """Grouped bar chart: one group per category, one bar per series. Skips if matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
         return None
     names = list(series)
     width = 0.8 / max(1, len(names))
@@ -125,13 +147,7 @@ def bar_chart(path: str | Path, title: str, categories: Sequence[str], series: d
     if log_scale:
         ax.set_yscale("log")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
-    return path
+    return save_figure(fig, path)
 
 
 def cli_main(name: str, doc: str, add_arguments: Callable, run: Callable, argv: list[str] | None) -> int:

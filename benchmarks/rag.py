@@ -524,13 +524,8 @@ def check_goals(per_n: dict, policies: list[str], with_vllm: bool) -> dict:
 
 
 def chart(per_n: dict, policies: list[str], with_vllm: bool, path: Path, model: str, doc_tokens: int) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed; skipping the chart (pip install matplotlib)")
+    plt = harness.pyplot()
+    if plt is None:
         return
     ns = list(per_n)
     series = {"spans off, cold": "spans_off_cold", "spans off, warm shuffled": "spans_off_warm_shuffled"}
@@ -552,10 +547,7 @@ def chart(per_n: dict, policies: list[str], with_vllm: bool, path: Path, model: 
     ax.set_title(f"RAG TTFT, {model}: documents reordered between requests")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+    harness.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

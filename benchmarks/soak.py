@@ -17,9 +17,7 @@ and a plot (RSS and blocks over time) beside it.
 
 import argparse
 import asyncio
-import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ import httpx
 
 from benchmarks import harness
 from benchmarks.serve import make_prompt, percentile
+from benchmarks.server_process import ServerProcess
 
 KINDS = ("completion", "chat", "chat_spans", "stream_dropped", "abandoned", "span_query")
 ABANDON_AFTER_S = 0.3
@@ -45,50 +44,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chart", action="store_true")
 
 
-class Server:
-    """`spanserve serve` in a subprocess on a free local port."""
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
-    def __init__(self, model: str | None, extra: list[str], log_path: Path):
-        import socket
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "spanserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               *(["--model", model] if model else []), *extra]
-        self.log = open(log_path, "wb")
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {log_path}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server not healthy after 300 s; see {log_path}")
-
-    def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+def _metrics(url: str) -> dict[str, float]:
+    """The server's unlabelled Prometheus samples, by name."""
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)
+            if name and not name.startswith("#") and "{" not in name}
 
 
 def _docs(rng: random.Random) -> list[str]:
@@ -146,18 +113,19 @@ async def _client(url: str, index: int, deadline: float, seed: int, docs: list[s
                             "latency_s": time.monotonic() - start})
 
 
-async def _sampler(server: Server, deadline: float, every: float, samples: list, t0: float) -> None:
+async def _sampler(server: ServerProcess, deadline: float, every: float, samples: list, t0: float) -> None:
     while time.monotonic() < deadline:
-        blocks = await asyncio.to_thread(server.metric, "spanserve_kv_blocks_used")
-        samples.append({"t": time.monotonic() - t0, "rss_mb": server.rss_mb(), "kv_blocks_used": blocks})
+        blocks = (await asyncio.to_thread(_metrics, server.url))["spanserve_kv_blocks_used"]
+        samples.append({"t": time.monotonic() - t0, "rss_mb": _rss_mb(server.proc.pid), "kv_blocks_used": blocks})
         await asyncio.sleep(every)
 
 
 def run(args: argparse.Namespace) -> dict:
     out = Path(args.out) if args.out else harness.result_path("soak")
-    server = Server(args.model, args.serve_args.split(), out.with_suffix(".server.log"))
+    model = ["--model", args.model] if args.model else []
+    server = ServerProcess([*model, *args.serve_args.split()], out.with_suffix(".server.log"), startup_timeout=300)
     try:
-        baseline = server.metric("spanserve_kv_blocks_used")
+        baseline = _metrics(server.url)["spanserve_kv_blocks_used"]
         records, samples, t0 = [], [], time.monotonic()
         deadline = t0 + args.minutes * 60
         docs = _docs(random.Random(args.seed))
@@ -174,7 +142,7 @@ def run(args: argparse.Namespace) -> dict:
                   "kv_blocks_back_to_baseline": end_blocks == baseline, "seconds_to_idle": idle_at,
                   "rss_mb": {"start": samples[0]["rss_mb"] if samples else None,
                              "peak": max(s["rss_mb"] for s in samples) if samples else None,
-                             "end": server.rss_mb()},
+                             "end": _rss_mb(server.proc.pid)},
                   "per_kind": summarize(records), "samples": samples, "requests": records}
     finally:
         server.stop()
@@ -185,14 +153,14 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _wait_idle(server: Server, baseline: float, timeout: float = 120) -> tuple[float | None, float]:
+def _wait_idle(server: ServerProcess, baseline: float, timeout: float = 120) -> tuple[float | None, float]:
     start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        blocks = server.metric("spanserve_kv_blocks_used")
-        if blocks == baseline and server.metric("spanserve_num_requests_running") == 0:
-            return time.monotonic() - start, blocks
+    while True:
+        samples = _metrics(server.url)
+        idle = samples["spanserve_kv_blocks_used"] == baseline and samples["spanserve_num_requests_running"] == 0
+        if idle or time.monotonic() - start > timeout:
+            return (time.monotonic() - start if idle else None), samples["spanserve_kv_blocks_used"]
         time.sleep(0.5)
-    return None, server.metric("spanserve_kv_blocks_used")
 
 
 def summarize(records: list[dict]) -> dict:
@@ -222,13 +190,8 @@ def _report(result: dict) -> None:
 
 
 def _chart(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no chart")
+    plt = harness.pyplot()
+    if plt is None:
         return
     t = [s["t"] / 60 for s in result["samples"]]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
@@ -238,10 +201,7 @@ def _chart(result: dict, path: Path) -> None:
     bottom.set_ylabel("KV blocks in use")
     bottom.set_xlabel("minutes")
     top.set_title(f"soak: {result['clients']} clients")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    harness.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
