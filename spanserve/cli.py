@@ -9,8 +9,9 @@ from collections.abc import Iterator
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve shared CPUs
 
+from spanserve.attention import BACKENDS  # noqa: E402
 from spanserve.comb import train as comb_train  # noqa: E402
-from spanserve.config import EngineConfig  # noqa: E402
+from spanserve.config import LOAD_FORMATS, EngineConfig  # noqa: E402
 from spanserve.errors import SpanserveError  # noqa: E402
 from spanserve.pic.link import APE_SCALE, APE_TEMPERATURE, BLEND_LAYERS, POLICIES  # noqa: E402
 from spanserve.sampling import SamplingParams  # noqa: E402
@@ -41,10 +42,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="scaling factor S, in (0, 1]: the spans' summed weight Z counts as Z^(S*T) (ape)")
     g.add_argument("--comb-plugin", default=None,
                    help="COMB encoder plug-in file (comb; default: the one shipped for the model)")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+    g.add_argument("--attention-backend", default="auto", choices=BACKENDS,
                    help="auto: the Triton paged-attention kernel on CUDA, else the torch reference")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights of the model's shape (benchmarks)")
     g.add_argument("--quantization", default=None,
                    help="int8: weight-only int8 projections and LM head (CPU; faster decode)")

@@ -13,6 +13,9 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
            "float": torch.float32}
 
 
+LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of the model's shape, nothing read
+
+
 @strict_kwargs
 @dataclass
 class EngineConfig:
@@ -68,7 +71,7 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise InvalidRequestError(f"unknown quantization {self.quantization!r}; available: "
                                       f"{', '.join(QUANTIZATIONS)}")
-        if self.load_format not in ("auto", "dummy"):
+        if self.load_format not in LOAD_FORMATS:
             raise InvalidRequestError(f"unknown load_format {self.load_format!r}; use auto or dummy")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}; use auto or one of {sorted(_DTYPES)}")

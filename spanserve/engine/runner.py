@@ -132,11 +132,11 @@ class ModelRunner:
         rotation = self._rotation(layout, 1 << 62)
         num_blocks = -(-len(rotation) // self.block_size)
         blocks = self._tensor(table[:num_blocks])  # rotated from key 0, as the rotation counts keys
-        copied = torch.isin(blocks, self._tensor([dst for _, dst in copies]))
+        first = num_blocks - len(copies)  # the copies are the last blocks holding moved keys
         for layer in self.kv_cache:  # [2, num_blocks, block_size, kv_heads, head_dim]
             keys = rotation.rotate_(layer[0, blocks].flatten(0, 1)).view(num_blocks, self.block_size, -1,
                                                                          layer.shape[-1])
-            layer[0, blocks[copied]] = keys[copied]  # blocks before the first moved key stay untouched
+            layer[0, blocks[first:]] = keys[first:]  # blocks before the first moved key stay untouched
         layout.derived["settled_blocks"] = tuple(table[:num_blocks])
 
     def _settled(self, layout, table: list[int]) -> bool:

@@ -27,6 +27,7 @@ def _int(**bounds):
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = _int(ge=0, le=_SAFE)
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class _Body(BaseModel):
@@ -82,7 +83,7 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # as in vLLM: requests share cached KV only with requests of the same salt (within the tenant of the key)
-    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    cache_salt: CacheSalt | None = None
     # spanserve extension: how requests with position-independent spans link them (pic/link.py)
     link_policy: Literal["none", "gap", "blend", "full", "comb", "ape"] | None = None
     gap_length: _int(ge=0, le=_SAFE) | None = None
@@ -163,7 +164,7 @@ class SpanQueryRequest(_Request):
     query: dict
     judge_arity: _int(ge=2, le=1024) | None = None
     stream: bool = False
-    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    cache_salt: CacheSalt | None = None
 
 
 # ---- responses (documentation of what the routes return) -------------------------------
