@@ -8,6 +8,8 @@ Measured in one run, against the GPU's own roof and peers:
   decode           --decode-tokens greedy tokens after a 128-token prompt, batch 1 and
                    --decode-batch: spanserve (Triton kernel + CUDA graphs), spanserve eager, and
                    transformers (same config, bf16, sdpa, its own random weights) in tok/s
+  span decode      decode tok/s at batch 1 after --decode-docs documents of 1,024 tokens, as a plain
+                   prompt and as warm spans in a new order
   span-hit TTFT    --docs documents x --doc-tokens tokens (the span-query paper's 32 x 2,857) and
                    a short question: spans off (one plain prompt, nothing cached), spans cold
                    (computed now) and spans warm in a new order (best of 3), TTFT in seconds
@@ -49,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--decode-batch", type=int, default=16)
+    parser.add_argument("--decode-docs", type=int, default=8, help="documents of 1,024 tokens before the span decode")
     parser.add_argument("--docs", type=int, default=32)
     parser.add_argument("--doc-tokens", type=int, default=2857)
     parser.add_argument("--kv-cache-gb", type=float, default=30.0)
@@ -71,6 +74,7 @@ def run(args: argparse.Namespace) -> dict:
     results["prefill"] = _prefill(llm, args, peak, log)
     results["decode"] = {"spanserve": _decode(llm, args, log)}
     results["span_ttft"] = _span_ttft(llm, args, log)
+    results["span_decode"] = _span_decode(llm, args, log)
     del llm
     results["decode"]["spanserve eager"] = _decode(_engine(model_dir, args, eager=True), args, log)
     if "hf_decode" in results:
@@ -106,7 +110,7 @@ def _engine(model_dir: Path, args, eager: bool):
     return LLM(model=str(model_dir), load_format="dummy", device=args.device, dtype="bfloat16",
                kv_cache_memory_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_batched_tokens,
                max_model_len=min(SHAPES[args.shape]["max_position_embeddings"],
-                                 args.docs * args.doc_tokens + 512, 131072),
+                                 max(args.docs * args.doc_tokens, args.decode_docs * 1024) + 512, 131072),
                max_num_seqs=max(16, args.decode_batch), enforce_eager=eager)
 
 
@@ -244,6 +248,26 @@ def _span_ttft(llm, args, log) -> dict:
     return out
 
 
+def _span_decode(llm, args, log) -> dict:
+    """Decode tok/s at batch 1 after --decode-docs documents of 1,024 tokens: as a plain prompt,
+    and as spans cached earlier and placed in a new order (their moved keys: engine/runner.py)."""
+    from spanserve import SamplingParams
+
+    rng = random.Random(5)
+    docs = [_tokens(1024, rng) for _ in range(args.decode_docs)]
+    params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+
+    def rate(prompt: dict) -> float:
+        out = llm.generate(prompt, params)[0]
+        return (args.decode_tokens - 1) / (out.metrics.finish_time - out.metrics.first_token_time)
+
+    rate(_spanned(docs, rng, spans=True))  # caches the spans (and warms the graphs)
+    plain, warm = rate(_spanned(docs, rng, spans=False)), rate(_spanned(docs[::-1], rng, spans=True))
+    log(f"decode after {args.decode_docs} x 1024 tokens: plain {plain:.1f} tok/s, warm spans {warm:.1f} tok/s")
+    return {"docs": args.decode_docs, "plain_tok_per_s": plain, "spans_warm_tok_per_s": warm,
+            "ratio": warm / plain}
+
+
 def _spanned(docs: list[list[int]], rng: random.Random, spans: bool) -> dict:
     """A 16-token preamble, the documents (as spans, each padded to a block boundary by the
     engine's rules: 16-token multiples here) and a 32-token question; fresh preamble and question."""
@@ -276,6 +300,8 @@ def _report(results: dict) -> None:
         ["TTFT spans cold (s)", f"{span['spans_cold_s']:.2f}"],
         ["TTFT spans warm, new order (s)", f"{min(span['spans_warm_s']):.3f}"],
         ["span-hit speedup over spans off", f"{span['warm_speedup']:.0f}x"],
+        [f"decode after {results['span_decode']['docs']} x 1024: plain / warm spans (tok/s)",
+         f"{results['span_decode']['plain_tok_per_s']:.1f} / {results['span_decode']['spans_warm_tok_per_s']:.1f}"],
     ], title=f"GPU path: {results['shape']} random weights, bf16, {results['device']}")
 
 

@@ -12,7 +12,7 @@ def test_tiny_gpu_bench_runs_every_measurement_on_cpu(tmp_path, tokenizer_dir):
     out = tmp_path / "gpu.json"
     args = bench_args(gpu, ["--shape", "tiny", "--device", "cpu", "--tokenizer", str(tokenizer_dir),
                             "--docs", "3", "--doc-tokens", "40", "--prefill-len", "64", "--decode-tokens", "4",
-                            "--decode-batch", "2", "--kv-cache-gb", "0.05", "--out", str(out)])
+                            "--decode-batch", "2", "--decode-docs", "2", "--kv-cache-gb", "0.05", "--out", str(out)])
     gpu.run(args)
     result = json.loads(out.read_text())
     assert set(result["decode"]) == {"spanserve", "spanserve eager", "transformers"}
@@ -21,3 +21,5 @@ def test_tiny_gpu_bench_runs_every_measurement_on_cpu(tmp_path, tokenizer_dir):
     assert span["docs"] == 3 and len(span["spans_warm_s"]) == 3
     assert span["warm_speedup"] == span["spans_off_s"] / min(span["spans_warm_s"])
     assert result["prefill"]["tokens"] == 2 * 64
+    decode = result["span_decode"]
+    assert decode["docs"] == 2 and decode["ratio"] == decode["spans_warm_tok_per_s"] / decode["plain_tok_per_s"]
