@@ -28,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
+    g.add_argument("--background-chunk-tokens", type=int, default=128,
+                   help="session ingest: tokens per step, in steps no other request needs")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--link-policy", default="auto", choices=["auto", *POLICIES],
                    help="default link policy of requests with position-independent spans (auto: comb where "
@@ -56,7 +58,8 @@ def engine_config(args) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching, link_policy=args.link_policy, gap_length=args.gap_length,
+        background_chunk_tokens=args.background_chunk_tokens, enable_prefix_caching=not args.no_prefix_caching,
+        link_policy=args.link_policy, gap_length=args.gap_length,
         blend_ratio=args.blend_ratio, comb_plugin=args.comb_plugin, blend_layers=args.blend_layers,
         ape_temperature=args.ape_temperature, ape_scale=args.ape_scale,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager, load_format=args.load_format,

@@ -27,6 +27,9 @@ class EngineConfig:
     kv_cache_memory_gb: float = 2.0
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 2048  # tokens per step: the chunked-prefill budget
+    # Background work (session ingest) runs only in steps nothing else needs, this many tokens at a
+    # time: a question arriving meanwhile waits for at most one such step.
+    background_chunk_tokens: int = 128
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto: the Triton kernel on CUDA (where installed), else torch
@@ -52,8 +55,9 @@ class EngineConfig:
     comb_plugin: str | None = None
 
     def __post_init__(self):
-        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise InvalidRequestError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.background_chunk_tokens) < 1:
+            raise InvalidRequestError(
+                "block_size, max_num_seqs, max_num_batched_tokens and background_chunk_tokens must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
         from spanserve.pic.link import LinkPolicy

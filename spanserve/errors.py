@@ -51,3 +51,21 @@ class PluginNotLoadedError(InvalidRequestError):
     """The request asks for a plug-in the engine does not have (link policy comb without one)."""
 
     code = "plugin_not_loaded"
+
+
+class SessionNotFoundError(InvalidRequestError):
+    """No open session with this id is visible to the caller (404: another key's session looks
+    exactly like one that does not exist)."""
+
+    code = "session_not_found"
+    status = 404
+
+
+class SessionFullError(InvalidRequestError):
+    """A question and its answer do not fit in the positions a session leaves."""
+
+    code = "context_length_exceeded"
+
+
+class SessionClosedError(InvalidRequestError):
+    code = "session_closed"

@@ -8,6 +8,8 @@ from spanserve.errors import InvalidRequestError
 from spanserve.outputs import RequestOutput
 from spanserve.pic.prompt import is_parts_prompt
 from spanserve.sampling import SamplingParams
+from spanserve.sessions import persist
+from spanserve.sessions.session import Answer, Session
 
 
 class LLM:
@@ -35,8 +37,12 @@ class LLM:
         groups = [self.engine.make_group(p, sp) for p, sp in zip(prompts, params)]
         for group in groups:
             self.engine.add_group(group)
+        return self._run(groups)
+
+    def _run(self, groups: list) -> list[RequestOutput]:
+        """Step the engine until `groups` finish (background work advances meanwhile)."""
         finished: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
+        while not all(g.request_id in finished for g in groups):
             for out in self.engine.step():
                 if out.finished:
                     finished[out.request_id] = out
@@ -65,6 +71,70 @@ class LLM:
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.engine.chat_prompt(messages)["prompt_token_ids"]
+
+    def create_session(self, system: str = "You are a helpful assistant.", retention_tokens: int | None = None,
+                       flash: Sequence[str] = (), flash_max_tokens: int = 64) -> "LLMSession":
+        """A streaming session (sessions/session.py): append data as it arrives, ask questions that
+        cost only their own tokens. `flash` questions are answered again after each ingest."""
+        return LLMSession(self, self.engine.sessions.create(system, retention_tokens, list(flash),
+                                                            flash_max_tokens=flash_max_tokens))
+
+    def restore_session(self, path: str) -> "LLMSession":
+        """Open a session saved by LLMSession.save (same model and setup)."""
+        return LLMSession(self, self.engine.sessions.restore(path))
+
+
+class LLMSession:
+    """A session driven by the offline LLM. Its data is computed in the background of the
+    engine's steps: while a question (or generate()) runs, or in wait()."""
+
+    def __init__(self, llm: LLM, session: Session):
+        self._llm, self._session = llm, session
+
+    @property
+    def id(self) -> str:
+        return self._session.id
+
+    @property
+    def version(self) -> int:
+        """The data version questions see now (append() returns the version of its data)."""
+        return self._session.state.visible_version
+
+    def append(self, text: str) -> int:
+        return self._session.append(text)
+
+    def wait(self, version: int | None = None) -> None:
+        """Step the engine until data `version` (default: all appended) is visible to questions."""
+        target = self._session.state.version if version is None else version
+        while self._session.state.visible_version < target and self._llm.engine.has_unfinished_requests():
+            self._llm.engine.step()
+
+    def query(self, question: str, sampling_params: SamplingParams | None = None) -> Answer:
+        """Answer over the data visible now (a registered question's kept answer, if current)."""
+        result = self._session.query(question, sampling_params or SamplingParams())
+        if isinstance(result, Answer):
+            return result
+        version = self._session.version_of(result.request_id)
+        out = self._llm._run([result])[0]
+        return Answer(out.outputs[0].text, version, output=out)
+
+    def register(self, question: str) -> None:
+        self._session.register(question)
+        self._session.service()
+
+    def flash_answers(self) -> dict[str, tuple[int, str | None]]:
+        """Each registered question's latest answer and the data version it is for."""
+        return {q: (f.version, f.answer) for q, f in self._session.flash.items()}
+
+    def info(self) -> dict:
+        return self._session.info()
+
+    def save(self, path: str) -> None:
+        """Write the session to one file (restore it with LLM.restore_session)."""
+        persist.save(self._session, path)
+
+    def close(self) -> None:
+        self._llm.engine.sessions.close(self._session.id, self._session.tenant)
 
 
 def _per_prompt(params, count: int) -> list[SamplingParams]:

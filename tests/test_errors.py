@@ -65,7 +65,7 @@ def test_unknown_sampling_keyword_is_rejected_by_name():
 @pytest.mark.parametrize("kwargs, message", [
     ({"dtype": "float8"}, "unknown dtype 'float8'"),
     ({"num_blocks": 0}, "num_blocks must be >= 1, got 0"),
-    ({"block_size": 0}, "block_size, max_num_seqs and max_num_batched_tokens must be >= 1"),
+    ({"block_size": 0}, "block_size, max_num_seqs, max_num_batched_tokens and background_chunk_tokens must be >= 1"),
 ])
 def test_bad_engine_settings_are_rejected(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):

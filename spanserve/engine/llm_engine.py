@@ -11,7 +11,7 @@ from spanserve.attention import get_backend
 from spanserve.comb.plugin import find_plugin
 from spanserve.config import EngineConfig
 from spanserve.engine.detokenizer import IncrementalDetokenizer
-from spanserve.engine.request import Request
+from spanserve.engine.request import HeldContext, Priority, Request, RequestOwner
 from spanserve.engine.runner import ModelRunner
 from spanserve.engine.sampler import Sample
 from spanserve.engine.scheduler import Scheduler
@@ -32,6 +32,7 @@ from spanserve.pic.layout import Anchor, PromptLayout, validate_spans
 from spanserve.pic.link import LinkPolicy
 from spanserve.pic.prompt import chat_parts, is_parts_prompt, tokenize_parts
 from spanserve.sampling import SamplingParams
+from spanserve.sessions.store import SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,8 @@ class LLMEngine:
             quant.quantize(model)
         num_blocks = config.num_blocks or self._blocks_for_budget(cfg)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.background_chunk_tokens)
         graph_batch = 0 if config.enforce_eager or self.device.type != "cuda" else config.max_num_seqs
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device,
                                   graph_batch=graph_batch, max_model_len=self.max_model_len)
@@ -133,6 +135,7 @@ class LLMEngine:
         if self.anchor and self.kv.pool.num_blocks >= 64:  # small pools pin it only when needed
             self._materialize_anchor()
         self.derived: dict = {}  # what front ends build once from the tokenizer (a chat format)
+        self.sessions = SessionStore(self)  # streaming sessions (sessions/), served between steps
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, span link policy %s",
@@ -236,9 +239,11 @@ class LLMEngine:
                 for f in ("blend_layers", "ape_temperature", "ape_scale")}
         return LinkPolicy(name, gap, ratio, plugin=self.comb.signature if name == "comb" else "", **rest)
 
-    def make_group(self, prompt: PromptInput, params: SamplingParams,
-                   request_id: str | None = None) -> RequestGroup:
-        """Validate and tokenize a request without touching engine state (any thread)."""
+    def make_group(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None, *,
+                   priority: Priority = Priority.STATELESS, held: HeldContext | None = None,
+                   prefill_only: bool = False, owner: RequestOwner | None = None) -> RequestGroup:
+        """Validate and tokenize a request without touching engine state (any thread). The
+        keywords are for extensions that run their own requests (sessions/): see Request."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams")
         tp = self.tokenize(prompt)
@@ -259,6 +264,7 @@ class LLMEngine:
                 prompt_token_ids=token_ids, params=child_params, eos_token_ids=self.eos_token_ids,
                 cache_salt=tp.cache_salt, max_total_tokens=self.max_model_len,
                 wait_for=children[0] if children and self.config.enable_prefix_caching else None,
+                priority=priority, held=held, prefill_only=prefill_only, owner=owner,
             ))
         detoks = [IncrementalDetokenizer(self.tokenizer, token_ids, r.params) for r in children]
         return RequestGroup(request_id, tp.text, children, detoks)
@@ -300,7 +306,7 @@ class LLMEngine:
         for req in group.children if group else []:
             if not req.is_finished:
                 req.finish("abort")
-                self.scheduler.finish(req)
+                self._release(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -323,13 +329,20 @@ class LLMEngine:
             self._append(req, sample, group.detokenizers[req.index])
             touched[group.request_id] = group
         for req in prefilling:
-            if not req.is_prefilling and not req.is_finished:  # it decodes from the next step on
+            if req.is_prefilling or req.is_finished:
+                continue
+            if req.prefill_only:  # its KV was the point (an ingest): done
+                req.finish("length")
+                self._release(req)
+                touched[req.group_id] = self.groups[req.group_id]
+            else:  # it decodes from the next step on
                 self._settle_span_keys(req)
         outputs = []
         for group in touched.values():
             outputs.append(group.to_output())
             if group.finished:
                 del self.groups[group.request_id]
+        self.sessions.service()
         return outputs
 
     def _settle_span_keys(self, req: Request) -> None:
@@ -367,7 +380,13 @@ class LLMEngine:
         reason = self._stop_reason(req, sample.token_id, detok)
         if reason:
             req.finish(*reason)
-            self.scheduler.finish(req)
+            self._release(req)
+
+    def _release(self, req: Request) -> None:
+        """Free a request that ended, telling its owner first (it may keep some of its blocks)."""
+        if req.owner is not None:
+            req.owner.request_finished(req)
+        self.scheduler.finish(req)
 
     def _stop_reason(self, req: Request, token_id: int, detok: IncrementalDetokenizer):
         p = req.params

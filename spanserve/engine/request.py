@@ -3,12 +3,36 @@
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from spanserve.kv.block_pool import Block
 from spanserve.pic.layout import PromptLayout
 from spanserve.sampling import SamplingParams
+
+
+class Priority(enum.IntEnum):
+    """Scheduling classes, most urgent first; FIFO within a class."""
+
+    FLASH = 0  # a session's registered question, re-answered after new data
+    SESSION = 1  # a question to a session
+    STATELESS = 2  # an ordinary request
+    INGEST = 3  # data appended to a session, computed in the background
+
+
+@dataclass(frozen=True)
+class HeldContext:
+    """Computed KV a request continues from that someone else owns (a session's data): whole
+    blocks, referenced by this object from creation until its owner releases them. Such KV is
+    never shared through the prefix cache: its owner may move it (sessions/session.py)."""
+
+    blocks: tuple[Block, ...]
+
+
+class RequestOwner(Protocol):
+    def request_finished(self, req: "Request") -> None:
+        """Called once a request ends (finished or aborted), before its blocks are freed."""
 
 
 class RequestStatus(enum.Enum):
@@ -31,6 +55,10 @@ class Request:
     # A sibling (same prompt, n > 1) whose prefill this request waits for, to share its blocks.
     wait_for: "Request | None" = None
     layout: PromptLayout | None = None  # position-independent spans of the prompt, if any
+    priority: Priority = Priority.STATELESS
+    held: HeldContext | None = None  # KV it starts from, owned elsewhere
+    prefill_only: bool = False  # done once its prompt is computed: nothing sampled (an ingest)
+    owner: RequestOwner | None = None  # told when it ends
 
     def __post_init__(self):
         self.token_ids: list[int] = list(self.prompt_token_ids)

@@ -139,6 +139,21 @@ class ModelRunner:
             layer[0, blocks[first:]] = keys[first:]  # blocks before the first moved key stay untouched
         layout.derived["settled_blocks"] = tuple(table[:num_blocks])
 
+    @torch.inference_mode()
+    def move_blocks(self, pairs: list[tuple[int, int]], delta: int, chunk: int = 256) -> None:
+        """Move whole blocks of cached tokens `delta` positions (a session dropping its oldest data
+        moves the rest back): block src's values and its keys, rotated by RoPE, go to dst (src
+        itself when nobody else reads it). Rotated in float32 and rounded once; values do not
+        depend on position."""
+        rotation = self._key_rotation(torch.full((chunk * self.block_size,), delta))
+        for i in range(0, len(pairs), chunk):
+            src, dst = (self._tensor(list(ids)) for ids in zip(*pairs[i:i + chunk]))
+            for layer in self.kv_cache:  # [2, num_blocks, block_size, kv_heads, head_dim]
+                keys = layer[0, src].float()
+                rotated = rotation.rotate_(keys.flatten(0, 1)).view_as(keys)
+                layer[0, dst] = rotated.to(layer.dtype)
+                layer[1, dst] = layer[1, src]
+
     def _settled(self, layout, table: list[int]) -> bool:
         settled = layout.derived.get("settled_blocks") if layout is not None else None
         return settled is not None and tuple(table[: len(settled)]) == settled

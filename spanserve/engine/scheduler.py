@@ -8,12 +8,18 @@ recomputed later (its full blocks usually come back as prefix-cache hits).
 
 A prompt with position-independent spans (pic/layout.py) computes its missing spans first,
 each as a sub-sequence of its own, then the rest in context, skipping the spans' tokens.
+
+Requests come in priority classes (request.Priority): a step serves class by class, most urgent
+first, running requests then waiting ones of each class, so background work only gets the budget
+the others leave. A waiting request that cannot be admitted preempts running requests of a less
+urgent class, at the step boundary. The background class (session ingest) runs only in steps
+with nothing else to do, a small chunk at a time.
 """
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from spanserve.engine.request import Request, RequestStatus
+from spanserve.engine.request import Priority, Request, RequestStatus
 from spanserve.kv.manager import KVCacheManager
 
 
@@ -35,41 +41,92 @@ class ScheduledRequest:
     def samples(self) -> bool:
         """True if this step computes the request's last known token, so a new one is sampled."""
         req = self.request
-        return self.end == req.num_tokens and req.num_computed_tokens < self.end
+        return self.end == req.num_tokens and req.num_computed_tokens < self.end and not req.prefill_only
+
+
+class WaitQueue:
+    """Waiting requests: FIFO within each priority class, the most urgent class first."""
+
+    def __init__(self):
+        self._classes: dict[Priority, deque[Request]] = {p: deque() for p in Priority}
+
+    def append(self, req: Request) -> None:
+        self._classes[req.priority].append(req)
+
+    def appendleft(self, req: Request) -> None:
+        self._classes[req.priority].appendleft(req)
+
+    def peek(self, priority: Priority | None = None) -> Request | None:
+        """The next request to admit (of `priority`, if given)."""
+        queues = [self._classes[priority]] if priority is not None else self._classes.values()
+        return next((q[0] for q in queues if q), None)
+
+    def remove(self, req: Request) -> None:
+        self._classes[req.priority].remove(req)
+
+    def __contains__(self, req: Request) -> bool:
+        return req in self._classes[req.priority]
+
+    def __len__(self) -> int:
+        return sum(map(len, self._classes.values()))
+
+    def __iter__(self):
+        return (req for q in self._classes.values() for req in q)
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 background_chunk_tokens: int = 128):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.background_chunk_tokens = background_chunk_tokens
+        self.waiting = WaitQueue()
+        self.running: list[Request] = []  # by priority class, then admission order
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(len(self.waiting) or self.running)
 
     def schedule(self) -> list[ScheduledRequest]:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        budget = self._schedule_running(scheduled, budget)
-        self._admit_waiting(scheduled, budget)
+        self._yield_to_urgent()
+        for priority in Priority:
+            if priority == Priority.INGEST:  # background: only in a step nothing else needs
+                if scheduled:
+                    break
+                budget = min(budget, self.background_chunk_tokens)
+            budget = self._schedule_running(scheduled, budget, priority)
+            budget = self._admit_waiting(scheduled, budget, priority)
         return scheduled
 
-    def _schedule_running(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+    def _yield_to_urgent(self) -> None:
+        """Preempt running requests of a less urgent class (the least urgent, newest first) while
+        they keep the most urgent waiting request out."""
+        while (head := self.waiting.peek()) is not None and self.running:
+            if self.running[-1].priority <= head.priority:
+                return
+            if len(self.running) < self.max_num_seqs and self._admit(head):
+                continue
+            self._preempt(self.running.pop())
+
+    def _schedule_running(self, scheduled: list[ScheduledRequest], budget: int, priority: Priority) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.priority != priority:
+                i += 1
+                continue
             item = plan(req, budget)
             if not item.num_tokens:  # waiting for its link probe (engine._select_links)
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, item.end):
-                victim = self.running.pop()  # newest first: it has the least work to redo
+                victim = self.running.pop()  # least urgent and newest: it has the least work to redo
                 self._preempt(victim)
                 if victim is req:
                     return budget
@@ -78,23 +135,32 @@ class Scheduler:
             i += 1
         return budget
 
-    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int, priority: Priority) -> int:
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting.popleft()
+        while (req := self.waiting.peek(priority)) is not None and budget > 0 and len(self.running) < self.max_num_seqs:
             if req.wait_for is not None and not req.wait_for.is_finished and req.wait_for.is_prefilling:
+                self.waiting.remove(req)
                 skipped.append(req)  # its sibling's prompt blocks will be cache hits soon
                 continue
-            if not self.kv.admit(req):
-                self.waiting.appendleft(req)
+            if not self._admit(req):
                 break
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
             item = plan(req, budget)
             if item.num_tokens:
                 scheduled.append(item)
                 budget -= item.num_tokens
-        self.waiting.extendleft(reversed(skipped))
+        for req in reversed(skipped):
+            self.waiting.appendleft(req)
+        return budget
+
+    def _admit(self, req: Request) -> bool:
+        """Move the head of its class from waiting to running, if its blocks fit."""
+        if not self.kv.admit(req):
+            return False
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        after = next((i for i, r in enumerate(self.running) if r.priority > req.priority), len(self.running))
+        self.running.insert(after, req)
+        return True
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

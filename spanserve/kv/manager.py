@@ -35,6 +35,8 @@ class KVCacheManager:
         """Give a waiting request blocks for all its tokens: cache hits where found, fresh
         blocks elsewhere; set where its computation resumes. False, changing nothing, if the
         pool is short."""
+        if req.held is not None:
+            return self._admit_held(req)
         self._hash(req)
         table, num_context = self._context_hits(req)
         shadows, span_done, num_context = self._span_hits(req, table, num_context)
@@ -54,6 +56,20 @@ class KVCacheManager:
         req.num_computed_tokens = num_context * self.block_size
         req.num_hashed_blocks = num_context
         self._count(req)
+        return True
+
+    def _admit_held(self, req) -> bool:
+        """A request that continues KV someone else owns (req.held): those blocks, then fresh
+        ones. Nothing is looked up or published: the owner may move that KV later."""
+        held = list(req.held.blocks)
+        needed = cdiv(req.num_tokens, self.block_size) - len(held)
+        if needed > self.pool.num_free:
+            return False
+        self.pool.touch(held)
+        req.block_table = held + self.pool.allocate(needed)
+        req.num_computed_tokens = len(held) * self.block_size
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = req.num_computed_tokens
         return True
 
     def _hash(self, req) -> None:
@@ -176,7 +192,7 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, req) -> None:
         """Publish the blocks of `req` that became full and computed in the last step."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.held is not None:
             return
         bs = self.block_size
         for s, span in enumerate(req.layout.spans):

@@ -39,6 +39,12 @@ class ChatFormat:
         header, _, footer = full[len(base):].partition(_SENTINEL)
         return self._encode(header), self._encode(footer)
 
+    def header(self, role: str) -> list[int]:
+        return self._parts[role][0]
+
+    def footer(self, role: str) -> list[int]:
+        return self._parts[role][1]
+
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 

@@ -1,0 +1,38 @@
+"""How a session's regions read to the model: one user turn holding the data, then a question.
+
+    [system message][user header] data data data ... [question][user footer][generation prompt]
+    \\____________ region 0 ___________/\\__ region 1 __/ \\___________ region 2 ____________/
+
+Region 0 is padded to whole blocks (with the engine's span pad token, a newline), so the data
+starts on a block boundary and eviction drops whole blocks of data only. Text typed by users
+(data, questions) is tokenized with control tokens kept plain, as chat messages are.
+"""
+
+from spanserve.spans.tokenize import ChatFormat
+
+
+class SessionFormat:
+    def __init__(self, tokenizer, block_size: int, pad_token_id: int):
+        self.tokenizer, self.block_size, self.pad = tokenizer, block_size, pad_token_id
+        self.chat = ChatFormat(tokenizer) if tokenizer.chat_template else None
+
+    def frozen(self, system: str) -> list[int]:
+        """Region 0: the instructions and the opening of the user turn, padded to whole blocks."""
+        if self.chat:
+            tokens = (self.chat.bos + self.chat.message("system", system) + self.chat.header("user")
+                      + self.text("Data:\n"))
+        else:
+            tokens = self.tokenizer.encode("", add_special_tokens=True) + self.text(f"{system}\n\nData:\n")
+        return tokens + [self.pad] * (-len(tokens) % self.block_size)
+
+    def data(self, text: str) -> list[int]:
+        return self.text(text)
+
+    def question(self, text: str) -> list[int]:
+        """Region 2's prompt: the question closes the user turn and opens the answer."""
+        if self.chat:
+            return self.text(f"\n\nQuestion: {text}") + self.chat.footer("user") + self.chat.generation_prompt
+        return self.text(f"\n\nQuestion: {text}\nAnswer:")
+
+    def text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)

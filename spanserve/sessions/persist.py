@@ -1,0 +1,98 @@
+"""Saving a session to one file and opening it again, byte for byte.
+
+A safetensors file: the KV of the session's blocks as one tensor [layers, 2, blocks, block_size,
+kv_heads, head_dim] in the engine's dtype, and in its metadata the session's state (tokens,
+regions, pending data, versions, flash questions and answers), its owner, and what the KV is only
+valid for: the model's weights (their fingerprint), dtype, quantization and block size.
+"""
+
+import dataclasses
+import json
+import os
+from collections import deque
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from spanserve.comb.plugin import model_fingerprint
+from spanserve.errors import CacheFullError, InvalidRequestError
+from spanserve.sampling import SamplingParams
+from spanserve.sessions.session import Session, SessionState
+
+FORMAT = "spanserve-session-1"
+
+
+def kv_identity(engine) -> dict:
+    """What a saved KV cache is only valid for."""
+    if "session_identity" not in engine.derived:
+        engine.derived["session_identity"] = {
+            "model": model_fingerprint(engine.runner.model), "dtype": str(engine.dtype).removeprefix("torch."),
+            "quantization": engine.config.quantization, "block_size": engine.config.block_size}
+    return engine.derived["session_identity"]
+
+
+def save(session: Session, path: str | Path) -> Path:
+    """Write `session` to `path` (atomically: a crash leaves the old file or none)."""
+    engine, path = session.engine, Path(path)
+    ids = torch.tensor([b.block_id for b in session.blocks], dtype=torch.long, device=engine.device)
+    kv = engine.runner.kv_cache[:, :, ids].cpu().contiguous()
+    state = dataclasses.asdict(session.state) | {"version_ends": list(session.state.version_ends)}
+    meta = {"format": FORMAT, **kv_identity(engine), "id": session.id, "tenant": session.tenant, "state": state,
+            "flash": [[f.question, f.version, f.answer] for f in session.flash.values()],
+            "flash_max_tokens": session.flash_params.max_tokens}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({"kv": kv}, str(tmp), metadata={"session": json.dumps(meta)})
+    os.replace(tmp, path)
+    return path
+
+
+def load(engine, path: str | Path) -> tuple[Session, torch.Tensor]:
+    """A session read from `path`, without blocks yet, and its KV (fill() puts it in the pool)."""
+    meta, kv = _read(path)
+    identity = kv_identity(engine)
+    wrong = [k for k in identity if meta.get(k) != identity[k]]
+    if wrong:
+        raise InvalidRequestError(f"{path} holds a session of another model or setup ({', '.join(wrong)} differ): "
+                                  "its KV cache is only valid where it was computed")
+    try:
+        state = SessionState(**{**meta["state"], "version_ends": deque(map(tuple, meta["state"]["version_ends"]))})
+        flash = meta["flash"]
+        params = SamplingParams(temperature=0.0, max_tokens=int(meta["flash_max_tokens"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"{path} is not a valid session file ({exc})") from exc
+    bs, cache = engine.config.block_size, engine.runner.kv_cache
+    expected = (*cache.shape[:2], len(state.tokens) // bs, *cache.shape[3:])
+    if tuple(kv.shape) != expected or kv.dtype != cache.dtype or len(state.tokens) % bs:
+        raise InvalidRequestError(f"{path} is not a valid session file (its KV does not match its tokens)")
+    session = Session(engine, state, meta.get("tenant"), meta.get("id"), flash_params=params)
+    for question, version, answer in flash:
+        session.register(question)
+        session.flash[question].version, session.flash[question].answer = version, answer
+    return session, kv
+
+
+def _read(path: str | Path) -> tuple[dict, torch.Tensor]:
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads((f.metadata() or {}).get("session", "null"))
+            kv = f.get_tensor("kv")
+    except FileNotFoundError as exc:
+        raise InvalidRequestError(f"no session file {path}") from exc
+    except (SafetensorError, OSError, ValueError, KeyError) as exc:
+        raise InvalidRequestError(f"{path} is not a session file ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise InvalidRequestError(f"{path} is not a {FORMAT} file")
+    return meta, kv
+
+
+def fill(session: Session, kv: torch.Tensor) -> None:
+    """Allocate the session's blocks and copy its saved KV into them."""
+    engine, count = session.engine, kv.shape[2]
+    if count > engine.kv.pool.num_free:
+        raise CacheFullError(f"the session needs {count} free KV blocks, the pool has {engine.kv.pool.num_free}")
+    session.blocks = engine.kv.pool.allocate(count)
+    ids = torch.tensor([b.block_id for b in session.blocks], dtype=torch.long, device=engine.device)
+    engine.runner.kv_cache[:, :, ids] = kv.to(engine.device)

@@ -1,0 +1,297 @@
+"""Session: one long-lived sequence for streaming data (papers/stateful-streaming-sessions.txt).
+
+Three regions, in token order (format.py):
+0. frozen: the instructions, computed once;
+1. data: appended as it arrives, computed in the background by ingest requests (the lowest
+   priority class). Past `retention_tokens` (regions 0 and 1 together) the oldest whole blocks of
+   data are dropped and the rest move back: their keys are rotated by RoPE (exact: a rotation by
+   d composes with the one by p into the one by p + d), their values do not depend on position;
+2. per question: the question and its answer, computed by a query request that continues from
+   regions 0-1 (their blocks, shared, never copied) and frees only its own blocks.
+
+The session owns the blocks of regions 0-1, one pool reference each. Each request it starts holds
+a reference of its own to the blocks it continues from (a HeldContext), from creation to its end:
+data can be dropped and moved while a question is still being answered, since a block someone
+else still reads is moved into a copy (copy on write) and the reader keeps the old one.
+
+Only whole blocks are computed: the last partial block of data waits for more, and a question
+computes it along with itself (fewer than block_size tokens).
+
+Registered ("flash") questions are answered again after each ingest, at the most urgent
+priority; their answers are kept per data version and pushed to subscribers.
+
+Everything here runs on the engine's thread.
+"""
+
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from spanserve.engine.request import HeldContext, Priority, Request
+from spanserve.errors import InvalidRequestError, SessionClosedError, SessionFullError
+from spanserve.kv.block_pool import Block
+from spanserve.sampling import SamplingParams
+
+INGEST_TOKENS = 1024  # data one ingest request computes (the scheduler splits it into chunks)
+# An eviction drops this much of the data window beyond what it must, so that a key is moved
+# (rotated and rounded) a bounded number of times, about 1 / EVICT_FRACTION, over its life.
+EVICT_FRACTION = 0.125
+
+
+@dataclass
+class Flash:
+    """A registered question and its latest answer."""
+
+    question: str
+    tokens: list[int]
+    version: int = -1  # data version the answer is for
+    answer: str | None = None
+    running: object | None = None  # the RequestGroup answering it now
+
+
+@dataclass
+class Answer:
+    """What a question to a session returns."""
+
+    text: str
+    version: int  # the data version it saw: every append up to this one
+    flash_hit: bool = False  # a registered question's kept answer: no forward pass
+    output: object | None = None  # the RequestOutput, when it was computed
+
+
+@dataclass
+class SessionState:
+    """Everything that defines a session's sequence (what save() writes)."""
+
+    tokens: list[int]  # regions 0-1 as computed: block i holds tokens[16 i: 16 i + 16]
+    num_frozen: int  # region 0, whole blocks
+    pending: list[int]  # appended, not computed yet
+    retention_tokens: int
+    appended: int = 0  # tokens ever appended (region 0 counts as the first append, version 0)
+    evicted: int = 0  # data tokens dropped so far
+    version: int = 0  # of the last append
+    version_ends: deque = field(default_factory=deque)  # (version, appended after it), not yet visible
+    visible_version: int = 0
+
+
+class Session:
+    def __init__(self, engine, state: SessionState, tenant: str | None = None, session_id: str | None = None,
+                 flash: list[str] = (), flash_params: SamplingParams | None = None):
+        self.engine, self.state, self.tenant = engine, state, tenant
+        self.id = session_id or f"sess-{uuid.uuid4().hex}"
+        self.blocks: list[Block] = []
+        self.closed = False
+        self.flash_params = flash_params or SamplingParams(temperature=0.0, max_tokens=64)
+        self.flash: dict[str, Flash] = {}
+        self._subscribers: list[Callable[[dict], None]] = []
+        self._ingest = None  # the RequestGroup computing data now
+        self._versions: dict[str, int] = {}  # request id -> data version it saw
+        for question in flash:
+            self.register(question)
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.config.block_size
+
+    @property
+    def pool(self):
+        return self.engine.kv.pool
+
+    # ---- data -----------------------------------------------------------------------------
+
+    def append(self, text: str) -> int:
+        """Queue data; returns its version. It is computed in the background."""
+        self._check_open()
+        if not isinstance(text, str) or not text:
+            raise InvalidRequestError("data must be a non-empty string")
+        return self.append_tokens(self.engine.sessions.format.data(text))
+
+    def append_tokens(self, tokens: list[int]) -> int:
+        st = self.state
+        st.pending.extend(tokens)
+        st.appended += len(tokens)
+        st.version += 1
+        st.version_ends.append((st.version, st.appended))
+        self._update_visible()
+        self.service()
+        return st.version
+
+    def _visible_pending(self) -> int:
+        """How many pending tokens a question computes itself: region 0 until it is computed,
+        else a last partial block of data (never more: a question stays O(its own length))."""
+        st = self.state
+        missing_frozen = st.num_frozen - len(st.tokens)
+        if missing_frozen > 0:
+            return missing_frozen
+        return len(st.pending) if len(st.pending) < self.block_size else 0
+
+    def _update_visible(self) -> None:
+        st = self.state
+        visible = st.appended - len(st.pending) + self._visible_pending()
+        while st.version_ends and st.version_ends[0][1] <= visible:
+            st.visible_version = st.version_ends.popleft()[0]
+
+    @property
+    def ingesting(self) -> bool:
+        return self._ingest is not None or len(self.state.pending) >= self.block_size
+
+    def service(self) -> None:
+        """Background work, after each engine step: drop old data, start the next ingest, ask
+        the flash questions whose answers are stale."""
+        if self.closed:
+            return
+        if self._ingest is None:
+            self._start_ingest()
+        for flash in self.flash.values():
+            if flash.running is None and flash.version < self.state.visible_version:
+                flash.running = self._ask(flash.tokens, self.flash_params, Priority.FLASH)
+
+    def _start_ingest(self) -> None:
+        """Compute the next whole blocks of pending data, after making room for them."""
+        st, bs = self.state, self.block_size
+        chunk = min(len(st.pending) // bs * bs, INGEST_TOKENS, (st.retention_tokens - st.num_frozen) // bs * bs)
+        if chunk and self._evict(len(st.tokens) + chunk - st.retention_tokens):
+            self._ingest = self._request(st.tokens + st.pending[:chunk], SamplingParams(max_tokens=1),
+                                         Priority.INGEST, prefill_only=True)
+
+    def _ingested(self, req: Request) -> None:
+        """An ingest finished: keep its new blocks (one reference each, taken before it frees)."""
+        st, bs = self.state, self.block_size
+        computed = req.num_tokens - len(st.tokens)
+        new = req.block_table[len(self.blocks): len(self.blocks) + computed // bs]
+        self.pool.touch(new)
+        self.blocks.extend(new)
+        st.tokens.extend(st.pending[:computed])
+        del st.pending[:computed]
+        self._update_visible()
+
+    def _evict(self, excess: int) -> bool:
+        """Drop at least `excess` tokens of the oldest data, in whole blocks, and move the rest
+        back. Blocks a running question still reads are moved into copies; False, changing
+        nothing, if the pool has no room for them (the ingest waits for the readers)."""
+        st, bs = self.state, self.block_size
+        if excess <= 0:
+            return True
+        window = (len(st.tokens) - st.num_frozen) // bs
+        drop = min(window, -(-(excess + int(EVICT_FRACTION * (st.retention_tokens - st.num_frozen))) // bs))
+        first = st.num_frozen // bs
+        gone, kept = self.blocks[first:first + drop], self.blocks[first + drop:]
+        read = [b for b in kept if b.ref_cnt > 1]
+        if len(read) > self.pool.num_free:
+            return False
+        copies = iter(self.pool.allocate(len(read)))
+        moved = [next(copies) if b.ref_cnt > 1 else b for b in kept]
+        self.engine.runner.move_blocks([(a.block_id, b.block_id) for a, b in zip(kept, moved)], -drop * bs)
+        self.pool.release(read + gone)
+        self.blocks[first:] = moved
+        del st.tokens[st.num_frozen:st.num_frozen + drop * bs]
+        st.evicted += drop * bs
+        return True
+
+    # ---- questions --------------------------------------------------------------------------
+
+    def query(self, question: str, params: SamplingParams, request_id: str | None = None):
+        """A kept answer (Answer) if `question` is registered and answered at the current data
+        version, else the RequestGroup that computes the answer (submitted to the engine)."""
+        self._check_open()
+        if not isinstance(question, str) or not question:
+            raise InvalidRequestError("question must be a non-empty string")
+        flash = self.flash.get(question)
+        if flash and flash.answer is not None and flash.version == self.state.visible_version:
+            return Answer(flash.answer, flash.version, flash_hit=True)
+        return self._ask(self.engine.sessions.format.question(question), params, Priority.SESSION, request_id)
+
+    def version_of(self, request_id: str) -> int:
+        """The data version a question's request saw."""
+        return self._versions.get(request_id, self.state.visible_version)
+
+    def _ask(self, suffix: list[int], params: SamplingParams, priority: Priority, request_id: str | None = None):
+        st = self.state
+        prompt = st.tokens + st.pending[:self._visible_pending()] + suffix
+        room = self.engine.max_model_len - (len(prompt) - len(suffix))
+        if len(suffix) + params.max_tokens > room:
+            raise SessionFullError(f"the question ({len(suffix)} tokens) and its max_tokens ({params.max_tokens}) "
+                                   f"need more room than the session leaves ({room} positions)")
+        group = self._request(prompt, params, priority, request_id=request_id)
+        self._versions[group.request_id] = st.visible_version
+        return group
+
+    def _request(self, prompt: list[int], params: SamplingParams, priority: Priority, prefill_only: bool = False,
+                 request_id: str | None = None):
+        """Start a request continuing from the session's blocks (referenced until it ends)."""
+        held = HeldContext(tuple(self.blocks))
+        group = self.engine.make_group({"prompt_token_ids": prompt}, params, request_id, priority=priority,
+                                       held=held, prefill_only=prefill_only, owner=self)
+        self.pool.touch(held.blocks)
+        self.engine.add_group(group)
+        return group
+
+    def request_finished(self, req: Request) -> None:
+        """Engine hook (before the request's blocks are freed)."""
+        self.pool.release(req.held.blocks)
+        version = self._versions.pop(req.request_id, None)
+        if self._ingest is not None and req is self._ingest.children[0]:
+            self._ingest = None
+            if req.finish_reason != "abort":
+                self._ingested(req)
+            return
+        flash = next((f for f in self.flash.values() if f.running and req is f.running.children[0]), None)
+        if flash is not None:
+            group, flash.running = flash.running, None
+            if req.finish_reason != "abort" and version > flash.version:
+                flash.version, flash.answer = version, group.to_output().outputs[0].text
+                self._publish(flash)
+
+    # ---- flash questions --------------------------------------------------------------------
+
+    def register(self, question: str) -> None:
+        self._check_open()
+        if not isinstance(question, str) or not question:
+            raise InvalidRequestError("a flash question must be a non-empty string")
+        if question not in self.flash:
+            self.flash[question] = Flash(question, self.engine.sessions.format.question(question))
+
+    def subscribe(self, callback: Callable[[dict], None]) -> Callable[[], None]:
+        """Call `callback(event)` (on the engine thread) with every flash answer from now on, after
+        the ones already known; returns the function that unsubscribes."""
+        self._subscribers.append(callback)
+        for flash in self.flash.values():
+            if flash.answer is not None:
+                callback(_event(flash))
+        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
+
+    def _publish(self, flash: Flash) -> None:
+        for callback in list(self._subscribers):
+            callback(_event(flash))
+
+    # ---- life -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop background work and free the session's blocks (questions still running keep the
+        blocks they read until they end)."""
+        if self.closed:
+            return
+        self.closed = True
+        running = [self._ingest] + [f.running for f in self.flash.values()]
+        for group in running:
+            if group is not None:
+                self.engine.abort_request(group.request_id)
+        self.pool.release(self.blocks)
+        self.blocks = []
+        self._subscribers.clear()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SessionClosedError(f"session {self.id} is closed")
+
+    def info(self) -> dict:
+        st = self.state
+        return {"id": self.id, "object": "session", "version": st.version, "visible_version": st.visible_version,
+                "num_tokens": len(st.tokens), "frozen_tokens": st.num_frozen, "pending_tokens": len(st.pending),
+                "evicted_tokens": st.evicted, "retention_tokens": st.retention_tokens,
+                "flash": list(self.flash), "closed": self.closed}
+
+
+def _event(flash: Flash) -> dict:
+    return {"question": flash.question, "version": flash.version, "answer": flash.answer}

@@ -1,0 +1,89 @@
+"""SessionStore: the engine's open sessions, each visible only to the tenant that created it."""
+
+from functools import cached_property
+
+from spanserve.errors import CacheFullError, InvalidRequestError, SessionNotFoundError
+from spanserve.sampling import SamplingParams
+from spanserve.sessions import persist
+from spanserve.sessions.format import SessionFormat
+from spanserve.sessions.session import Session, SessionState
+
+QUESTION_ROOM = 512  # positions a session leaves by default for a question and its answer
+SESSION_POOL_SHARE = 0.9  # sessions together may hold at most this much of the KV pool
+
+
+class SessionStore:
+    def __init__(self, engine):
+        self.engine = engine
+        self.sessions: dict[str, Session] = {}
+
+    @cached_property
+    def format(self) -> SessionFormat:
+        return SessionFormat(self.engine.tokenizer, self.engine.config.block_size, self.engine.pad_token_id)
+
+    def create(self, system: str = "You are a helpful assistant.", retention_tokens: int | None = None,
+               flash: list[str] = (), tenant: str | None = None, flash_max_tokens: int = 64) -> Session:
+        """A new session whose regions 0-1 keep at most `retention_tokens` tokens (default: the
+        model's length less QUESTION_ROOM, or a quarter of it). Its instructions are computed in the background."""
+        if not isinstance(system, str):
+            raise InvalidRequestError("system must be a string")
+        if not isinstance(flash, (list, tuple)) or not all(isinstance(q, str) and q for q in flash):
+            raise InvalidRequestError("flash must be a list of non-empty questions")
+        frozen = self.format.frozen(system)
+        max_len, bs = self.engine.max_model_len, self.engine.config.block_size
+        retention = max_len - min(QUESTION_ROOM, max_len // 4) if retention_tokens is None else retention_tokens
+        if not isinstance(retention, int) or isinstance(retention, bool):
+            raise InvalidRequestError("retention_tokens must be an integer")
+        if retention < len(frozen) + bs:
+            raise InvalidRequestError(
+                f"retention_tokens ({retention}) must exceed the session's instructions ({len(frozen)} tokens, "
+                f"region 0) by at least one block of {bs} tokens of data")
+        if retention + bs > max_len:
+            raise InvalidRequestError(f"retention_tokens ({retention}) leaves no room for a question within "
+                                      f"max_model_len {max_len}")
+        self._reserve(retention)
+        params = SamplingParams(temperature=0.0, max_tokens=flash_max_tokens)
+        state = SessionState(tokens=[], num_frozen=len(frozen), pending=list(frozen), retention_tokens=retention,
+                             appended=len(frozen))  # the instructions are version 0
+        session = Session(self.engine, state, tenant, flash=list(flash), flash_params=params)
+        self.sessions[session.id] = session
+        session.service()
+        return session
+
+    def _reserve(self, retention_tokens: int) -> None:
+        """Sessions must fit in the pool together: each may hold its whole retention."""
+        kv = self.engine.kv
+        held = sum(kv.blocks_needed(s.state.retention_tokens) for s in self.sessions.values())
+        needed, limit = kv.blocks_needed(retention_tokens), int(SESSION_POOL_SHARE * kv.pool.num_blocks)
+        if held + needed > limit:
+            raise CacheFullError(f"a session keeping {retention_tokens} tokens needs {needed} KV blocks; open "
+                                 f"sessions may hold {limit - held} more (lower retention_tokens, close a "
+                                 f"session, or raise kv_cache_memory_gb)")
+
+    def restore(self, path, tenant: str | None = None) -> Session:
+        """Open a session saved by persist.save (only for the tenant that saved it)."""
+        session, kv = persist.load(self.engine, path)
+        if session.tenant != tenant:
+            raise SessionNotFoundError(f"no session in {path}")
+        if session.id in self.sessions:
+            raise InvalidRequestError(f"session {session.id} is already open")
+        self._reserve(session.state.retention_tokens)
+        persist.fill(session, kv)
+        self.sessions[session.id] = session
+        session.service()
+        return session
+
+    def get(self, session_id: str, tenant: str | None = None) -> Session:
+        session = self.sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None or session.tenant != tenant:  # another tenant's session does not exist
+            raise SessionNotFoundError(f"no session {session_id!r}")
+        return session
+
+    def close(self, session_id: str, tenant: str | None = None) -> None:
+        self.get(session_id, tenant).close()
+        del self.sessions[session_id]
+
+    def service(self) -> None:
+        """After each engine step: every session's background work."""
+        for session in list(self.sessions.values()):
+            session.service()

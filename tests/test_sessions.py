@@ -1,0 +1,248 @@
+"""Streaming sessions (spanserve/sessions/): ingest, questions, eviction, flash, save/restore."""
+
+import pytest
+import torch
+from helpers import assert_engine_idle
+
+from spanserve import LLM, SamplingParams
+from spanserve.engine.request import Priority
+from spanserve.errors import (
+    CacheFullError,
+    InvalidRequestError,
+    SessionClosedError,
+    SessionFullError,
+    SessionNotFoundError,
+)
+
+ROWS = [f"t={i:03d}, sensor={'ABC'[i % 3]}, value={(37 * i) % 101}\n" for i in range(200)]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_path):
+    return LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=256)
+
+
+def _feed(session, rows):
+    for row in rows:
+        session.append(row)
+    session.wait()
+
+
+def _visible_prompt(llm, session, question):
+    state = session._session.state
+    return state.tokens + state.pending + llm.engine.sessions.format.question(question)
+
+
+def _close_all(llm):
+    for sid in list(llm.engine.sessions.sessions):
+        llm.engine.sessions.close(sid)
+
+
+def test_question_equals_the_same_prompt_run_stateless(llm):
+    """A question over ingested data (ingest in background chunks, a partial last block computed
+    by the question) gives the tokens and logprobs of the whole prompt run as one request."""
+    s = llm.create_session(system="Answer from the log.")
+    _feed(s, ROWS[:20])
+    assert s.version == 20 and 0 < s.info()["pending_tokens"] < 16 and s.info()["evicted_tokens"] == 0
+    answer = s.query("Which sensor reported 74?", GREEDY)
+    assert answer.version == 20 and not answer.flash_hit
+    ref = llm.generate({"prompt_token_ids": _visible_prompt(llm, s, "Which sensor reported 74?")}, GREEDY)[0]
+    assert answer.output.outputs[0].token_ids == ref.outputs[0].token_ids
+    for got, want in zip(answer.output.outputs[0].logprobs, ref.outputs[0].logprobs):
+        for token, lp in want.items():
+            assert got[token] == pytest.approx(lp, abs=1e-4)
+    # it computed only the question and the data's partial last block
+    assert answer.output.num_cached_tokens == len(s._session.state.tokens)
+    s.close()
+    assert_engine_idle(llm)
+
+
+def test_session_blocks_stay_out_of_the_prefix_cache(llm):
+    s = llm.create_session(system="x")
+    _feed(s, ROWS[:10])
+    s.query("Which sensor?", GREEDY)
+    assert all(b.block_hash is None for b in s._session.blocks)
+    s.close()
+    assert_engine_idle(llm)
+
+
+def _rotate(keys: torch.Tensor, delta: int, theta: float = 10000.0) -> torch.Tensor:
+    """RoPE by `delta` positions, written from the formula (rotate-half layout)."""
+    dim = keys.shape[-1]
+    angles = delta / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    cos, sin = torch.cat([angles.cos()] * 2), torch.cat([angles.sin()] * 2)
+    half = torch.cat([-keys[..., dim // 2:], keys[..., :dim // 2]], -1)
+    return (keys.double() * cos + half.double() * sin).to(keys.dtype)
+
+
+def test_eviction_drops_whole_blocks_and_moves_the_rest_exactly(llm):
+    """Past retention, the oldest data blocks go and the kept ones move back: their keys equal
+    the unevicted session's keys rotated by the distance, their values are untouched."""
+    kept_session = llm.create_session(system="Log.", retention_tokens=160)
+    full_session = llm.create_session(system="Log.", retention_tokens=480)
+    _feed(kept_session, ROWS[:10])
+    _feed(full_session, ROWS[:10])
+    before = list(kept_session._session.state.tokens)
+    _feed(kept_session, ROWS[10:20])
+    _feed(full_session, ROWS[10:20])
+    st, full = kept_session._session.state, full_session._session.state
+    assert st.evicted > 0 and st.evicted % 16 == 0 and len(st.tokens) <= 160 and full.evicted == 0
+    assert st.tokens[:st.num_frozen] == full.tokens[:st.num_frozen]
+    assert st.tokens[st.num_frozen:] == full.tokens[st.num_frozen + st.evicted:]
+    cache, bs = llm.engine.runner.kv_cache, 16
+    first, moved = st.num_frozen // bs, (len(before) - st.num_frozen - st.evicted) // bs
+    ours = cache[:, :, [b.block_id for b in kept_session._session.blocks[first:first + moved]]]
+    shift = st.evicted // bs
+    theirs = cache[:, :, [b.block_id for b in full_session._session.blocks[first + shift:first + shift + moved]]]
+    torch.testing.assert_close(ours[:, 1], theirs[:, 1], rtol=0, atol=0)
+    torch.testing.assert_close(ours[:, 0], _rotate(theirs[:, 0], -st.evicted), rtol=1e-5, atol=1e-5)
+    region0 = [b.block_id for b in kept_session._session.blocks[:first]]
+    assert torch.equal(cache[:, :, region0], cache[:, :, [b.block_id for b in full_session._session.blocks[:first]]])
+    kept_session.query("Which sensor?", GREEDY)  # positions continue after the kept tokens
+    _close_all(llm)
+    assert_engine_idle(llm)
+
+
+def test_eviction_while_a_question_reads_copies_the_blocks_it_reads(llm):
+    """A question still running when its session drops data keeps reading the old blocks; the
+    session moves copies; every block comes back once both are done."""
+    s = llm.create_session(system="Log.", retention_tokens=300)
+    _feed(s, ROWS[:14])
+    session = s._session
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    group = session.query("Which sensor reported 74?", params)
+    held = {b.block_id for b in group.children[0].held.blocks}
+    s.append("".join(ROWS[14:30]))  # makes room for itself at once: the question has not run yet
+    assert session.state.evicted > 0 and not group.finished
+    data_blocks = {b.block_id for b in session.blocks[session.state.num_frozen // 16:]}
+    assert data_blocks.isdisjoint(held)  # it moved copies
+    outputs = llm._run([group])
+    # the question read the old KV, unchanged: as if its prompt ran alone
+    ref = llm.generate({"prompt_token_ids": group.children[0].prompt_token_ids}, params)[0]
+    assert outputs[0].outputs[0].token_ids == ref.outputs[0].token_ids
+    s.close()
+    assert_engine_idle(llm)
+
+
+def test_flash_questions_are_answered_after_ingest_and_kept(llm):
+    events = []
+    s = llm.create_session(system="Log.", flash=["Which sensor is last?"], flash_max_tokens=4)
+    s._session.subscribe(events.append)
+    _feed(s, ROWS[:8])
+    while s._session.flash["Which sensor is last?"].running is not None:
+        llm.engine.step()
+    version, text = s.flash_answers()["Which sensor is last?"]
+    assert version == s.version == 8 and text is not None
+    assert events[-1] == {"question": "Which sensor is last?", "version": 8, "answer": text}
+    steps_before = len(llm.engine.groups)
+    hit = s.query("Which sensor is last?", GREEDY)
+    assert hit.flash_hit and hit.text == text and hit.version == 8 and len(llm.engine.groups) == steps_before
+    # the kept answer is what the question gives at that version
+    prompt = _visible_prompt(llm, s, "Which sensor is last?")
+    ref = llm.generate({"prompt_token_ids": prompt}, s._session.flash_params)[0]
+    assert ref.outputs[0].text == text
+    s.append("x")  # new data (in the partial last block: visible at once): the kept answer is stale
+    assert s.version == 9
+    answer = s.query("Which sensor is last?", SamplingParams(temperature=0, max_tokens=4))
+    assert not answer.flash_hit and answer.version == 9
+    s.close()
+    assert_engine_idle(llm)
+
+
+def test_save_and_restore_are_byte_exact(llm, tmp_path):
+    s = llm.create_session(system="Log.", retention_tokens=400, flash=["Which sensor?"], flash_max_tokens=3)
+    _feed(s, ROWS[:30])
+    s.append("t=999, sensor=")  # a pending partial block is saved too
+    path = tmp_path / "s.safetensors"
+    s.save(str(path))
+    before = s.query("Which sensor reported 74?", GREEDY)
+    kv = llm.engine.runner.kv_cache[:, :, [b.block_id for b in s._session.blocks]].clone()
+    state = s._session.state
+    s.close()
+    restored = llm.restore_session(str(path))
+    assert restored.id == s.id and restored._session.state == state
+    assert torch.equal(llm.engine.runner.kv_cache[:, :, [b.block_id for b in restored._session.blocks]], kv)
+    after = restored.query("Which sensor reported 74?", GREEDY)
+    assert after.output.outputs[0].token_ids == before.output.outputs[0].token_ids
+    assert after.output.outputs[0].logprobs == before.output.outputs[0].logprobs
+    with pytest.raises(InvalidRequestError, match="already open"):
+        llm.restore_session(str(path))
+    restored.close()
+    assert_engine_idle(llm)
+
+
+def test_restore_refuses_corrupt_files_and_other_models(llm, tiny_qwen2_path, tmp_path):
+    s = llm.create_session(system="Log.")
+    _feed(s, ROWS[:4])
+    path = tmp_path / "s.safetensors"
+    s.save(str(path))
+    s.close()
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(InvalidRequestError, match="not a session file"):
+        llm.restore_session(str(bad))
+    with pytest.raises(InvalidRequestError, match="no session file"):
+        llm.restore_session(str(tmp_path / "missing"))
+    other = LLM(model=str(tiny_qwen2_path), dtype="float32", num_blocks=64)
+    with pytest.raises(InvalidRequestError, match="another model"):
+        other.restore_session(str(path))
+    assert_engine_idle(other)
+    assert_engine_idle(llm)
+
+
+def test_bad_input_changes_no_other_session(llm):
+    other = llm.create_session(system="Other.")
+    _feed(other, ROWS[:5])
+    state = repr(other._session.state)
+    with pytest.raises(InvalidRequestError, match="must exceed the session's instructions"):
+        llm.create_session(system="A long system prompt. " * 10, retention_tokens=20)
+    with pytest.raises(InvalidRequestError, match="no room for a question"):
+        llm.create_session(retention_tokens=510)
+    s = llm.create_session(system="Log.")
+    with pytest.raises(SessionFullError):
+        s.query("x " * 600, GREEDY)
+    with pytest.raises(InvalidRequestError):
+        s.append("")
+    s.close()
+    with pytest.raises(SessionClosedError):
+        s.append("more")
+    with pytest.raises(SessionNotFoundError):
+        llm.engine.sessions.get(s.id)
+    with pytest.raises(SessionNotFoundError):  # another tenant's session does not exist for you
+        llm.engine.sessions.get(other.id, tenant="someone-else")
+    assert repr(other._session.state) == state
+    other.close()
+    assert_engine_idle(llm)
+
+
+def test_sessions_must_fit_in_the_pool_together(tiny_llama_path):
+    small = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=40)
+    first = small.create_session(retention_tokens=480)  # 30 of the 36 blocks sessions may hold
+    with pytest.raises(CacheFullError, match="open sessions may hold 6 more"):
+        small.create_session(retention_tokens=480)
+    first.close()
+    small.create_session(retention_tokens=480).close()
+    assert_engine_idle(small)
+
+
+def test_questions_come_before_ingest(llm, monkeypatch):
+    """Background ingest runs only in steps no other request needs, a chunk at a time: a question
+    arriving during an ingest is scheduled at the next step, alone."""
+    engine, batches = llm.engine, []
+    execute = engine.runner.execute
+    monkeypatch.setattr(engine.runner, "execute", lambda batch: batches.append(batch) or execute(batch))
+    s = llm.create_session(system="Log.", retention_tokens=480)
+    s.append("".join(ROWS[:30]))
+    engine.step()  # the instructions
+    engine.step()
+    assert [item.request.priority for item in batches[-1]] == [Priority.INGEST]
+    assert batches[-1][0].num_tokens == engine.config.background_chunk_tokens
+    group = s._session.query("Which sensor?", GREEDY)
+    while not group.finished:
+        engine.step()
+        assert [item.request.priority for item in batches[-1]] == [Priority.SESSION]
+    s.wait()
+    assert [item.request.priority for item in batches[-1]] == [Priority.INGEST]
+    s.close()
+    assert_engine_idle(llm)
