@@ -242,7 +242,7 @@ def cmd_serve(args) -> None:
     limits = QueryLimits(args.max_query_depth, args.max_query_fanout, args.max_query_calls)
     app = create_app(llm, name, max_queued=args.max_queued, retriever=retriever, tenants=tenants,
                      max_body_bytes=int(args.max_body_mb * (1 << 20)), query_limits=limits,
-                     metrics_public=args.metrics_public)
+                     metrics_public=args.metrics_public, session_dir=args.session_dir)
     print(f"spanserve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
     llm.shutdown()
@@ -378,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="keys by tenant, one `KEY TENANT` per line: tenants never share cached KV")
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
+    p.add_argument("--session-dir", default=None,
+                   help="where sessions are saved (POST /v1/sessions/{id}/save) and kept across a restart")
     p.add_argument("--served-model-name", default=None, help="the model name clients pass")
     p.add_argument("--max-queued", type=int, default=None,
                    help="answer 429 beyond this many waiting sequences (n of each prompt, each call of a span query)")

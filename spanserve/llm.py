@@ -114,9 +114,8 @@ class LLMSession:
         result = self._session.query(question, sampling_params or SamplingParams())
         if isinstance(result, Answer):
             return result
-        version = self._session.version_of(result.request_id)
-        out = self._llm._run([result])[0]
-        return Answer(out.outputs[0].text, version, output=out)
+        out = self._llm._run([result.group])[0]
+        return Answer(out.outputs[0].text, result.version, output=out)
 
     def register(self, question: str) -> None:
         self._session.register(question)

@@ -111,7 +111,7 @@ def test_eviction_while_a_question_reads_copies_the_blocks_it_reads(llm):
     _feed(s, ROWS[:14])
     session = s._session
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    group = session.query("Which sensor reported 74?", params)
+    group = session.query("Which sensor reported 74?", params).group
     held = {b.block_id for b in group.children[0].held.blocks}
     s.append("".join(ROWS[14:30]))  # makes room for itself at once: the question has not run yet
     assert session.state.evicted > 0 and not group.finished
@@ -238,7 +238,7 @@ def test_questions_come_before_ingest(llm, monkeypatch):
     engine.step()
     assert [item.request.priority for item in batches[-1]] == [Priority.INGEST]
     assert batches[-1][0].num_tokens == engine.config.background_chunk_tokens
-    group = s._session.query("Which sensor?", GREEDY)
+    group = s._session.query("Which sensor?", GREEDY).group
     while not group.finished:
         engine.step()
         assert [item.request.priority for item in batches[-1]] == [Priority.SESSION]

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from spanserve.config import EngineConfig
@@ -67,23 +67,38 @@ class AsyncLLM:
         """Like generate(), but an invalid request raises here, at once, rather than at the first
         iteration (a server must answer 400 before it starts streaming). The request reaches the
         engine when the iteration starts; an iterator never started costs nothing."""
-        return self._outputs(self.engine.make_group(prompt, params, request_id))
+        group = self.engine.make_group(prompt, params, request_id)
+        return self._outputs(group.request_id, lambda: self.engine.add_group(group))
 
-    async def _outputs(self, group: RequestGroup) -> AsyncIterator[RequestOutput]:
+    def submit_started(self, request_id: str, start: Callable[[], object]) -> AsyncIterator:
+        """The outputs of request `request_id`, which `start()` adds to the engine on its thread (a
+        request an extension builds from engine state: a question to a session). If `start` returns
+        something other than None or a RequestGroup (an answer it had kept), that is the only item;
+        if it raises, the iteration does."""
+        return self._outputs(request_id, start)
+
+    async def call(self, fn: Callable[[], object]):
+        """Run `fn()` on the engine thread, between steps, and return (or raise) what it does."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(("call", (fn, loop, future)))
+        return await future
+
+    async def _outputs(self, request_id: str, start: Callable[[], object]) -> AsyncIterator:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[group.request_id] = stream
-        self._inbox.put(("add", group))
+        self._streams[request_id] = stream
+        self._inbox.put(("start", (request_id, start)))
         finished = False
         try:
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                finished = not isinstance(item, RequestOutput) or item.finished
                 yield item
         finally:
             if not finished:
-                self.abort(group.request_id)
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -109,19 +124,37 @@ class AsyncLLM:
         if command is None:
             return
         kind, arg = command
-        if kind == "add":
-            self._add(arg)
+        if kind == "start":
+            self._start(*arg)
+        elif kind == "call":
+            self._call(*arg)
         elif kind == "abort":
             self.engine.abort_request(arg)
 
-    def _add(self, group: RequestGroup) -> None:
-        stream = self._streams.get(group.request_id)
+    def _start(self, request_id: str, start: Callable[[], object]) -> None:
+        stream = self._streams.get(request_id)
         if stream is None:  # aborted before it reached the engine
             return
         try:
-            self.engine.add_group(group)
+            result = start()
         except Exception as exc:  # e.g. a duplicate request id
             stream.put(exc)
+            return
+        if result is not None and not isinstance(result, RequestGroup):
+            self._streams.pop(request_id, None)
+            stream.put(result)
+
+    @staticmethod
+    def _call(fn: Callable[[], object], loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+        def settle(method, value):
+            if not future.done():  # the caller may have been cancelled meanwhile
+                method(value)
+        try:
+            result = fn()
+        except Exception as exc:
+            loop.call_soon_threadsafe(settle, future.set_exception, exc)
+        else:
+            loop.call_soon_threadsafe(settle, future.set_result, result)
 
     def _step(self) -> None:
         try:

@@ -8,6 +8,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +34,7 @@ from spanserve.server.protocol import (
     SpanQueryResponse,
     Version,
 )
+from spanserve.server.sessions import add_session_routes, session_lifespan
 from spanserve.server.tenants import Tenants, cache_salt
 from spanserve.spans.api import prepare, run_async
 from spanserve.spans.ir import Generate, QueryError
@@ -297,7 +299,7 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
 _ERRORS = {status: {"model": ErrorResponse, "description": description} for status, description in (
     (400, "Invalid request: malformed JSON, a wrong type or value, or a prompt too long for the model"),
     (401, "Missing or wrong API key (when the server runs with --api-key or --api-keys)"),
-    (404, "Unknown model"),
+    (404, "Unknown model, or no such session for this API key"),
     (413, "Request body over --max-body-mb"),
     (429, "Overloaded (more than --max-queued sequences waiting); retry after the Retry-After header"),
 )}
@@ -311,10 +313,12 @@ _SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
 def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
                max_queued: int | None = None, retriever=None, max_body_bytes: int = 32 << 20,
                query_limits: QueryLimits | None = None, tenants: Tenants | None = None,
-               metrics_public: bool = False) -> FastAPI:
+               metrics_public: bool = False, session_dir: str | Path | None = None) -> FastAPI:
     """api_key: one key (tenant "default"); tenants: keys by tenant (server/tenants.py), whose caches
-    never mix. With neither, the server is open and /metrics too."""
-    app = FastAPI(title="spanserve", version=__version__,
+    never mix. With neither, the server is open and /metrics too. session_dir: where sessions are
+    saved, and kept across a restart."""
+    session_dir = Path(session_dir) if session_dir is not None else None
+    app = FastAPI(title="spanserve", version=__version__, lifespan=session_lifespan(llm, session_dir),
                   description="OpenAI-compatible LLM server with span-aware KV caching")
     server = Server(llm, model_name, max_queued, query_limits or QueryLimits())
     app.state.server = server
@@ -328,7 +332,9 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
 
     @app.exception_handler(InvalidRequestError)
     async def _bad_request(_, exc: InvalidRequestError):
-        return error_response(400, str(exc), code=getattr(exc, "code", None))
+        status = getattr(exc, "status", 400)
+        return error_response(status, str(exc), "NotFoundError" if status == 404 else "invalid_request_error",
+                              code=getattr(exc, "code", None))
 
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
@@ -352,6 +358,8 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     if tenants:
         app.add_middleware(AuthMiddleware, tenants=tenants, metrics_public=metrics_public)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # outermost: before the key is read
+
+    add_session_routes(app, server, llm, session_dir, errors=_ERRORS, sse=sse, final_output=final_output)
 
     @app.get("/health")
     async def health() -> Health:

@@ -299,3 +299,52 @@ class Health(BaseModel):
 
 class Version(BaseModel):
     version: str
+
+
+class SessionCreateRequest(_Request):
+    """POST /v1/sessions: a streaming session (spanserve extension)."""
+
+    model: str | None = None
+    system: str = Field("You are a helpful assistant.", max_length=1 << 16)
+    retention_tokens: _int(ge=1, le=_SAFE) | None = None
+    flash: list[NonEmptyStr] = Field(default_factory=list, max_length=64)
+    flash_max_tokens: _int(ge=1, le=4096) = 64
+
+
+class SessionDataRequest(_Request):
+    text: NonEmptyStr
+
+
+class SessionQueryRequest(_SamplingFields, _Request):
+    question: NonEmptyStr
+    max_tokens: _int(ge=1) | None = 64
+    n: _int(ge=1, le=1) = 1
+
+
+class SessionRestoreRequest(_Request):
+    id: NonEmptyStr
+
+
+class SessionInfo(BaseModel):
+    id: str
+    object: Literal["session"] = "session"
+    version: int
+    visible_version: int
+    num_tokens: int
+    frozen_tokens: int
+    pending_tokens: int
+    evicted_tokens: int
+    retention_tokens: int
+    flash: list[str]
+    closed: bool
+
+
+class SessionAnswer(BaseModel):
+    id: str
+    object: Literal["session.answer"] = "session.answer"
+    session_id: str
+    version: int
+    flash_hit: bool
+    text: str
+    finish_reason: str | None
+    usage: Usage | None

@@ -74,6 +74,15 @@ def load(engine, path: str | Path) -> tuple[Session, torch.Tensor]:
     return session, kv
 
 
+def tenant_of(path: str | Path) -> str | None:
+    """The tenant a saved session belongs to (None: the file is not a session)."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            return json.loads((f.metadata() or {}).get("session", "{}")).get("tenant")
+    except (SafetensorError, OSError, ValueError, AttributeError):
+        return None
+
+
 def _read(path: str | Path) -> tuple[dict, torch.Tensor]:
     try:
         with safe_open(str(path), "pt") as f:

@@ -48,6 +48,7 @@ class Flash:
     version: int = -1  # data version the answer is for
     answer: str | None = None
     running: object | None = None  # the RequestGroup answering it now
+    asking: int = -1  # the data version it sees
 
 
 @dataclass
@@ -58,6 +59,14 @@ class Answer:
     version: int  # the data version it saw: every append up to this one
     flash_hit: bool = False  # a registered question's kept answer: no forward pass
     output: object | None = None  # the RequestOutput, when it was computed
+
+
+@dataclass
+class Question:
+    """A question being computed: its request group and the data version it sees."""
+
+    group: object
+    version: int
 
 
 @dataclass
@@ -86,7 +95,6 @@ class Session:
         self.flash: dict[str, Flash] = {}
         self._subscribers: list[Callable[[dict], None]] = []
         self._ingest = None  # the RequestGroup computing data now
-        self._versions: dict[str, int] = {}  # request id -> data version it saw
         for question in flash:
             self.register(question)
 
@@ -145,7 +153,8 @@ class Session:
             self._start_ingest()
         for flash in self.flash.values():
             if flash.running is None and flash.version < self.state.visible_version:
-                flash.running = self._ask(flash.tokens, self.flash_params, Priority.FLASH)
+                asked = self._ask(flash.tokens, self.flash_params, Priority.FLASH)
+                flash.running, flash.asking = asked.group, asked.version
 
     def _start_ingest(self) -> None:
         """Compute the next whole blocks of pending data, after making room for them."""
@@ -191,31 +200,28 @@ class Session:
 
     # ---- questions --------------------------------------------------------------------------
 
-    def query(self, question: str, params: SamplingParams, request_id: str | None = None):
-        """A kept answer (Answer) if `question` is registered and answered at the current data
-        version, else the RequestGroup that computes the answer (submitted to the engine)."""
+    def query(self, question: str, params: SamplingParams, request_id: str | None = None) -> "Answer | Question":
+        """A kept answer if `question` is registered and answered at the current data version,
+        else the Question computing the answer (submitted to the engine)."""
         self._check_open()
         if not isinstance(question, str) or not question:
             raise InvalidRequestError("question must be a non-empty string")
+        if params.n != 1:
+            raise InvalidRequestError("a question to a session takes n=1")
         flash = self.flash.get(question)
         if flash and flash.answer is not None and flash.version == self.state.visible_version:
             return Answer(flash.answer, flash.version, flash_hit=True)
         return self._ask(self.engine.sessions.format.question(question), params, Priority.SESSION, request_id)
 
-    def version_of(self, request_id: str) -> int:
-        """The data version a question's request saw."""
-        return self._versions.get(request_id, self.state.visible_version)
-
-    def _ask(self, suffix: list[int], params: SamplingParams, priority: Priority, request_id: str | None = None):
+    def _ask(self, suffix: list[int], params: SamplingParams, priority: Priority,
+             request_id: str | None = None) -> Question:
         st = self.state
         prompt = st.tokens + st.pending[:self._visible_pending()] + suffix
         room = self.engine.max_model_len - (len(prompt) - len(suffix))
         if len(suffix) + params.max_tokens > room:
             raise SessionFullError(f"the question ({len(suffix)} tokens) and its max_tokens ({params.max_tokens}) "
                                    f"need more room than the session leaves ({room} positions)")
-        group = self._request(prompt, params, priority, request_id=request_id)
-        self._versions[group.request_id] = st.visible_version
-        return group
+        return Question(self._request(prompt, params, priority, request_id=request_id), st.visible_version)
 
     def _request(self, prompt: list[int], params: SamplingParams, priority: Priority, prefill_only: bool = False,
                  request_id: str | None = None):
@@ -223,14 +229,14 @@ class Session:
         held = HeldContext(tuple(self.blocks))
         group = self.engine.make_group({"prompt_token_ids": prompt}, params, request_id, priority=priority,
                                        held=held, prefill_only=prefill_only, owner=self)
-        self.pool.touch(held.blocks)
         self.engine.add_group(group)
+        for _ in group.children:  # each releases its reference when it ends
+            self.pool.touch(held.blocks)
         return group
 
     def request_finished(self, req: Request) -> None:
         """Engine hook (before the request's blocks are freed)."""
         self.pool.release(req.held.blocks)
-        version = self._versions.pop(req.request_id, None)
         if self._ingest is not None and req is self._ingest.children[0]:
             self._ingest = None
             if req.finish_reason != "abort":
@@ -239,8 +245,8 @@ class Session:
         flash = next((f for f in self.flash.values() if f.running and req is f.running.children[0]), None)
         if flash is not None:
             group, flash.running = flash.running, None
-            if req.finish_reason != "abort" and version > flash.version:
-                flash.version, flash.answer = version, group.to_output().outputs[0].text
+            if req.finish_reason != "abort" and flash.asking > flash.version:
+                flash.version, flash.answer = flash.asking, group.to_output().outputs[0].text
                 self._publish(flash)
 
     # ---- flash questions --------------------------------------------------------------------
@@ -254,7 +260,8 @@ class Session:
 
     def subscribe(self, callback: Callable[[dict], None]) -> Callable[[], None]:
         """Call `callback(event)` (on the engine thread) with every flash answer from now on, after
-        the ones already known; returns the function that unsubscribes."""
+        the ones already known, and `callback(None)` when the session closes; returns the function
+        that unsubscribes."""
         self._subscribers.append(callback)
         for flash in self.flash.values():
             if flash.answer is not None:
@@ -279,6 +286,8 @@ class Session:
                 self.engine.abort_request(group.request_id)
         self.pool.release(self.blocks)
         self.blocks = []
+        for callback in self._subscribers:
+            callback(None)  # the end of the stream
         self._subscribers.clear()
 
     def _check_open(self) -> None:

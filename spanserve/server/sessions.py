@@ -1,0 +1,193 @@
+"""HTTP routes of streaming sessions (spanserve extension; sessions/session.py).
+
+POST /v1/sessions, GET and DELETE /v1/sessions/{id}, POST /v1/sessions/{id}/data, POST
+/v1/sessions/{id}/query (with stream), GET /v1/sessions/{id}/flash (server-sent events), POST
+/v1/sessions/{id}/save and POST /v1/sessions/restore. A session belongs to the API key's tenant
+that created it: any other caller gets the 404 of a session that does not exist.
+
+Session state lives on the engine thread: every route reaches it through AsyncLLM.call. With a
+session directory the server saves its open sessions there when it stops and opens them again
+when it starts.
+"""
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+
+from spanserve.engine.async_engine import AsyncLLM
+from spanserve.errors import InvalidRequestError, SessionNotFoundError
+from spanserve.server import openai_format as fmt
+from spanserve.server.protocol import (
+    SessionAnswer,
+    SessionCreateRequest,
+    SessionDataRequest,
+    SessionInfo,
+    SessionQueryRequest,
+    SessionRestoreRequest,
+)
+from spanserve.sessions import persist
+from spanserve.sessions.session import Answer
+
+log = logging.getLogger("spanserve.server")
+_SESSION_ID = re.compile(r"sess-[0-9a-f]{32}")
+
+
+def _tenant(http: Request) -> str | None:
+    return getattr(http.state, "tenant", None)
+
+
+def _file(session_dir: Path | None, session_id: str) -> Path:
+    if session_dir is None:
+        raise InvalidRequestError("this server keeps no sessions on disk (start it with --session-dir)")
+    if not _SESSION_ID.fullmatch(session_id):
+        raise SessionNotFoundError(f"no session {session_id!r}")
+    return session_dir / f"{session_id}.safetensors"
+
+
+def session_lifespan(llm: AsyncLLM, session_dir: Path | None):
+    """Open the sessions saved in `session_dir` at start; save every open one at stop."""
+    store = llm.engine.sessions
+
+    def restore_all() -> None:
+        for path in sorted(session_dir.glob("sess-*.safetensors")):
+            try:
+                session = store.restore(path, tenant=persist.tenant_of(path))
+                log.info("restored session %s (%d tokens)", session.id, len(session.state.tokens))
+            except InvalidRequestError as exc:
+                log.warning("session file %s not restored: %s", path, exc)
+
+    def save_all() -> None:
+        for session in list(store.sessions.values()):
+            persist.save(session, session_dir / f"{session.id}.safetensors")
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        if session_dir is not None:
+            session_dir.mkdir(parents=True, exist_ok=True)
+            await llm.call(restore_all)
+        yield
+        if session_dir is not None:
+            await llm.call(save_all)
+
+    return lifespan
+
+
+def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | None, *, errors: dict, sse,
+                       final_output) -> None:
+    """The routes, on `app`; `sse` and `final_output` are the server's (app.py)."""
+    store = llm.engine.sessions
+    vocab_size = llm.engine.model_config.vocab_size
+
+    @app.post("/v1/sessions", responses=errors)
+    async def create_session(body: SessionCreateRequest, http: Request) -> SessionInfo:
+        server.check_model(body.model)
+        tenant = _tenant(http)
+        return await llm.call(lambda: store.create(body.system, body.retention_tokens, body.flash, tenant,
+                                                   body.flash_max_tokens).info())
+
+    @app.get("/v1/sessions/{session_id}", responses=errors)
+    async def session_info(session_id: str, http: Request) -> SessionInfo:
+        tenant = _tenant(http)
+        return await llm.call(lambda: store.get(session_id, tenant).info())
+
+    @app.delete("/v1/sessions/{session_id}", responses=errors)
+    async def delete_session(session_id: str, http: Request) -> dict:
+        tenant = _tenant(http)
+        await llm.call(lambda: store.close(session_id, tenant))
+        if session_dir is not None:
+            _file(session_dir, session_id).unlink(missing_ok=True)  # it must not come back at restart
+        return {"id": session_id, "object": "session", "deleted": True}
+
+    @app.post("/v1/sessions/{session_id}/data", responses=errors)
+    async def append_data(session_id: str, body: SessionDataRequest, http: Request) -> dict:
+        """Queue data; returns at once with its version (computed in the background)."""
+        tenant = _tenant(http)
+        tokens = await asyncio.to_thread(store.format.data, body.text)  # a long text: off the event loop
+        version = await llm.call(lambda: store.get(session_id, tenant).append_tokens(tokens))
+        return {"id": session_id, "object": "session.data", "version": version, "tokens": len(tokens)}
+
+    @app.post("/v1/sessions/{session_id}/query", responses=errors)
+    async def query_session(session_id: str, body: SessionQueryRequest, http: Request):
+        server.check_model(body.model)
+        tenant, params = _tenant(http), body.sampling_params(body.max_tokens, None, vocab_size)
+        request_id, seen = f"sq-{uuid.uuid4().hex[:24]}", {}
+
+        def start():
+            result = store.get(session_id, tenant).query(body.question, params, request_id)
+            if isinstance(result, Answer):
+                return result
+            seen["version"] = result.version
+            return result.group
+
+        run = llm.submit_started(request_id, start)
+        first = await anext(run)  # a bad question is a 4xx here, before any response starts
+        if body.stream:
+            return sse(_answer_chunks(first, run, seen, session_id, request_id))
+        if isinstance(first, Answer):
+            return _answer_body(request_id, session_id, first.version, True, first.text, "stop", None)
+        final = first if first.finished else await final_output(run, http)
+        c = final.outputs[0]
+        return _answer_body(request_id, session_id, seen["version"], False, c.text, c.finish_reason,
+                            fmt.usage([final]))
+
+    async def _answer_chunks(first, run, seen: dict, session_id: str, request_id: str):
+        def chunk(text, finish_reason, version, flash_hit=False):
+            return {"id": request_id, "object": "session.answer.chunk", "created": int(time.time()),
+                    "session_id": session_id, "version": version, "flash_hit": flash_hit,
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish_reason}]}
+        if isinstance(first, Answer):
+            yield chunk(first.text, "stop", first.version, True)
+            return
+        sent, out = 0, first
+        while True:
+            c = out.outputs[0]
+            if len(c.text) > sent or c.finish_reason:
+                yield chunk(c.text[sent:], c.finish_reason, seen["version"])
+                sent = len(c.text)
+            if out.finished:
+                return
+            out = await anext(run)
+
+    @app.get("/v1/sessions/{session_id}/flash", responses=errors)
+    async def flash_events(session_id: str, http: Request):
+        """Server-sent events: each registered question's answer, now and after each ingest."""
+        tenant, loop, queue = _tenant(http), asyncio.get_running_loop(), asyncio.Queue()
+
+        def push(event):
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        unsubscribe = await llm.call(lambda: store.get(session_id, tenant).subscribe(push))
+
+        async def events():
+            try:
+                while (event := await queue.get()) is not None:
+                    yield {"object": "session.flash", "session_id": session_id, **event}
+            finally:
+                unsubscribe()
+
+        return sse(events())
+
+    @app.post("/v1/sessions/{session_id}/save", responses=errors)
+    async def save_session(session_id: str, http: Request) -> dict:
+        tenant, path = _tenant(http), _file(session_dir, session_id)
+        await llm.call(lambda: persist.save(store.get(session_id, tenant), path))
+        return {"id": session_id, "object": "session", "saved": True}
+
+    @app.post("/v1/sessions/restore", responses=errors)
+    async def restore_session(body: SessionRestoreRequest, http: Request) -> SessionInfo:
+        tenant, path = _tenant(http), _file(session_dir, body.id)
+        if not path.exists():
+            raise SessionNotFoundError(f"no saved session {body.id!r}")
+        return await llm.call(lambda: store.restore(path, tenant).info())
+
+
+
+def _answer_body(request_id, session_id, version, flash_hit, text, finish_reason, usage) -> dict:
+    return SessionAnswer(id=request_id, session_id=session_id, version=version, flash_hit=flash_hit, text=text,
+                         finish_reason=finish_reason, usage=usage).model_dump()
