@@ -15,6 +15,7 @@ from spanserve.config import LOAD_FORMATS, EngineConfig  # noqa: E402
 from spanserve.errors import SpanserveError  # noqa: E402
 from spanserve.pic.link import APE_SCALE, APE_TEMPERATURE, BLEND_LAYERS, POLICIES  # noqa: E402
 from spanserve.sampling import SamplingParams  # noqa: E402
+from spanserve.sessions import feed as session_feed  # noqa: E402
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -327,6 +328,12 @@ def cmd_bench(args, rest: list[str]) -> None:
     bench.main(["--help", *rest] if args.bench_help else rest)
 
 
+def cmd_session(args) -> None:
+    from spanserve import LLM
+
+    session_feed.run(args, LLM(**vars(engine_config(args))), sampling_params(args))
+
+
 def cmd_train(args) -> None:
     logging.getLogger(comb_train.__name__).setLevel(logging.INFO)  # progress, every --log-every steps
     out = comb_train.train(args)
@@ -391,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="corpus (or index) directory that retrieve nodes of /v1/spans queries search")
     add_engine_args(p)
 
+    p = sub.add_parser("session", help="stream a CSV file into a session and answer questions as rows arrive")
+    session_feed.add_arguments(p)
+    add_engine_args(p)
+    add_sampling_args(p, max_tokens=48)
+
     p = sub.add_parser("train", help="train a plug-in: `spanserve train comb` (the span encoder of link policy comb)")
     kinds = p.add_subparsers(dest="plugin", required=True)
     comb_train.add_arguments(kinds.add_parser("comb", help=comb_train.__doc__.split("\n")[0]))
@@ -416,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
             cmd_bench(args, rest)
         else:
             commands = {"generate": cmd_generate, "chat": cmd_chat, "demo": cmd_demo, "serve": cmd_serve,
-                        "query": cmd_query, "index": cmd_index, "train": cmd_train}
+                        "query": cmd_query, "index": cmd_index, "train": cmd_train, "session": cmd_session}
             commands[args.command](args)
     except SpanserveError as exc:
         sys.exit(f"error: {exc}")
