@@ -396,12 +396,12 @@ def _llama_cpp_runner(args, plan: Plan, threads: int, log) -> LlamaCppRunner | N
     except ImportError:
         log("llama.cpp: llama-cpp-python is not installed; skipping its column (pip install llama-cpp-python)")
         return None
-    if args.model and not str(args.model).endswith(".gguf"):
+    from spanserve.models.loader import gguf_file
+
+    gguf = gguf_file(args.model)
+    if gguf is None:
         log("llama.cpp: needs a .gguf model; skipping its column")
         return None
-    from spanserve.models.loader import default_gguf_path
-
-    gguf = Path(args.model) if args.model else default_gguf_path()
     log(f"llama.cpp: {gguf.name} (its own quantization: the dtype does not apply)")
     return LlamaCppRunner(gguf, threads, n_ctx=max(*plan.prefill_lens, plan.decode_context + plan.decode_tokens) + 64)
 

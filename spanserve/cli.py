@@ -29,7 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
-    g.add_argument("--background-chunk-tokens", type=int, default=128,
+    g.add_argument("--background-chunk-tokens", type=int, default=32,
                    help="session ingest: tokens per step, in steps no other request needs")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--link-policy", default="auto", choices=["auto", *POLICIES],
@@ -249,7 +249,8 @@ def cmd_serve(args) -> None:
     llm.shutdown()
 
 
-BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu", "soak", "span_decode", "quant"]
+BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu", "soak", "span_decode", "quant",
+           "session"]
 
 
 def cmd_query(args) -> None:

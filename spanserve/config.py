@@ -28,8 +28,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 2048  # tokens per step: the chunked-prefill budget
     # Background work (session ingest) runs only in steps nothing else needs, this many tokens at a
-    # time: a question arriving meanwhile waits for at most one such step.
-    background_chunk_tokens: int = 128
+    # time: a question arriving meanwhile waits for at most one such step. Larger: faster ingest,
+    # slower questions during it (bench session, "while ingesting").
+    background_chunk_tokens: int = 32
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto: the Triton kernel on CUDA (where installed), else torch

@@ -28,6 +28,7 @@ class HeldContext:
     never shared through the prefix cache: its owner may move it (sessions/session.py)."""
 
     blocks: tuple[Block, ...]
+    num_tokens: int  # tokens of `blocks` whose KV is computed (from the first block on)
 
 
 class RequestOwner(Protocol):

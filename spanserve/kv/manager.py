@@ -67,7 +67,7 @@ class KVCacheManager:
             return False
         self.pool.touch(held)
         req.block_table = held + self.pool.allocate(needed)
-        req.num_computed_tokens = len(held) * self.block_size
+        req.num_computed_tokens = req.held.num_tokens
         if req.num_cached_tokens is None:
             req.num_cached_tokens = req.num_computed_tokens
         return True

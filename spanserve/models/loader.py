@@ -41,6 +41,17 @@ def default_gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / _DEFAULT_GGUF[1]
 
 
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF a model name or path loads from (what a llama.cpp peer runs), None for an HF dir."""
+    model = model or os.environ.get("SPANSERVE_MODEL") or DEFAULT_MODEL
+    if model == DEFAULT_MODEL:
+        return default_gguf_path()
+    if model.lower() in CATALOG:
+        return assembled_gguf(CATALOG[model.lower()], cache_dir() / "gguf")
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def resolve_model(model: str | None, weights: bool = True) -> Path:
     """Return an HF-style directory (config.json + safetensors) for `model`; without `weights`
     (load_format dummy) a directory with config.json alone will do."""

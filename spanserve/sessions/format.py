@@ -1,12 +1,14 @@
 """How a session's regions read to the model: one user turn holding the data, then a question.
 
-    [system message][user header] data data data ... [question][user footer][generation prompt]
-    \\____________ region 0 ___________/\\__ region 1 __/ \\___________ region 2 ____________/
+    [system message][user header] data data ... [Question:][question][user footer][generation prompt]
+    \\____________ region 0 ___________/\\_ region 1 _/ \\________________ region 2 _________________/
 
 Region 0 is padded to whole blocks (with the engine's span pad token, a newline), so the data
 starts on a block boundary and eviction drops whole blocks of data only. Text typed by users
 (data, questions) is tokenized with control tokens kept plain, as chat messages are.
 """
+
+from functools import cached_property
 
 from spanserve.spans.tokenize import ChatFormat
 
@@ -28,11 +30,16 @@ class SessionFormat:
     def data(self, text: str) -> list[int]:
         return self.text(text)
 
+    @cached_property
+    def question_header(self) -> list[int]:
+        """What every question starts with, computed after the data by each ingest."""
+        return self.text("\n\nQuestion:")
+
     def question(self, text: str) -> list[int]:
-        """Region 2's prompt: the question closes the user turn and opens the answer."""
+        """The rest of region 2's prompt: the question closes the user turn and opens the answer."""
         if self.chat:
-            return self.text(f"\n\nQuestion: {text}") + self.chat.footer("user") + self.chat.generation_prompt
-        return self.text(f"\n\nQuestion: {text}\nAnswer:")
+            return self.text(f" {text}") + self.chat.footer("user") + self.chat.generation_prompt
+        return self.text(f" {text}\nAnswer:")
 
     def text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)

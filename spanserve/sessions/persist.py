@@ -63,11 +63,11 @@ def load(engine, path: str | Path) -> tuple[Session, torch.Tensor]:
         params = SamplingParams(temperature=0.0, max_tokens=int(meta["flash_max_tokens"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidRequestError(f"{path} is not a valid session file ({exc})") from exc
-    bs, cache = engine.config.block_size, engine.runner.kv_cache
-    expected = (*cache.shape[:2], len(state.tokens) // bs, *cache.shape[3:])
-    if tuple(kv.shape) != expected or kv.dtype != cache.dtype or len(state.tokens) % bs:
-        raise InvalidRequestError(f"{path} is not a valid session file (its KV does not match its tokens)")
     session = Session(engine, state, meta.get("tenant"), meta.get("id"), flash_params=params)
+    cache = engine.runner.kv_cache
+    expected = (*cache.shape[:2], session.num_blocks_held(), *cache.shape[3:])
+    if tuple(kv.shape) != expected or kv.dtype != cache.dtype:
+        raise InvalidRequestError(f"{path} is not a valid session file (its KV does not match its tokens)")
     for question, version, answer in flash:
         session.register(question)
         session.flash[question].version, session.flash[question].answer = version, answer

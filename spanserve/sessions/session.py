@@ -14,8 +14,11 @@ a reference of its own to the blocks it continues from (a HeldContext), from cre
 data can be dropped and moved while a question is still being answered, since a block someone
 else still reads is moved into a copy (copy on write) and the reader keeps the old one.
 
-Only whole blocks are computed: the last partial block of data waits for more, and a question
-computes it along with itself (fewer than block_size tokens).
+An ingest computes the data and, after it, the header every question starts with (the paper's
+ready position): a question computes only its own tokens. The blocks holding the end of the data
+and the header are rewritten by the next ingest, so a request continuing from them gets private
+copies (one or two blocks), and an ingest writes into copies too, which replace the session's
+when it finishes: the session's state changes at once, between two steps.
 
 Registered ("flash") questions are answered again after each ingest, at the most urgent
 priority; their answers are kept per data version and pushed to subscribers.
@@ -29,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from spanserve.engine.request import HeldContext, Priority, Request
-from spanserve.errors import InvalidRequestError, SessionClosedError, SessionFullError
+from spanserve.errors import CacheFullError, InvalidRequestError, SessionClosedError, SessionFullError
 from spanserve.kv.block_pool import Block
 from spanserve.sampling import SamplingParams
 
@@ -82,6 +85,7 @@ class SessionState:
     version: int = 0  # of the last append
     version_ends: deque = field(default_factory=deque)  # (version, appended after it), not yet visible
     visible_version: int = 0
+    ready: bool = False  # the question header is computed after the data (the ready position)
 
 
 class Session:
@@ -121,28 +125,17 @@ class Session:
         st.appended += len(tokens)
         st.version += 1
         st.version_ends.append((st.version, st.appended))
-        self._update_visible()
         self.service()
         return st.version
 
-    def _visible_pending(self) -> int:
-        """How many pending tokens a question computes itself: region 0 until it is computed,
-        else a last partial block of data (never more: a question stays O(its own length))."""
-        st = self.state
-        missing_frozen = st.num_frozen - len(st.tokens)
-        if missing_frozen > 0:
-            return missing_frozen
-        return len(st.pending) if len(st.pending) < self.block_size else 0
-
     def _update_visible(self) -> None:
         st = self.state
-        visible = st.appended - len(st.pending) + self._visible_pending()
-        while st.version_ends and st.version_ends[0][1] <= visible:
+        while st.version_ends and st.version_ends[0][1] <= st.appended - len(st.pending):
             st.visible_version = st.version_ends.popleft()[0]
 
     @property
-    def ingesting(self) -> bool:
-        return self._ingest is not None or len(self.state.pending) >= self.block_size
+    def header(self) -> list[int]:
+        return self.engine.sessions.format.question_header
 
     def service(self) -> None:
         """Background work, after each engine step: drop old data, start the next ingest, ask
@@ -157,23 +150,57 @@ class Session:
                 flash.running, flash.asking = asked.group, asked.version
 
     def _start_ingest(self) -> None:
-        """Compute the next whole blocks of pending data, after making room for them."""
-        st, bs = self.state, self.block_size
-        chunk = min(len(st.pending) // bs * bs, INGEST_TOKENS, (st.retention_tokens - st.num_frozen) // bs * bs)
-        if chunk and self._evict(len(st.tokens) + chunk - st.retention_tokens):
-            self._ingest = self._request(st.tokens + st.pending[:chunk], SamplingParams(max_tokens=1),
-                                         Priority.INGEST, prefill_only=True)
+        """Compute pending data and the question header after it, after making room for them."""
+        st = self.state
+        chunk = min(len(st.pending), INGEST_TOKENS, st.retention_tokens - st.num_frozen - 2 * self.block_size)
+        if chunk <= 0 or not self._evict(len(st.tokens) + chunk + len(self.header) - st.retention_tokens):
+            return
+        held = self._held(with_header=False)  # the data goes where the header was
+        if held is not None:
+            prompt = st.tokens + st.pending[:chunk] + self.header
+            self._ingest = self._request(prompt, held, SamplingParams(max_tokens=1), Priority.INGEST, prefill_only=True)
 
     def _ingested(self, req: Request) -> None:
-        """An ingest finished: keep its new blocks (one reference each, taken before it frees)."""
-        st, bs = self.state, self.block_size
-        computed = req.num_tokens - len(st.tokens)
-        new = req.block_table[len(self.blocks): len(self.blocks) + computed // bs]
+        """An ingest finished: its blocks from the first one it wrote replace the session's (one
+        reference each, taken before it frees)."""
+        st, first = self.state, self._first_mutable()
+        new = req.block_table[first:]
         self.pool.touch(new)
-        self.blocks.extend(new)
+        self.pool.release(self.blocks[first:])
+        self.blocks[first:] = new
+        computed = req.num_tokens - len(st.tokens) - len(self.header)
         st.tokens.extend(st.pending[:computed])
         del st.pending[:computed]
+        st.ready = True
         self._update_visible()
+
+    def num_blocks_held(self) -> int:
+        """Blocks of the session's own KV: the data and, once ready, the header after it."""
+        st = self.state
+        return -(-(len(st.tokens) + (len(self.header) if st.ready else 0)) // self.block_size)
+
+    def _first_mutable(self) -> int:
+        """Index of the first block the session rewrites at its next ingest: the one holding the
+        end of the data (if partial) and the question header."""
+        return len(self.state.tokens) // self.block_size
+
+    def _held(self, with_header: bool = True) -> HeldContext | None:
+        """The session's KV for a new request: its whole blocks of data, shared, then private
+        copies of the blocks it rewrites at its next ingest (the end of the data and, if
+        `with_header`, the question header after it, counted as computed). None if the pool
+        has no room for the copies."""
+        st, first = self.state, self._first_mutable()
+        mutable = self.blocks[first:] if st.ready else []
+        if len(mutable) > self.pool.num_free:
+            return None
+        copies = self.pool.allocate(len(mutable))  # their one reference is the held one
+        self.engine.runner.copy_blocks([(a.block_id, b.block_id) for a, b in zip(mutable, copies)])
+        shared = self.blocks[:first]
+        self.pool.touch(shared)
+        computed = first * self.block_size
+        if st.ready:
+            computed = len(st.tokens) + (len(self.header) if with_header else 0)
+        return HeldContext(tuple(shared + copies), computed)
 
     def _evict(self, excess: int) -> bool:
         """Drop at least `excess` tokens of the oldest data, in whole blocks, and move the rest
@@ -213,35 +240,44 @@ class Session:
             return Answer(flash.answer, flash.version, flash_hit=True)
         return self._ask(self.engine.sessions.format.question(question), params, Priority.SESSION, request_id)
 
+    def prompt(self, question: list[int]) -> list[int]:
+        """The token sequence a question sees: the data (with the instructions, computed by the
+        question itself until the first ingest), the header, the question."""
+        st = self.state
+        return st.tokens + st.pending[:max(0, st.num_frozen - len(st.tokens))] + self.header + question
+
     def _ask(self, suffix: list[int], params: SamplingParams, priority: Priority,
              request_id: str | None = None) -> Question:
-        st = self.state
-        prompt = st.tokens + st.pending[:self._visible_pending()] + suffix
+        prompt = self.prompt(suffix)
         room = self.engine.max_model_len - (len(prompt) - len(suffix))
         if len(suffix) + params.max_tokens > room:
             raise SessionFullError(f"the question ({len(suffix)} tokens) and its max_tokens ({params.max_tokens}) "
                                    f"need more room than the session leaves ({room} positions)")
-        return Question(self._request(prompt, params, priority, request_id=request_id), st.visible_version)
+        held = self._held()
+        if held is None:
+            raise CacheFullError("the KV pool is full: no room for the question; retry shortly")
+        return Question(self._request(prompt, held, params, priority, request_id=request_id),
+                        self.state.visible_version)
 
-    def _request(self, prompt: list[int], params: SamplingParams, priority: Priority, prefill_only: bool = False,
-                 request_id: str | None = None):
-        """Start a request continuing from the session's blocks (referenced until it ends)."""
-        held = HeldContext(tuple(self.blocks))
-        group = self.engine.make_group({"prompt_token_ids": prompt}, params, request_id, priority=priority,
-                                       held=held, prefill_only=prefill_only, owner=self)
-        self.engine.add_group(group)
-        for _ in group.children:  # each releases its reference when it ends
-            self.pool.touch(held.blocks)
+    def _request(self, prompt: list[int], held: HeldContext, params: SamplingParams, priority: Priority,
+                 prefill_only: bool = False, request_id: str | None = None):
+        """Start a request continuing from `held` (whose references it releases when it ends)."""
+        try:
+            group = self.engine.make_group({"prompt_token_ids": prompt}, params, request_id, priority=priority,
+                                           held=held, prefill_only=prefill_only, owner=self)
+            self.engine.add_group(group)
+        except Exception:
+            self.pool.release(held.blocks)
+            raise
         return group
 
     def request_finished(self, req: Request) -> None:
         """Engine hook (before the request's blocks are freed)."""
-        self.pool.release(req.held.blocks)
         if self._ingest is not None and req is self._ingest.children[0]:
             self._ingest = None
             if req.finish_reason != "abort":
                 self._ingested(req)
-            return
+        self.pool.release(req.held.blocks)
         flash = next((f for f in self.flash.values() if f.running and req is f.running.children[0]), None)
         if flash is not None:
             group, flash.running = flash.running, None

@@ -34,10 +34,10 @@ class SessionStore:
         retention = max_len - min(QUESTION_ROOM, max_len // 4) if retention_tokens is None else retention_tokens
         if not isinstance(retention, int) or isinstance(retention, bool):
             raise InvalidRequestError("retention_tokens must be an integer")
-        if retention < len(frozen) + bs:
+        if retention < len(frozen) + 4 * bs:
             raise InvalidRequestError(
                 f"retention_tokens ({retention}) must exceed the session's instructions ({len(frozen)} tokens, "
-                f"region 0) by at least one block of {bs} tokens of data")
+                f"region 0) by at least four blocks of {bs} tokens of data")
         if retention + bs > max_len:
             raise InvalidRequestError(f"retention_tokens ({retention}) leaves no room for a question within "
                                       f"max_model_len {max_len}")

@@ -1,0 +1,276 @@
+"""Streaming sessions: questions over a growing data feed (papers/stateful-streaming-sessions.txt).
+
+A synthetic feed of hourly price bars (open, high, low, close, volume) grows from about a fifth of
+--max-context tokens to all of it in --steps steps. At each step the new bars are appended and,
+once ingested, questions are asked (greedy), the same token sequence on every path, same run:
+  session           spanserve session: the data computed in the background, the question alone
+  flash hit         the same questions registered on the session: the kept answer
+  while ingesting   a session question asked right after an append, ingest still running
+  stateless         a plain request, the prefix cache warm from the previous step: the new data
+                    and the question are computed (what a server does today; one per step)
+  stateless cached  a plain request after a request of the data alone: the question is computed
+  llama.cpp         llama-cpp-python (same GGUF, --llama-cpp), its KV holding the previous step:
+                    the new data and the question (one per step)
+  llama.cpp cached  the data evaluated first, then data + question
+Latency is the time to a one-token answer (the paper's classification questions). Ingest is the
+background throughput, from append to visible. The rolling-window check runs a second session
+whose retention keeps half the feed: a question about a recent bar (in its window) must get the
+answer the full-context session gets, and both are checked against the data.
+
+    spanserve bench session [--model M] [--max-context 7600] [--steps 15] [--llama-cpp]
+"""
+
+import argparse
+import math
+import random
+import statistics
+import sys
+import time
+
+from benchmarks import harness
+
+QUESTIONS = ("Is the trend of the last ten bars UP or DOWN? Answer UP or DOWN.",
+             "Did the last bar close above its open? Answer YES or NO.",
+             "Was the last bar's volume above 20000? Answer YES or NO.")
+SYSTEM = "You analyse hourly price bars of one stock. Answer briefly."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model (default: the embedded SmolLM2)")
+    parser.add_argument("--max-context", type=int, default=7600, help="data tokens at the last step")
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp (needs llama-cpp-python)")
+    parser.add_argument("--background-chunk-tokens", type=int, default=None,
+                        help="ingest tokens per background step (default: the engine's)")
+    parser.add_argument("--window-questions", type=int, default=4, help="rolling-window questions per step")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/session-<model>.json)")
+
+
+def bars(count: int, seed: int = 0) -> list[str]:
+    """Hourly bars with trends, pullbacks and sideways phases (the paper's OHLCV feed)."""
+    rng, price, rows = random.Random(seed), 100.0, []
+    for i in range(count):
+        drift = 0.3 * math.sin(i / 40) + rng.uniform(-0.4, 0.4)
+        open_, close = price, price + drift
+        high, low = max(open_, close) + rng.uniform(0, 0.5), min(open_, close) - rng.uniform(0, 0.5)
+        day, hour = divmod(i, 8)
+        rows.append(f"d{day + 1:03d} {9 + hour:02d}h O {open_:.2f} H {high:.2f} L {low:.2f} C {close:.2f} "
+                    f"V {rng.randrange(8000, 32000)}\n")
+        price = close
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    harness.configure_threads()
+    from spanserve import LLM, SamplingParams
+
+    chunk = {"background_chunk_tokens": args.background_chunk_tokens} if args.background_chunk_tokens else {}
+    llm = LLM(model=args.model, kv_cache_memory_gb=3.0, **chunk)
+    fmt = llm.engine.sessions.format
+    per_row = statistics.mean(len(fmt.data(r)) for r in bars(50, seed=1))
+    total_rows = int(args.max_context / per_row)
+    start_rows = total_rows // 5
+    feed = bars(total_rows)
+    step_rows = (total_rows - start_rows) // args.steps
+    one = SamplingParams(temperature=0, max_tokens=1)
+    llama = _llama(args)
+
+    full = llm.create_session(SYSTEM, flash=list(QUESTIONS), flash_max_tokens=1)
+    window = llm.create_session(SYSTEM, retention_tokens=int(args.max_context * 0.5) + 64)
+    full.append("".join(feed[:start_rows]))
+    window.append("".join(feed[:start_rows]))
+    full.wait()
+    window.wait()
+    _warm(llm, full, one)
+    steps, shown, fed = [], 0, start_rows
+    for step in range(args.steps + 1):
+        row = {"step": step, "while_ingesting_ms": None, "ingest_tok_s": None}
+        if step:
+            new = "".join(feed[fed:fed + step_rows])
+            fed += step_rows
+            row.update(_ingest(llm, full, new, QUESTIONS[step % len(QUESTIONS)], one))
+            window.append(new)
+            window.wait()
+        row.update(_measure(llm, full, one, llama, step), rows=fed)
+        row.update(_window_check(full, window, feed[:fed], args.window_questions))
+        steps.append(row)
+        shown = _print_progress(steps, shown)
+    result = _summary(args, steps, llama is not None)
+    harness.write_json(result, path=args.out or harness.result_path(f"session-{_name(args.model)}"))
+    return result
+
+
+def _name(model) -> str:
+    return (model or "smollm2").lower().replace("/", "_")
+
+
+def _timed(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def _warm(llm, session, params) -> None:
+    for q in QUESTIONS:
+        session.query(_asked(q), params)
+
+
+def _asked(question: str) -> str:
+    """The computed paths ask the registered questions with a trailing space: the same meaning,
+    other tokens, so the session computes its answer rather than returning the kept one."""
+    return question + " "
+
+
+def _ingest(llm, session, text: str, question: str, params) -> dict:
+    """Append `text`; ask `question` just as the first background chunk starts (the worst wait a
+    question has: one step), then time the ingest from append to visible, the question excluded."""
+    version = session.append(text)
+    start = time.perf_counter()
+    llm.engine.step()  # a background chunk: the question arrives as it starts
+    asked = _timed(session.query, _asked(question), params)
+    busy = time.perf_counter() - start
+    while session.version < version:
+        llm.engine.step()
+    ingest_s = time.perf_counter() - start - asked
+    session.wait()  # the flash questions, answered again
+    return {"while_ingesting_ms": busy * 1000, "ingest_tok_s": len(llm.engine.sessions.format.data(text)) / ingest_s}
+
+
+def _measure(llm, session, params, llama, step: int) -> dict:
+    """One step's latencies (ms, median over the questions) on every path, same tokens. The
+    stateless paths first see this step's data in one question (a variant no other path asks),
+    which computes the new data; each path then computes every question for the first time."""
+    fmt, state = llm.engine.sessions.format, session._session.state
+    data = state.tokens + state.pending
+    rows = {"context_tokens": len(data)}
+    times: dict[str, list[float]] = {k: [] for k in ("session", "flash_hit", "stateless", "stateless_cached",
+                                                     "llama_cpp", "llama_cpp_cached")}
+    first = data + fmt.question(QUESTIONS[step % len(QUESTIONS)] + "  ")
+    times["stateless"].append(_timed(llm.generate, {"prompt_token_ids": first}, params))
+    if llama is not None:
+        times["llama_cpp"].append(llama.answer(first))
+    for q in QUESTIONS:
+        prompt = data + fmt.question(_asked(q))
+        llm.generate({"prompt_token_ids": data}, params)  # the data alone, then the question on it
+        times["stateless_cached"].append(_timed(llm.generate, {"prompt_token_ids": prompt}, params))
+        times["session"].append(_timed(session.query, _asked(q), params))
+        hit = session.query(q, params)
+        times["flash_hit"].append(_timed(session.query, q, params) if hit.flash_hit else math.nan)
+        if llama is not None:
+            llama.answer(data)
+            times["llama_cpp_cached"].append(llama.answer(prompt))
+    for key, values in times.items():
+        rows[f"{key}_ms"] = statistics.median(values) * 1000 if values else None
+    return rows
+
+
+def _window_check(full, window, fed: list[str], count: int) -> dict:
+    """Questions about recent bars (inside the window's retention): the window session against the
+    full-context one and against the data."""
+    from spanserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=8)
+    right = {"window": 0, "full": 0, "agree": 0}
+    for back in range(1, count + 1):
+        bar = fed[-min(len(fed), 3 * back - 2)]  # the last bar, three before it, ...
+        stamp, close = bar[:8], bar.split(" C ")[1].split()[0]
+        question = f"What was the close (C) of the bar {stamp}? Answer with the number only."
+        answers = {name: s.query(question, params).text.strip() for name, s in (("window", window), ("full", full))}
+        for name, text in answers.items():
+            right[name] += close in text
+        right["agree"] += answers["window"] == answers["full"]
+    return {"window_evicted": window.info()["evicted_tokens"],
+            **{f"window_{k}": v / count for k, v in right.items()}}
+
+
+def _print_progress(steps: list[dict], shown: int) -> int:
+    for row in steps[shown:]:
+        print(f"step {row['step']:2d}: {row['context_tokens']:6d} tokens, session {row['session_ms']:.0f} ms, "
+              f"stateless {row['stateless_ms']:.0f} ms, cached {row['stateless_cached_ms']:.0f} ms"
+              + (f", llama.cpp cached {row['llama_cpp_cached_ms']:.0f} ms" if row["llama_cpp_cached_ms"] else ""),
+              file=sys.stderr, flush=True)
+    return len(steps)
+
+
+def _summary(args, steps: list[dict], with_llama: bool) -> dict:
+    first, last = steps[0], steps[-1]
+    busy = [r["while_ingesting_ms"] for r in steps if r["while_ingesting_ms"]]
+    idle = [r["session_ms"] for r in steps]
+    summary = {
+        "flatness (last / first session latency)": last["session_ms"] / first["session_ms"],
+        "stateless / session at the end": last["stateless_ms"] / last["session_ms"],
+        "stateless cached / session at the end": last["stateless_cached_ms"] / last["session_ms"],
+        "flash hit, worst (ms)": max(r["flash_hit_ms"] for r in steps),
+        "query p99 while ingesting / idle": _p99(busy) / _p99(idle) if busy else None,
+        "window accuracy (recent bars)": statistics.mean(r["window_window"] for r in steps),
+        "full-context accuracy (recent bars)": statistics.mean(r["window_full"] for r in steps),
+        "window agrees with full context": statistics.mean(r["window_agree"] for r in steps),
+    }
+    if with_llama:
+        summary["llama.cpp cached / session at the end"] = last["llama_cpp_cached_ms"] / last["session_ms"]
+        summary["llama.cpp / session at the end"] = last["llama_cpp_ms"] / last["session_ms"]
+    headers = ["step", "tokens", "session", "flash hit", "while ingesting", "stateless", "stateless cached"]
+    headers += ["llama.cpp", "llama.cpp cached"] if with_llama else []
+    headers += ["ingest tok/s"]
+    table = []
+    for r in steps:
+        row = [r["step"], r["context_tokens"], _ms(r["session_ms"]), _ms(r["flash_hit_ms"], 3),
+               _ms(r["while_ingesting_ms"]), _ms(r["stateless_ms"]), _ms(r["stateless_cached_ms"])]
+        row += [_ms(r["llama_cpp_ms"]), _ms(r["llama_cpp_cached_ms"])] if with_llama else []
+        row += [f"{r['ingest_tok_s']:.0f}" if r["ingest_tok_s"] else "-"]
+        table.append(row)
+    harness.print_table(headers, table, title="time to a one-token answer (ms), median of 3 questions")
+    harness.print_table(["measure", "value"], [[k, f"{v:.3f}" if v is not None else "-"] for k, v in summary.items()])
+    return {"benchmark": "session", "model": args.model or "SmolLM2-135M-Instruct", "steps": steps,
+            "summary": summary, "machine": harness.machine_info()}
+
+
+def _p99(values: list[float]) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(0.99 * len(values)))]
+
+
+def _ms(value, digits: int = 0) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+class _LlamaCpp:
+    """llama-cpp-python on the model's GGUF: it keeps the previous call's KV (longest common prefix)."""
+
+    def __init__(self, gguf, n_ctx: int, threads: int):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads, seed=0,
+                                   verbose=False)
+
+    def answer(self, ids: list[int]) -> float:
+        """Seconds to the first generated token after `ids` (reusing the cached common prefix)."""
+        start = time.perf_counter()
+        for _ in self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=False):
+            break
+        return time.perf_counter() - start
+
+
+def _llama(args):
+    if not args.llama_cpp:
+        return None
+    from spanserve.models.loader import gguf_file
+
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama.cpp: llama-cpp-python is not installed; skipping it", file=sys.stderr)
+        return None
+    gguf = gguf_file(args.model)
+    if gguf is None:
+        print("llama.cpp: the model is not a GGUF; skipping it", file=sys.stderr)
+        return None
+    return _LlamaCpp(gguf, n_ctx=args.max_context + 1024, threads=harness.configure_threads())
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.cli_main("session", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
