@@ -251,3 +251,16 @@ def test_questions_come_before_ingest(llm, monkeypatch):
     assert [item.request.priority for item in batches[-1]] == [Priority.INGEST]
     s.close()
     assert_engine_idle(llm)
+
+
+def test_cli_streams_a_csv_into_a_session(tiny_llama_path, tmp_path, capsys):
+    from spanserve.cli import main
+
+    table = tmp_path / "feed.csv"
+    table.write_text("time,sensor,value\n" + "".join(f"{i},{'ABC'[i % 3]},{i * 7 % 13}\n" for i in range(30)))
+    main(["session", str(table), "--model", str(tiny_llama_path), "--dtype", "float32", "--num-blocks", "128",
+          "--question", "Which sensor is last?", "--flash", "What is the last value?", "--every", "10",
+          "--rows-per-append", "4", "--max-tokens", "3", "--temperature", "0"])
+    out = capsys.readouterr().out
+    assert out.count("Which sensor is last?") == 4  # after 10, 20 and 30 rows, and at the end (31 lines)
+    assert "[10 rows, v3]" in out and "[flash v" in out and "31 rows:" in out
