@@ -12,6 +12,7 @@ once ingested, questions are asked (greedy), the same token sequence on every pa
   llama.cpp         llama-cpp-python (same GGUF, --llama-cpp), its KV holding the previous step:
                     the new data and the question (one per step)
   llama.cpp cached  the data evaluated first, then data + question
+  vLLM, vLLM cached the same two on a vLLM-CPU server with prefix caching (--vllm-url)
 Latency is the time to a one-token answer (the paper's classification questions). Ingest is the
 background throughput, from append to visible. The rolling-window check runs a second session
 whose retention keeps half the feed: a question about a recent bar (in its window) must get the
@@ -40,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, default=7600, help="data tokens at the last step")
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp (needs llama-cpp-python)")
+    parser.add_argument("--vllm-url", default=None, help="add a running vLLM server (prefix caching on, the "
+                        "same model's HF directory; ../shared/PEERS.md), e.g. http://127.0.0.1:8011")
     parser.add_argument("--background-chunk-tokens", type=int, default=None,
                         help="ingest tokens per background step (default: the engine's)")
     parser.add_argument("--window-questions", type=int, default=4, help="rolling-window questions per step")
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace) -> dict:
     feed = bars(total_rows)
     step_rows = (total_rows - start_rows) // args.steps
     one = SamplingParams(temperature=0, max_tokens=1)
-    llama = _llama(args)
+    peers = [p for p in (_llama(args), _Vllm(args.vllm_url) if args.vllm_url else None) if p is not None]
 
     full = llm.create_session(SYSTEM, flash=list(QUESTIONS), flash_max_tokens=1)
     window = llm.create_session(SYSTEM, retention_tokens=int(args.max_context * 0.5) + 64)
@@ -91,11 +94,11 @@ def run(args: argparse.Namespace) -> dict:
             row.update(_ingest(llm, full, new, QUESTIONS[step % len(QUESTIONS)], one))
             window.append(new)
             window.wait()
-        row.update(_measure(llm, full, one, llama, step), rows=fed)
+        row.update(_measure(llm, full, one, peers, step), rows=fed)
         row.update(_window_check(full, window, feed[:fed], args.window_questions))
         steps.append(row)
         shown = _print_progress(steps, shown)
-    result = _summary(args, steps, llama is not None)
+    result = _summary(args, steps, [p.name for p in peers])
     harness.write_json(result, path=args.out or harness.result_path(f"session-{_name(args.model)}"))
     return result
 
@@ -136,19 +139,19 @@ def _ingest(llm, session, text: str, question: str, params) -> dict:
     return {"while_ingesting_ms": busy * 1000, "ingest_tok_s": len(llm.engine.sessions.format.data(text)) / ingest_s}
 
 
-def _measure(llm, session, params, llama, step: int) -> dict:
+def _measure(llm, session, params, peers: list, step: int) -> dict:
     """One step's latencies (ms, median over the questions) on every path, same tokens. The
     stateless paths first see this step's data in one question (a variant no other path asks),
     which computes the new data; each path then computes every question for the first time."""
     fmt, state = llm.engine.sessions.format, session._session.state
     data = state.tokens + state.pending
     rows = {"context_tokens": len(data)}
-    times: dict[str, list[float]] = {k: [] for k in ("session", "flash_hit", "stateless", "stateless_cached",
-                                                     "llama_cpp", "llama_cpp_cached")}
+    times: dict[str, list[float]] = {k: [] for k in ("session", "flash_hit", "stateless", "stateless_cached")}
     first = data + fmt.question(QUESTIONS[step % len(QUESTIONS)] + "  ")
     times["stateless"].append(_timed(llm.generate, {"prompt_token_ids": first}, params))
-    if llama is not None:
-        times["llama_cpp"].append(llama.answer(first))
+    for peer in peers:
+        times[peer.name] = [peer.answer(first)]
+        times[f"{peer.name}_cached"] = []
     for q in QUESTIONS:
         prompt = data + fmt.question(_asked(q))
         llm.generate({"prompt_token_ids": data}, params)  # the data alone, then the question on it
@@ -156,9 +159,9 @@ def _measure(llm, session, params, llama, step: int) -> dict:
         times["session"].append(_timed(session.query, _asked(q), params))
         hit = session.query(q, params)
         times["flash_hit"].append(_timed(session.query, q, params) if hit.flash_hit else math.nan)
-        if llama is not None:
-            llama.answer(data)
-            times["llama_cpp_cached"].append(llama.answer(prompt))
+        for peer in peers:
+            peer.answer(data)
+            times[f"{peer.name}_cached"].append(peer.answer(prompt))
     for key, values in times.items():
         rows[f"{key}_ms"] = statistics.median(values) * 1000 if values else None
     return rows
@@ -187,12 +190,12 @@ def _print_progress(steps: list[dict], shown: int) -> int:
     for row in steps[shown:]:
         print(f"step {row['step']:2d}: {row['context_tokens']:6d} tokens, session {row['session_ms']:.0f} ms, "
               f"stateless {row['stateless_ms']:.0f} ms, cached {row['stateless_cached_ms']:.0f} ms"
-              + (f", llama.cpp cached {row['llama_cpp_cached_ms']:.0f} ms" if row["llama_cpp_cached_ms"] else ""),
+              + "".join(f", {k[:-3]} {v:.0f} ms" for k, v in row.items() if k.startswith(("llama", "vllm"))),
               file=sys.stderr, flush=True)
     return len(steps)
 
 
-def _summary(args, steps: list[dict], with_llama: bool) -> dict:
+def _summary(args, steps: list[dict], peers: list[str]) -> dict:
     first, last = steps[0], steps[-1]
     busy = [r["while_ingesting_ms"] for r in steps if r["while_ingesting_ms"]]
     idle = [r["session_ms"] for r in steps]
@@ -206,17 +209,17 @@ def _summary(args, steps: list[dict], with_llama: bool) -> dict:
         "full-context accuracy (recent bars)": statistics.mean(r["window_full"] for r in steps),
         "window agrees with full context": statistics.mean(r["window_agree"] for r in steps),
     }
-    if with_llama:
-        summary["llama.cpp cached / session at the end"] = last["llama_cpp_cached_ms"] / last["session_ms"]
-        summary["llama.cpp / session at the end"] = last["llama_cpp_ms"] / last["session_ms"]
+    for peer in peers:
+        summary[f"{peer} cached / session at the end"] = last[f"{peer}_cached_ms"] / last["session_ms"]
+        summary[f"{peer} / session at the end"] = last[f"{peer}_ms"] / last["session_ms"]
     headers = ["step", "tokens", "session", "flash hit", "while ingesting", "stateless", "stateless cached"]
-    headers += ["llama.cpp", "llama.cpp cached"] if with_llama else []
+    headers += [h for peer in peers for h in (peer, f"{peer} cached")]
     headers += ["ingest tok/s"]
     table = []
     for r in steps:
         row = [r["step"], r["context_tokens"], _ms(r["session_ms"]), _ms(r["flash_hit_ms"], 3),
                _ms(r["while_ingesting_ms"]), _ms(r["stateless_ms"]), _ms(r["stateless_cached_ms"])]
-        row += [_ms(r["llama_cpp_ms"]), _ms(r["llama_cpp_cached_ms"])] if with_llama else []
+        row += [_ms(r[f"{peer}{kind}_ms"]) for peer in peers for kind in ("", "_cached")]
         row += [f"{r['ingest_tok_s']:.0f}" if r["ingest_tok_s"] else "-"]
         table.append(row)
     harness.print_table(headers, table, title="time to a one-token answer (ms), median of 3 questions")
@@ -237,6 +240,8 @@ def _ms(value, digits: int = 0) -> str:
 class _LlamaCpp:
     """llama-cpp-python on the model's GGUF: it keeps the previous call's KV (longest common prefix)."""
 
+    name = "llama.cpp"
+
     def __init__(self, gguf, n_ctx: int, threads: int):
         import llama_cpp
 
@@ -248,6 +253,25 @@ class _LlamaCpp:
         start = time.perf_counter()
         for _ in self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=False):
             break
+        return time.perf_counter() - start
+
+
+class _Vllm:
+    """A vLLM server (its prefix cache on): token-id prompts to /v1/completions."""
+
+    name = "vllm"
+
+    def __init__(self, url: str):
+        import httpx
+
+        self.client, self.url = httpx.Client(timeout=600), url.rstrip("/")
+        self.model = self.client.get(f"{self.url}/v1/models").json()["data"][0]["id"]
+
+    def answer(self, ids: list[int]) -> float:
+        start = time.perf_counter()
+        r = self.client.post(f"{self.url}/v1/completions",
+                             json={"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0})
+        r.raise_for_status()
         return time.perf_counter() - start
 
 

@@ -1,0 +1,23 @@
+"""`spanserve bench session` on a tiny model: every path measured at every step, same tokens."""
+
+import json
+
+from helpers import bench_args
+
+from benchmarks import session
+
+
+def test_session_bench_measures_every_path(tiny_llama_path, tmp_path):
+    out = tmp_path / "s.json"
+    session.run(bench_args(session, ["--model", str(tiny_llama_path), "--max-context", "400", "--steps", "2",
+                                     "--window-questions", "2", "--out", str(out)]))
+    result = json.loads(out.read_text())
+    steps = result["steps"]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert steps[0]["context_tokens"] < steps[1]["context_tokens"] < steps[2]["context_tokens"]
+    for s in steps:
+        assert s["session_ms"] > 0 and s["stateless_ms"] > 0 and s["stateless_cached_ms"] > 0
+        assert s["flash_hit_ms"] < s["session_ms"]  # a kept answer, no forward pass
+    assert steps[2]["while_ingesting_ms"] > 0 and steps[2]["ingest_tok_s"] > 0
+    assert steps[2]["window_evicted"] > 0  # the rolling window dropped data
+    assert result["summary"]["stateless / session at the end"] > 0
