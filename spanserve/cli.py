@@ -29,6 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
+    g.add_argument("--sparse-flow", action="append", default=[], metavar="PACKAGE.MODULE.CLASS",
+                   help="register a sparse decode flow of your own (repeatable); requests name it")
     g.add_argument("--background-chunk-tokens", type=int, default=32,
                    help="session ingest: tokens per step, in steps no other request needs")
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -59,7 +61,8 @@ def engine_config(args) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        background_chunk_tokens=args.background_chunk_tokens, enable_prefix_caching=not args.no_prefix_caching,
+        background_chunk_tokens=args.background_chunk_tokens, sparse_flows=args.sparse_flow,
+        enable_prefix_caching=not args.no_prefix_caching,
         link_policy=args.link_policy, gap_length=args.gap_length,
         blend_ratio=args.blend_ratio, comb_plugin=args.comb_plugin, blend_layers=args.blend_layers,
         ape_temperature=args.ape_temperature, ape_scale=args.ape_scale,
@@ -78,12 +81,16 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
     g.add_argument("--repetition-penalty", type=float, default=1.1)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--system", default="You are a helpful assistant.", help="system prompt for chat")
+    g.add_argument("--sparse", default=None, help="sparse decode flow: block_topk, quest, streaming, h2o, or one "
+                   "given by --sparse-flow")
+    g.add_argument("--sparse-budget", type=int, default=2048, help="tokens a sparse flow attends to per step")
 
 
 def sampling_params(args) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+        sparse=args.sparse, sparse_budget=args.sparse_budget,
     )
 
 

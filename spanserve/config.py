@@ -1,6 +1,6 @@
 """EngineConfig: every knob of the engine in one place."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,8 @@ class EngineConfig:
     # computed (while the pool stays at least 10% free), instead of rotating the shared keys at
     # every step: memory for speed. False: span blocks stay shared for the whole request.
     span_key_copies: bool = True
+    # Sparse decode flows of users, by dotted path (package.module.Class), beside the built-ins.
+    sparse_flows: list[str] = field(default_factory=list)
     # link_policy="comb": the encoder plug-in's file; None: the one shipped for the model, if any
     comb_plugin: str | None = None
 

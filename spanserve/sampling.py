@@ -33,6 +33,9 @@ class SamplingParams:
     blend_layers: int | None = None
     ape_temperature: float | None = None
     ape_scale: float | None = None
+    # Sparse decode (spanserve/sparse/): a flow's name, and the tokens it may attend to per step.
+    sparse: str | None = None
+    sparse_budget: int = 2048
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -715,3 +715,17 @@ def test_span_query_streams_the_root_output(tiny_server, offline):
 def test_bad_span_queries_are_400_naming_the_node(tiny_server, query, path):
     r = httpx.post(f"{tiny_server.url}/v1/spans", json={"query": query})
     assert assert_openai_error(r, 400, path)["message"].startswith(path)
+
+
+def test_sparse_decode_over_http_matches_offline(client, model_name, offline):
+    from helpers import random_prompt
+
+    prompt = random_prompt(300, seed=7)
+    want = offline.generate({"prompt_token_ids": prompt}, greedy(6, sparse="quest", sparse_budget=96))[0]
+    r = client.completions.create(model=model_name, prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={**NO_EOS, "sparse": "quest", "sparse_budget": 96})
+    assert r.choices[0].text == want.outputs[0].text
+    for body, message in [({"sparse": "nope"}, "unknown sparse flow"), ({"sparse": "quest", "sparse_budget": 32},
+                                                                      "smaller than flow")]:
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.completions.create(model=model_name, prompt="hi", max_tokens=2, extra_body=body)

@@ -110,6 +110,8 @@ class AttentionMetadata:
     # First block id of each sequence whose blocks are one contiguous run of ids (the common
     # case for a fresh request), else None: lets a backend slice the cache instead of gathering.
     contiguous_from: list[int | None] | None = None
+    # Decode sequences whose flows narrow each layer's attention to some blocks (sparse/decode.py).
+    sparse: "object | None" = None
     # What a backend derives from this metadata once per step and reuses in every layer.
     derived: dict = field(default_factory=dict, repr=False)
 

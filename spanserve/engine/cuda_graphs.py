@@ -37,7 +37,7 @@ class DecodeGraphs:
     def fits(self, meta: AttentionMetadata) -> bool:
         """A decode step the graphs can replay: one query per sequence, few enough sequences,
         and attention the kernel computes (the reference's fallback reads host-side lengths)."""
-        return (all(q == 1 for q in meta.query_lens) and len(meta.query_lens) <= self.sizes[-1]
+        return (meta.sparse is None and all(q == 1 for q in meta.query_lens) and len(meta.query_lens) <= self.sizes[-1]
                 and kernel_handles(meta, self.model.cfg.head_dim))
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -33,6 +33,7 @@ from spanserve.pic.link import LinkPolicy
 from spanserve.pic.prompt import chat_parts, is_parts_prompt, tokenize_parts
 from spanserve.sampling import SamplingParams
 from spanserve.sessions.store import SessionStore
+from spanserve.sparse.decode import SparseDecode, load_flows
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ def _completion(index: int, req: Request, detok: IncrementalDetokenizer) -> Comp
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        self.sparse_flows = load_flows(config.sparse_flows)  # by name, built-ins and the user's: before the model
         torch.manual_seed(config.seed)
         path = resolve_model(config.model, weights=config.load_format != "dummy")
         self.model_path = path
@@ -121,7 +123,8 @@ class LLMEngine:
                                    config.background_chunk_tokens)
         graph_batch = 0 if config.enforce_eager or self.device.type != "cuda" else config.max_num_seqs
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device,
-                                  graph_batch=graph_batch, max_model_len=self.max_model_len)
+                                  graph_batch=graph_batch, max_model_len=self.max_model_len,
+                                  block_generation=self.kv.pool.generation)
         self.comb = find_plugin(model, config.comb_plugin)  # span encoder for link_policy="comb"
         if self.comb:
             self.runner.use_encoder(self.comb)
@@ -252,6 +255,7 @@ class LLMEngine:
         anchored = self.anchor is not None and link.uses_spans and any(start > 0 for start, _ in tp.spans)
         self._validate_tokens(token_ids, params, self.anchor.num_tokens // self.config.block_size if anchored else 0)
         request_id = request_id or f"req-{next(self._ids)}"
+        flow = self._sparse_flow(params)
         children = []
         for i in range(params.n):
             child_params = params
@@ -265,9 +269,20 @@ class LLMEngine:
                 cache_salt=tp.cache_salt, max_total_tokens=self.max_model_len,
                 wait_for=children[0] if children and self.config.enable_prefix_caching else None,
                 priority=priority, held=held, prefill_only=prefill_only, owner=owner,
+                sparse=SparseDecode(flow, params.sparse_budget, self.config.block_size) if flow else None,
             ))
         detoks = [IncrementalDetokenizer(self.tokenizer, token_ids, r.params) for r in children]
         return RequestGroup(request_id, tp.text, children, detoks)
+
+    def _sparse_flow(self, params: SamplingParams):
+        if params.sparse is None:
+            return None
+        flow = self.sparse_flows.get(params.sparse)
+        if flow is None:
+            raise InvalidRequestError(f"unknown sparse flow {params.sparse!r}; available: "
+                                      f"{', '.join(sorted(self.sparse_flows))}")
+        flow.check_budget(params.sparse_budget, self.config.block_size)
+        return flow
 
     def _validate_tokens(self, token_ids: list[int], params: SamplingParams, reserved_blocks: int = 0) -> None:
         if not token_ids:
@@ -390,6 +405,8 @@ class LLMEngine:
 
     def _stop_reason(self, req: Request, token_id: int, detok: IncrementalDetokenizer):
         p = req.params
+        if req.sparse is not None and req.sparse.error:  # its flow failed: it ends, the batch goes on
+            return ("error", req.sparse.error)
         if token_id in req.eos_token_ids and not p.ignore_eos:
             return ("stop", None)
         if token_id in p.stop_token_ids:

@@ -10,6 +10,7 @@ import torch
 from spanserve.kv.block_pool import Block
 from spanserve.pic.layout import PromptLayout
 from spanserve.sampling import SamplingParams
+from spanserve.sparse.decode import SparseDecode
 
 
 class Priority(enum.IntEnum):
@@ -60,6 +61,7 @@ class Request:
     held: HeldContext | None = None  # KV it starts from, owned elsewhere
     prefill_only: bool = False  # done once its prompt is computed: nothing sampled (an ingest)
     owner: RequestOwner | None = None  # told when it ends
+    sparse: "SparseDecode | None" = None  # its sparse decode flow and state, if any
 
     def __post_init__(self):
         self.token_ids: list[int] = list(self.prompt_token_ids)

@@ -13,14 +13,18 @@ from spanserve.engine.sampler import Sample, sample
 from spanserve.engine.scheduler import ScheduledRequest
 from spanserve.heap import keep_freed_memory
 from spanserve.models.llama import LlamaModel
+from spanserve.sparse.decode import SparseStep
+from spanserve.sparse.fields import FieldStore
 from spanserve.threads import step_threads, use_pool_for_matmuls
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, graph_batch: int = 0, max_model_len: int = 0):
+                 dtype: torch.dtype, device: torch.device, graph_batch: int = 0, max_model_len: int = 0,
+                 block_generation: list[int] | None = None):
         """graph_batch > 0: replay decode steps of up to that many sequences as CUDA graphs
-        (Triton backend only), for contexts up to max_model_len."""
+        (Triton backend only), for contexts up to max_model_len. block_generation: the pool's
+        per-block rewrite counts, which keep sparse flows' fields fresh."""
         cfg = model.cfg
         self.model, self.block_size, self.device = model, block_size, device
         graphs = graph_batch > 0 and isinstance(model.layers[0].self_attn.backend, TritonAttention)
@@ -29,6 +33,7 @@ class ModelRunner:
             dtype=dtype, device=device,
         )
         model.bind_kv_cache(self.kv_cache)
+        self.fields = FieldStore(self.kv_cache, block_generation or [0] * (num_blocks + 1))
         self.graphs = DecodeGraphs(model, graph_batch, max_model_len, block_size, num_blocks) if graphs else None
         self.encoder = None  # the span encoder plug-in (spanserve/comb/), see use_encoder
         if device.type == "cpu":
@@ -74,10 +79,12 @@ class ModelRunner:
     def _prepare(self, batch: list[ScheduledRequest]):
         input_ids, positions, slots, logit_rows = [], [], [], []
         query_lens, context_lens, contiguous_from, tables, rotations = [], [], [], [], []
-        encoder_rows, shares = [], []
+        encoder_rows, shares, sparse = [], [], {}
         for item in batch:
             encodes = item.request.layout.link.encodes_spans
             for tokens, pos, table, ctx_len, layout, samples, in_span in _sequences(item):
+                if item.request.sparse is not None and samples and len(pos) == 1 and not in_span:
+                    sparse[len(tables)] = item.request.sparse  # a decode step
                 if encodes and in_span:
                     encoder_rows.extend(range(len(input_ids), len(input_ids) + len(tokens)))
                 input_ids.extend(tokens)
@@ -102,6 +109,7 @@ class ModelRunner:
             positions=to(positions), contiguous_from=contiguous_from,
             key_rotation=rotations if any(r is not None for r in rotations) else None,
             span_share=shares if any(s is not None for s in shares) else None,
+            sparse=SparseStep(self.fields, sparse, self.block_size) if sparse else None,
         )
         return to(input_ids), meta.positions, meta, logit_rows, encoder_rows
 

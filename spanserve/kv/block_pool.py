@@ -19,6 +19,9 @@ class BlockPool:
 
     def __init__(self, num_blocks: int):
         self.blocks = [Block(i) for i in range(num_blocks)]
+        # Rewrites of each block's content (allocations, keys moved in place): what was derived
+        # from a block under an older count is stale (sparse/fields.py).
+        self.generation = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
 
@@ -44,8 +47,14 @@ class BlockPool:
                 del self._cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
+            self.generation[block.block_id] += 1
             taken.append(block)
         return taken
+
+    def rewritten(self, blocks: list[Block]) -> None:
+        """Blocks whose content changed in place (a session moving its keys)."""
+        for block in blocks:
+            self.generation[block.block_id] += 1
 
     def touch(self, blocks: list[Block]) -> None:
         """Add a reference to cache-hit blocks, reviving them from the free queue if needed."""

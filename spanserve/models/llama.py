@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, layer: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -38,7 +38,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rope, self.backend = rope, backend
+        self.rope, self.backend, self.layer = rope, backend, layer
         self.scale = self.head_dim**-0.5
         self.kv_cache: torch.Tensor | None = None  # bound by the runner
 
@@ -59,6 +59,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
+        if meta.sparse is not None:  # decode over the blocks sparse flows pick, at this layer
+            meta = meta.sparse.restrict(self.layer, q, meta)
         out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 
@@ -75,10 +77,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope, backend)
+        self.self_attn = Attention(cfg, rope, backend, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -93,7 +95,7 @@ class LlamaModel(nn.Module):
         self.cfg = cfg
         self.rope = rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

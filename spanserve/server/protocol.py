@@ -91,6 +91,9 @@ class _SamplingFields(_Body):
     blend_layers: _int(ge=1, le=_SAFE) | None = None
     ape_temperature: float | None = Field(None, gt=0, le=1)
     ape_scale: float | None = Field(None, gt=0, le=1)
+    # spanserve extension: sparse decode (a flow the server has: built-in or --sparse-flow)
+    sparse: NonEmptyStr | None = Field(None, max_length=128)
+    sparse_budget: _int(ge=1, le=_SAFE) = 2048
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
         optional = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -103,7 +106,8 @@ class _SamplingFields(_Body):
             seed=self.seed, stop=self.stop,
             # ids beyond the vocabulary can never be sampled (and cannot index the logits)
             stop_token_ids=[t for t in self.stop_token_ids or [] if t < vocab_size],
-            ignore_eos=self.ignore_eos, logprobs=logprobs, **optional,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, sparse=self.sparse, sparse_budget=self.sparse_budget,
+            **optional,
         )
 
 

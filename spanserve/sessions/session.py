@@ -219,6 +219,7 @@ class Session:
         copies = iter(self.pool.allocate(len(read)))
         moved = [next(copies) if b.ref_cnt > 1 else b for b in kept]
         self.engine.runner.move_blocks([(a.block_id, b.block_id) for a, b in zip(kept, moved)], -drop * bs)
+        self.pool.rewritten(moved)
         self.pool.release(read + gone)
         self.blocks[first:] = moved
         del st.tokens[st.num_frozen:st.num_frozen + drop * bs]

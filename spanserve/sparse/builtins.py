@@ -1,0 +1,82 @@
+"""The built-in flows: block top-k, Quest, StreamingLLM and H2O, each a few lines over flow.py.
+
+A request picks one set of blocks per layer for all its heads (our paged attention reads one block
+table per sequence): per-head scores are summed over the query heads (Quest takes their maximum,
+its bound being per head).
+"""
+
+import torch
+
+from spanserve.sparse.flow import Flow, IndexerContext, select
+
+
+class BlockTopK(Flow):
+    """Blocks whose mean key (centroid) is closest to the query."""
+
+    name = "block_topk"
+
+    def create_cache(self):
+        return {"centroid": (-1,)}
+
+    def forward_cache(self, keys, values):
+        return {"centroid": keys.float().mean(1)}
+
+    def forward_indexer(self, q, fields, state, ctx: IndexerContext):
+        scores = torch.einsum("hgd,bhd->b", q.float(), fields["centroid"])
+        return select(scores, self, ctx)
+
+
+class Quest(Flow):
+    """Quest (Tang et al., 2024): an upper bound of q.k over a block from its keys' per-channel
+    minimum and maximum."""
+
+    name = "quest"
+
+    def create_cache(self):
+        return {"kmin": (-1,), "kmax": (-1,)}
+
+    def forward_cache(self, keys, values):
+        keys = keys.float()
+        return {"kmin": keys.amin(1), "kmax": keys.amax(1)}
+
+    def forward_indexer(self, q, fields, state, ctx: IndexerContext):
+        q = q.float()[None]  # [1, H, G, D]
+        bound = torch.maximum(q * fields["kmin"][:, :, None], q * fields["kmax"][:, :, None]).sum(-1)  # [B, H, G]
+        return select(bound.amax((1, 2)), self, ctx)
+
+
+class StreamingLLM(Flow):
+    """StreamingLLM (Xiao et al., 2023): attention sinks and a recent window, whatever the query."""
+
+    name = "streaming"
+
+    def forward_indexer(self, q, fields, state, ctx: IndexerContext):
+        num, window = ctx.num_blocks, ctx.budget_blocks - 1 - self.sink_blocks
+        recent = torch.arange(max(self.sink_blocks, num - window), num)
+        return torch.cat([torch.arange(min(self.sink_blocks, num)), recent])
+
+
+class H2O(Flow):
+    """H2O (Zhang et al., 2023) on blocks: each step's attention over block centroids accumulates
+    in the request's state; the heavy hitters (most accumulated weight) and the recent window stay."""
+
+    name = "h2o"
+
+    def create_cache(self):
+        return {"centroid": (-1,)}
+
+    def forward_cache(self, keys, values):
+        return {"centroid": keys.float().mean(1)}
+
+    def forward_indexer(self, q, fields, state, ctx: IndexerContext):
+        scale = q.shape[-1] ** -0.5
+        weights = torch.einsum("hgd,bhd->hgb", q.float(), fields["centroid"]).mul(scale).softmax(-1).sum((0, 1))
+        acc = state.get("acc")
+        if acc is None or len(acc) > ctx.num_blocks:
+            acc = torch.zeros(0, device=weights.device)
+        acc = torch.cat([acc, torch.zeros(ctx.num_blocks - len(acc), device=weights.device)]) + weights
+        state["acc"] = acc
+        return select(acc, self, ctx)
+
+
+BUILTINS: dict[str, type[Flow]] = {f.name: f for f in (BlockTopK, Quest, StreamingLLM, H2O)}

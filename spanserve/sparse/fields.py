@@ -1,0 +1,50 @@
+"""FieldStore: the flows' per-block fields, in the paged pool beside K and V.
+
+One tensor per (flow, field) of shape [layers, num_blocks, kv_heads, *shape], indexed by block id,
+filled when a request's indexer first needs a full block's fields and kept while the block holds
+the same keys: the pool counts each block's rewrites (BlockPool.generation: a new allocation, a
+session moving its keys), and a field computed under an older count is computed again. A block
+shared by the prefix cache is therefore summarized once for every request reading it.
+
+Span blocks: their keys sit where the span was computed. A request decoding over moved span keys
+does so over private copies rotated to its positions (engine span_key_copies), whose fields are
+computed from the moved keys; a request still reading the shared blocks rotated at each step
+decodes with full attention (sparse.py).
+"""
+
+import torch
+
+
+class FieldStore:
+    def __init__(self, kv_cache: torch.Tensor, generation: list[int]):
+        self.kv_cache = kv_cache  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.generation = generation  # the pool's per-block rewrite counts
+        self.fields: dict[tuple[str, str], torch.Tensor] = {}
+        self.computed: dict[str, torch.Tensor] = {}  # flow -> [layers, num_blocks] generation, -1: none
+
+    def get(self, flow, layer: int, block_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`flow`'s fields of blocks `block_ids` at `layer`, computing the missing or stale ones."""
+        specs = flow.create_cache()
+        if not specs:
+            return {}
+        self._allocate(flow, specs)
+        current = torch.tensor([self.generation[i] for i in block_ids.tolist()], dtype=torch.long)
+        done = self.computed[flow.name][layer, block_ids.cpu()]
+        stale = block_ids[(done != current).to(block_ids.device)]
+        if len(stale):
+            keys, values = self.kv_cache[layer, 0, stale], self.kv_cache[layer, 1, stale]
+            for name, value in flow.forward_cache(keys, values).items():
+                self.fields[flow.name, name][layer, stale] = value.to(self.fields[flow.name, name].dtype)
+            self.computed[flow.name][layer, stale.cpu()] = torch.tensor(
+                [self.generation[i] for i in stale.tolist()], dtype=torch.long)
+        return {name: self.fields[flow.name, name][layer, block_ids] for name in specs}
+
+    def _allocate(self, flow, specs: dict[str, tuple[int, ...]]) -> None:
+        if flow.name in self.computed:
+            return
+        layers, _, num_blocks, _, heads, dim = self.kv_cache.shape
+        for name, shape in specs.items():
+            shape = tuple(dim if s == -1 else s for s in shape)
+            self.fields[flow.name, name] = torch.zeros(layers, num_blocks, heads, *shape, dtype=torch.float32,
+                                                       device=self.kv_cache.device)
+        self.computed[flow.name] = torch.full((layers, num_blocks), -1, dtype=torch.long)

@@ -1,0 +1,75 @@
+"""Flow: a sparse attention algorithm for decode, written as for one request (papers/vortex-sparse-attention.txt).
+
+A flow has two stages:
+- cache: `create_cache` declares per-block fields (a name and a shape per KV head), and
+  `forward_cache` computes them from a block's keys and values. They are computed once per full
+  block and layer and kept in the paged pool beside K and V (fields.py), so a block shared by the
+  prefix cache is summarized once for every request that reads it;
+- indexer: at each decode step and layer, `forward_indexer` picks the blocks to attend to from the
+  query and the fields of the request's full blocks. The engine then attends only over those, the
+  block holding the newest token always included.
+
+Shapes, for one request at one layer (B full blocks, H kv heads, G query heads per kv head, D head
+dim, S block size): q [H, G, D]; keys and values of blocks [n, S, H, D]; each field [B, H, *shape].
+`forward_indexer` returns block indices in [0, B), at most `ctx.budget_blocks` of them. `state` is
+the request's own dict for this layer, kept across its decode steps (H2O's accumulator lives there).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from spanserve.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class IndexerContext:
+    num_blocks: int  # full blocks before the newest token's block
+    budget_blocks: int  # how many of them the flow may pick
+    layer: int
+    step: int  # decode steps of this request so far
+
+
+class Flow:
+    """Base class. `sink_blocks` and `recent_blocks` are always kept by the built-ins (select())."""
+
+    name = "flow"
+    sink_blocks = 1
+    recent_blocks = 4
+
+    def create_cache(self) -> dict[str, tuple[int, ...]]:
+        """Field name -> shape per block and KV head (() for a scalar, (D,) for a vector: -1 stands
+        for the head dim)."""
+        return {}
+
+    def forward_cache(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Fields of blocks [n, S, H, D] -> {name: [n, H, *shape]}."""
+        return {}
+
+    def forward_indexer(self, q: torch.Tensor, fields: dict[str, torch.Tensor], state: dict,
+                        ctx: IndexerContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def min_budget_blocks(self) -> int:
+        """The fewest blocks a budget must allow: the sinks, the recent window and the newest block."""
+        return self.sink_blocks + self.recent_blocks + 1
+
+    def check_budget(self, budget_tokens: int, block_size: int) -> None:
+        least = self.min_budget_blocks() * block_size
+        if not isinstance(budget_tokens, int) or budget_tokens < least:
+            raise InvalidRequestError(f"sparse_budget {budget_tokens!r} is smaller than flow {self.name!r} needs: "
+                                      f"{least} tokens (sinks, recent window and the newest block)")
+
+
+def select(scores: torch.Tensor, flow: Flow, ctx: IndexerContext) -> torch.Tensor:
+    """The sinks, the recent window, and the best-scoring other blocks up to the budget. `scores`
+    [B]: one per block (higher is more relevant)."""
+    num, sinks = ctx.num_blocks, flow.sink_blocks
+    keep = torch.zeros(num, dtype=torch.bool, device=scores.device)
+    keep[:sinks] = True
+    keep[max(0, num - flow.recent_blocks):] = True
+    room = ctx.budget_blocks - 1 - int(keep.sum())  # the newest block takes one
+    if room > 0:
+        scores = scores.masked_fill(keep, float("-inf"))
+        keep[scores.topk(min(room, num - int(keep.sum()))).indices] = True
+    return keep.nonzero().flatten()

@@ -1,0 +1,159 @@
+"""Sparse decode (spanserve/sparse/): flows pick blocks, the engine attends over those only."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_engine_idle, greedy, random_prompt
+
+from spanserve import LLM, SamplingParams
+from spanserve.attention.backend import AttentionMetadata
+from spanserve.attention.torch_ref import TorchAttention
+from spanserve.errors import InvalidRequestError
+from spanserve.sparse.builtins import BUILTINS, Quest, StreamingLLM
+from spanserve.sparse.decode import SparseDecode, SparseStep
+from spanserve.sparse.fields import FieldStore
+from spanserve.sparse.flow import Flow, select
+
+BS, HEADS, KV_HEADS, DIM = 16, 4, 2, 8
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_path):
+    return LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=256)
+
+
+def _decode_step(num_blocks: int, seed: int = 0):
+    """A random cache [layers=1, 2, blocks, BS, KV_HEADS, DIM] and one decode query whose context
+    fills `num_blocks` blocks but the last token of the last one."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(1, 2, num_blocks + 2, BS, KV_HEADS, DIM, generator=g)
+    table = torch.randperm(num_blocks + 2, generator=g)[:num_blocks]
+    ctx = num_blocks * BS - 3
+    q = torch.randn(1, HEADS, DIM, generator=g)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([int(table[-1]) * BS + (ctx - 1) % BS]), query_lens=[1], context_lens=[ctx],
+        block_tables=table[None], context_lens_tensor=torch.tensor([ctx]), positions=torch.tensor([ctx - 1]))
+    return cache, table, ctx, q, meta
+
+
+def _attend(q, keys, values):
+    """softmax(q k / sqrt(D)) v for one query [HEADS, DIM] over keys [L, KV_HEADS, DIM]."""
+    keys, values = keys.repeat_interleave(HEADS // KV_HEADS, 1), values.repeat_interleave(HEADS // KV_HEADS, 1)
+    weights = torch.einsum("hd,lhd->hl", q, keys).mul(DIM**-0.5).softmax(-1)
+    return torch.einsum("hl,lhd->hd", weights, values)
+
+
+def test_quest_picks_the_blocks_of_the_brute_force_bound_and_attends_over_them_only():
+    cache, table, ctx, q, meta = _decode_step(num_blocks=12)
+    decode = SparseDecode(Quest(), budget_tokens=8 * BS, block_size=BS)
+    step = SparseStep(FieldStore(cache, [0] * cache.shape[2]), {0: decode}, BS)
+    narrowed = step.restrict(0, q, meta)
+    # brute force: each middle block's bound, max over heads; sinks (1), recent (4) and newest kept
+    keys = cache[0, 0, table]  # [12, BS, KV_HEADS, DIM]
+    qg = q[0].view(KV_HEADS, HEADS // KV_HEADS, DIM)
+    bound = torch.stack([
+        torch.maximum(qg * keys[b].amin(0)[:, None], qg * keys[b].amax(0)[:, None]).sum(-1).max() for b in range(11)])
+    middle = list(range(1, 7))  # blocks neither sink nor recent (7..10) nor newest (11)
+    best = sorted(middle, key=lambda b: -bound[b])[:2]  # budget 8 = 1 sink + 4 recent + newest + 2
+    expected = sorted([0, *best, 7, 8, 9, 10]) + [11]
+    assert narrowed.block_tables[0, :8].tolist() == table[expected].tolist()
+    assert narrowed.context_lens == [7 * BS + ctx - 11 * BS]
+    new_k, new_v = (cache[0, i, table[-1], (ctx - 1) % BS][None].clone() for i in (0, 1))  # already stored
+    out = TorchAttention().forward(q, new_k, new_v, cache[0], narrowed, DIM**-0.5)
+    tokens = torch.cat([torch.arange(b * BS, (b + 1) * BS) for b in expected[:-1]] + [torch.arange(11 * BS, ctx)])
+    flat_k, flat_v = cache[0, 0, table].flatten(0, 1), cache[0, 1, table].flatten(0, 1)
+    torch.testing.assert_close(out[0], _attend(q[0], flat_k[tokens], flat_v[tokens]))
+
+
+def test_select_keeps_sinks_window_and_best_scores():
+    from spanserve.sparse.flow import IndexerContext
+
+    chosen = select(torch.arange(20.0).flip(0), StreamingLLM(), IndexerContext(20, 9, 0, 0))
+    assert chosen.tolist() == [0, 1, 2, 3, 16, 17, 18, 19]  # sink, the 3 best others, the window
+
+
+def test_a_budget_covering_the_context_is_exact_dense_attention(llm):
+    prompt = random_prompt(200, seed=1)
+    dense = llm.generate({"prompt_token_ids": prompt}, greedy(8, logprobs=2))[0]
+    for name in BUILTINS:
+        out = llm.generate({"prompt_token_ids": prompt}, greedy(8, logprobs=2, sparse=name, sparse_budget=512))[0]
+        assert out.outputs[0].token_ids == dense.outputs[0].token_ids
+        assert out.outputs[0].logprobs == dense.outputs[0].logprobs
+    assert_engine_idle(llm)
+
+
+def test_sparse_decode_narrows_attention_and_keeps_batchmates_exact(llm):
+    prompt = random_prompt(400, seed=2)
+    alone = llm.generate({"prompt_token_ids": prompt}, greedy(6, logprobs=1))[0]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 2,
+                        [greedy(6, logprobs=1), greedy(6, logprobs=1, sparse="streaming", sparse_budget=96)])
+    assert outs[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    sparse_lp = [max(d.values()) for d in outs[1].outputs[0].logprobs]
+    dense_lp = [max(d.values()) for d in alone.outputs[0].logprobs]
+    assert sparse_lp[0] == pytest.approx(dense_lp[0], abs=1e-5)  # the first token comes from the dense prefill
+    assert sparse_lp[1:] != pytest.approx(dense_lp[1:], abs=1e-5)  # then 96 of 400 tokens are attended
+    assert_engine_idle(llm)
+
+
+class _Raises(Flow):
+    name = "raises"
+
+    def forward_indexer(self, q, fields, state, ctx):
+        raise RuntimeError("boom")
+
+
+class _OutOfRange(Flow):
+    name = "out_of_range"
+
+    def forward_indexer(self, q, fields, state, ctx):
+        return torch.tensor([ctx.num_blocks + 5])
+
+
+@pytest.mark.parametrize("flow, message", [(_Raises, "boom"), (_OutOfRange, "must be in")])
+def test_a_failing_flow_ends_its_request_only(tiny_llama_path, flow, message):
+    llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=256)
+    llm.engine.sparse_flows[flow.name] = flow()
+    prompt = random_prompt(300, seed=3)
+    alone = llm.generate({"prompt_token_ids": prompt}, greedy(5))[0]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 2, [greedy(5), greedy(5, sparse=flow.name, sparse_budget=96)])
+    assert outs[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert outs[1].outputs[0].finish_reason == "error" and message in outs[1].outputs[0].stop_reason
+    assert_engine_idle(llm)
+
+
+def test_bad_sparse_requests_are_refused(llm):
+    with pytest.raises(InvalidRequestError, match="unknown sparse flow 'nope'; available: block_topk"):
+        llm.generate("hi", SamplingParams(sparse="nope"))
+    with pytest.raises(InvalidRequestError, match="sparse_budget 64 is smaller"):
+        llm.generate("hi", SamplingParams(sparse="quest", sparse_budget=64))
+    with pytest.raises(InvalidRequestError, match="cannot load sparse flow"):
+        LLM(model="/unused", sparse_flows=["no.such.Flow"])
+
+
+def test_a_user_flow_loads_by_dotted_path(tiny_llama_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=256,
+              sparse_flows=["examples.sparse_flow.PeakHead"])
+    prompt = {"prompt_token_ids": random_prompt(300, seed=4)}
+    out = llm.generate(prompt, greedy(4, sparse="peak_head", sparse_budget=64))
+    assert out[0].outputs[0].finish_reason == "length"
+    assert len((ROOT / "examples/sparse_flow.py").read_text().splitlines()) <= 30
+
+
+def test_fields_are_computed_once_per_block_and_again_after_a_rewrite():
+    cache = torch.randn(2, 2, 4, BS, KV_HEADS, DIM)
+    generation = [0] * 4
+    store, flow, calls = FieldStore(cache, generation), Quest(), []
+    original = flow.forward_cache
+    flow.forward_cache = lambda k, v: calls.append(len(k)) or original(k, v)
+    ids = torch.tensor([0, 2])
+    first = store.get(flow, 1, ids)
+    again = store.get(flow, 1, ids)
+    assert calls == [2] and torch.equal(first["kmax"], again["kmax"])
+    torch.testing.assert_close(first["kmax"], cache[1, 0, ids].amax(1))
+    cache[1, 0, 2] += 1.0
+    generation[2] += 1  # the pool saw it rewritten
+    assert calls == [2] and torch.equal(store.get(flow, 1, ids)["kmax"][1], cache[1, 0, 2].amax(0))
+    assert calls == [2, 1]
