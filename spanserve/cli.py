@@ -257,7 +257,7 @@ def cmd_serve(args) -> None:
 
 
 BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu", "soak", "span_decode", "quant",
-           "session"]
+           "session", "sparse"]
 
 
 def cmd_query(args) -> None:

@@ -48,7 +48,7 @@ def _attend(q, keys, values):
 def test_quest_picks_the_blocks_of_the_brute_force_bound_and_attends_over_them_only():
     cache, table, ctx, q, meta = _decode_step(num_blocks=12)
     decode = SparseDecode(Quest(), budget_tokens=8 * BS, block_size=BS)
-    step = SparseStep(FieldStore(cache, [0] * cache.shape[2]), {0: decode}, BS)
+    step = SparseStep(FieldStore(cache, torch.zeros(cache.shape[2], dtype=torch.long)), {0: decode}, BS)
     narrowed = step.restrict(0, q, meta)
     # brute force: each middle block's bound, max over heads; sinks (1), recent (4) and newest kept
     keys = cache[0, 0, table]  # [12, BS, KV_HEADS, DIM]
@@ -144,7 +144,7 @@ def test_a_user_flow_loads_by_dotted_path(tiny_llama_path, monkeypatch):
 
 def test_fields_are_computed_once_per_block_and_again_after_a_rewrite():
     cache = torch.randn(2, 2, 4, BS, KV_HEADS, DIM)
-    generation = [0] * 4
+    generation = torch.zeros(4, dtype=torch.long)
     store, flow, calls = FieldStore(cache, generation), Quest(), []
     original = flow.forward_cache
     flow.forward_cache = lambda k, v: calls.append(len(k)) or original(k, v)

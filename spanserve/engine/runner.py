@@ -21,7 +21,7 @@ from spanserve.threads import step_threads, use_pool_for_matmuls
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, graph_batch: int = 0, max_model_len: int = 0,
-                 block_generation: list[int] | None = None):
+                 block_generation: torch.Tensor | None = None):
         """graph_batch > 0: replay decode steps of up to that many sequences as CUDA graphs
         (Triton backend only), for contexts up to max_model_len. block_generation: the pool's
         per-block rewrite counts, which keep sparse flows' fields fresh."""
@@ -33,7 +33,8 @@ class ModelRunner:
             dtype=dtype, device=device,
         )
         model.bind_kv_cache(self.kv_cache)
-        self.fields = FieldStore(self.kv_cache, block_generation or [0] * (num_blocks + 1))
+        generation = block_generation if block_generation is not None else torch.zeros(num_blocks + 1, dtype=torch.long)
+        self.fields = FieldStore(self.kv_cache, generation)
         self.graphs = DecodeGraphs(model, graph_batch, max_model_len, block_size, num_blocks) if graphs else None
         self.encoder = None  # the span encoder plug-in (spanserve/comb/), see use_encoder
         if device.type == "cpu":

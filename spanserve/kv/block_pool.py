@@ -3,6 +3,8 @@
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import torch
+
 from spanserve.kv.hashing import BlockHash
 
 
@@ -21,7 +23,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Rewrites of each block's content (allocations, keys moved in place): what was derived
         # from a block under an older count is stale (sparse/fields.py).
-        self.generation = [0] * num_blocks
+        self.generation = torch.zeros(num_blocks, dtype=torch.long)
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
 

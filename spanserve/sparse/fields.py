@@ -16,9 +16,9 @@ import torch
 
 
 class FieldStore:
-    def __init__(self, kv_cache: torch.Tensor, generation: list[int]):
+    def __init__(self, kv_cache: torch.Tensor, generation: torch.Tensor):
         self.kv_cache = kv_cache  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
-        self.generation = generation  # the pool's per-block rewrite counts
+        self.generation = generation  # [num_blocks] the pool's per-block rewrite counts (CPU)
         self.fields: dict[tuple[str, str], torch.Tensor] = {}
         self.computed: dict[str, torch.Tensor] = {}  # flow -> [layers, num_blocks] generation, -1: none
 
@@ -28,15 +28,15 @@ class FieldStore:
         if not specs:
             return {}
         self._allocate(flow, specs)
-        current = torch.tensor([self.generation[i] for i in block_ids.tolist()], dtype=torch.long)
-        done = self.computed[flow.name][layer, block_ids.cpu()]
-        stale = block_ids[(done != current).to(block_ids.device)]
+        ids = block_ids.cpu()
+        current = self.generation[ids]
+        stale = ids[self.computed[flow.name][layer, ids] != current]
         if len(stale):
-            keys, values = self.kv_cache[layer, 0, stale], self.kv_cache[layer, 1, stale]
+            on_device = stale.to(block_ids.device)
+            keys, values = self.kv_cache[layer, 0, on_device], self.kv_cache[layer, 1, on_device]
             for name, value in flow.forward_cache(keys, values).items():
-                self.fields[flow.name, name][layer, stale] = value.to(self.fields[flow.name, name].dtype)
-            self.computed[flow.name][layer, stale.cpu()] = torch.tensor(
-                [self.generation[i] for i in stale.tolist()], dtype=torch.long)
+                self.fields[flow.name, name][layer, on_device] = value.to(self.fields[flow.name, name].dtype)
+            self.computed[flow.name][layer, stale] = self.generation[stale]
         return {name: self.fields[flow.name, name][layer, block_ids] for name in specs}
 
     def _allocate(self, flow, specs: dict[str, tuple[int, ...]]) -> None:

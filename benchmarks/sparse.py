@@ -1,0 +1,170 @@
+"""Sparse decode: retrieval accuracy and decode speed of every flow against full attention.
+
+(a) Multi-key retrieval. A context of real prose (State of the Union paragraphs, spanserve/corpus.py,
+"eval" split) of about L tokens holds --questions facts "The access code of NAME is NNNNNN.", spread
+evenly; each question asks one code (the context prefix-cached, so it is computed once per length).
+A question is right when its answer holds the six digits. Greedy, same run for every condition:
+full attention, then each flow at --budget tokens.
+(b) Decode speed. Batch 1 and batch 8 over the same contexts (each sequence its own question), 32
+tokens each, the EOS ignored: decode tokens per second, from the first token to the last.
+
+    spanserve bench sparse [--model M] [--lengths 4096,8192] [--budget 2048] [--questions 100]
+"""
+
+import argparse
+import random
+import re
+import sys
+from pathlib import Path
+
+from benchmarks import harness
+
+SYSTEM = "You answer from the document. Reply with the number only."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model (default: the embedded SmolLM2)")
+    parser.add_argument("--lengths", default="4096,8192", help="context lengths (tokens) of the retrieval task")
+    parser.add_argument("--decode-lengths", default=None, help="context lengths of the speed test (default: --lengths)")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--budget", type=int, default=2048, help="tokens a flow attends to per step")
+    parser.add_argument("--flows", default="block_topk,quest,streaming,h2o")
+    parser.add_argument("--questions", type=int, default=100, help="retrieval questions per length")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sparse-<model>.json)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    harness.configure_threads()
+    from spanserve import LLM
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    decode_lengths = [int(x) for x in (args.decode_lengths or args.lengths).split(",")]
+    flows = [f for f in args.flows.split(",") if f]
+    conditions = [None, *flows]
+    llm = LLM(model=args.model, kv_cache_memory_gb=6.0, max_num_seqs=128)
+    accuracy, speed = {}, {}
+    for length in sorted(set(lengths) | set(decode_lengths)):
+        context, facts = _context(llm, length, args.questions)
+        prefix = llm.chat([_system(), {"role": "user", "content": context}], _params(1))[0]  # computed once
+        log(f"{length}: context of {len(prefix.prompt_token_ids)} tokens")
+        if length in lengths:
+            accuracy[length] = {_label(c): _retrieval(llm, context, facts, c, args.budget) for c in conditions}
+            log(f"{length}: accuracy " + ", ".join(f"{k} {v:.2f}" for k, v in accuracy[length].items()))
+        if length in decode_lengths:
+            speed[length] = {b: {_label(c): _decode_rate(llm, context, facts, b, c, args) for c in conditions}
+                             for b in (int(x) for x in args.batches.split(","))}
+            log(f"{length}: decode tok/s {speed[length]}")
+    result = {"benchmark": "sparse", "model": args.model or "SmolLM2-135M-Instruct", "budget": args.budget,
+              "questions": args.questions, "accuracy": accuracy, "decode_tok_s": speed,
+              "machine": harness.machine_info()}
+    _report(result, [_label(c) for c in conditions])
+    name = (args.model or "smollm2").lower().replace("/", "_")
+    out = Path(args.out) if args.out else harness.result_path(f"sparse-{name}")
+    harness.write_json(result, path=out)
+    _plot(result, [_label(c) for c in conditions], out.with_suffix(".png"))
+    return result
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _label(condition) -> str:
+    return condition or "full"
+
+
+def _system() -> dict:
+    return {"role": "system", "content": SYSTEM}
+
+
+def _params(max_tokens: int, sparse=None, budget: int = 2048, ignore_eos: bool = False):
+    from spanserve import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, sparse=sparse, sparse_budget=budget,
+                          ignore_eos=ignore_eos)
+
+
+def _context(llm, length: int, count: int) -> tuple[str, list[tuple[str, str]]]:
+    """Prose of about `length` tokens with `count` access-code facts spread evenly."""
+    from spanserve.corpus import paragraphs
+
+    rng = random.Random(length)
+    tokenizer, prose = llm.get_tokenizer(), paragraphs("eval")
+    names = [f"{rng.choice(_FIRST)} {rng.choice(_LAST)}-{i}" for i in range(count)]
+    facts = [(name, f"{rng.randrange(100000, 1000000)}") for name in names]
+    budget = length - 64 - 24 * count  # room for the chat template and the facts
+    parts, used, i = [], 0, rng.randrange(len(prose))
+    while used < budget:
+        paragraph = prose[i % len(prose)]
+        used += len(tokenizer.encode(paragraph, add_special_tokens=False)) + 1
+        parts.append(paragraph)
+        i += 1
+    for k, (name, code) in enumerate(facts):  # evenly, from the start to the end
+        parts.insert(round(k * len(parts) / count) + k, f"The access code of {name} is {code}.")
+    return "\n".join(parts), facts
+
+
+def _ask(context: str, name: str) -> list[dict]:
+    return [_system(), {"role": "user", "content": f"{context}\n\nWhat is the access code of {name}?"}]
+
+
+def _retrieval(llm, context: str, facts, condition, budget: int) -> float:
+    outs = llm.chat([_ask(context, name) for name, _ in facts], _params(10, condition, budget))
+    right = sum(code in re.sub(r"\D", "", out.outputs[0].text) for out, (_, code) in zip(outs, facts))
+    return right / len(facts)
+
+
+def _decode_rate(llm, context: str, facts, batch: int, condition, args) -> float:
+    """Decode tokens per second of `batch` questions decoding together (best of two runs)."""
+    best = 0.0
+    for _ in range(2):
+        outs = llm.chat([_ask(context, name) for name, _ in facts[:batch]],
+                        _params(args.decode_tokens, condition, args.budget, ignore_eos=True))
+        first = max(o.metrics.first_token_time for o in outs)
+        last = max(o.metrics.finish_time for o in outs)
+        best = max(best, batch * (args.decode_tokens - 1) / (last - first))
+    return best
+
+
+def _report(result: dict, labels: list[str]) -> None:
+    rows = [[length, *(f"{acc[label]:.2f}" for label in labels)] for length, acc in result["accuracy"].items()]
+    harness.print_table(["tokens", *labels], rows, title=f"retrieval accuracy ({result['questions']} questions)")
+    rows = []
+    for length, batches in result["decode_tok_s"].items():
+        for batch, rates in batches.items():
+            full = rates["full"]
+            rows.append([length, batch, f"{full:.1f}", *(f"{rates[label]:.1f} ({rates[label] / full:.2f}x)"
+                                                          for label in labels[1:])])
+    harness.print_table(["tokens", "batch", "full", *labels[1:]], rows, title="decode tok/s (vs full)")
+
+
+def _plot(result: dict, labels: list[str], path) -> None:
+    plt = harness.pyplot()
+    if plt is None or not result["accuracy"] or not result["decode_tok_s"]:
+        return
+    length = max(set(result["accuracy"]) & set(result["decode_tok_s"]), default=None)
+    if length is None:
+        return
+    batch = max(result["decode_tok_s"][length])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label in labels:
+        speedup = result["decode_tok_s"][length][batch][label] / result["decode_tok_s"][length][batch]["full"]
+        ax.scatter(speedup, result["accuracy"][length][label] * 100, label=label)
+    ax.set_xlabel(f"decode speed vs full attention (batch {batch}, {length} tokens)")
+    ax.set_ylabel("retrieval accuracy (%)")
+    ax.set_title(f"{result['model']}: sparse flows at budget {result['budget']}")
+    ax.legend()
+    harness.save_figure(fig, path)
+
+
+_FIRST = ("Ada", "Bram", "Cleo", "Dario", "Edda", "Fenn", "Gita", "Hugo", "Ines", "Jory", "Kira", "Lars")
+_LAST = ("Moss", "Nyberg", "Okafor", "Pell", "Quist", "Rowe", "Sato", "Tamm", "Ulloa", "Voss", "Wick", "Yates")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.cli_main("sparse", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
