@@ -43,16 +43,14 @@ class SparseStep:
 
     def restrict(self, layer: int, q: torch.Tensor, meta):
         """`meta` with each sparse sequence's context narrowed to its flow's blocks at `layer`."""
+        narrowed = [i for i, decode in self.sequences.items() if self._narrows(i, decode, meta)]
+        if not narrowed:
+            return meta
         tables, lens, first = meta.block_tables.clone(), list(meta.context_lens), list(meta.contiguous_from or [])
         rows = torch.tensor([0, *meta.query_lens]).cumsum(0).tolist()
         changed = False
-        for i, decode in self.sequences.items():
-            if decode.error or (meta.key_rotation and meta.key_rotation[i] is not None) or \
-                    (meta.span_share and meta.span_share[i] is not None):
-                continue
-            newest = (lens[i] - 1) // self.block_size  # its block; the full ones come before it
-            if newest + 1 <= decode.budget_blocks:
-                continue
+        for i in narrowed:
+            decode, newest = self.sequences[i], (lens[i] - 1) // self.block_size  # full blocks come before it
             chosen = self._choose(decode, layer, q[rows[i]], tables[i, :newest], newest)
             if chosen is None:
                 continue
@@ -67,6 +65,15 @@ class SparseStep:
         return dataclasses.replace(meta, block_tables=tables, context_lens=lens, contiguous_from=first or None,
                                    context_lens_tensor=torch.tensor(lens, device=meta.context_lens_tensor.device),
                                    derived={})
+
+    def _narrows(self, i: int, decode: SparseDecode, meta) -> bool:
+        """Whether sequence i attends to fewer blocks than its context: not when the context fits
+        the budget (selecting would cost more than it saves), its flow failed, or its keys need
+        moving at every step."""
+        if decode.error or (meta.key_rotation and meta.key_rotation[i] is not None) or \
+                (meta.span_share and meta.span_share[i] is not None):
+            return False
+        return (meta.context_lens[i] - 1) // self.block_size + 1 > decode.budget_blocks
 
     def _choose(self, decode: SparseDecode, layer: int, q: torch.Tensor, block_ids: torch.Tensor,
                 num_blocks: int) -> torch.Tensor | None:
