@@ -264,3 +264,13 @@ def test_cli_streams_a_csv_into_a_session(tiny_llama_path, tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("Which sensor is last?") == 4  # after 10, 20 and 30 rows, and at the end (31 lines)
     assert "[10 rows, v3]" in out and "[flash v" in out and "31 rows:" in out
+
+
+def test_an_append_past_the_backlog_is_refused(llm):
+    s = llm.create_session(system="Log.", retention_tokens=200)
+    before = s.info()
+    with pytest.raises(CacheFullError, match="retry once they are"):
+        s._session.append_tokens(list(range(100, 100 + 801)))
+    assert s.info() == before  # nothing queued
+    s.close()
+    assert_engine_idle(llm)

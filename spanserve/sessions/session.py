@@ -40,6 +40,7 @@ INGEST_TOKENS = 1024  # data one ingest request computes (the scheduler splits i
 # An eviction drops this much of the data window beyond what it must, so that a key is moved
 # (rotated and rounded) a bounded number of times, about 1 / EVICT_FRACTION, over its life.
 EVICT_FRACTION = 0.125
+BACKLOG_FACTOR = 4  # data waiting to be computed, in retentions: past it an append is refused
 
 
 @dataclass
@@ -120,7 +121,11 @@ class Session:
         return self.append_tokens(self.engine.sessions.format.data(text))
 
     def append_tokens(self, tokens: list[int]) -> int:
+        self._check_open()
         st = self.state
+        if len(st.pending) + len(tokens) > BACKLOG_FACTOR * st.retention_tokens:
+            raise CacheFullError(f"session {self.id} has {len(st.pending)} tokens of data waiting to be computed; "
+                                 f"retry once they are (its backlog holds {BACKLOG_FACTOR} x retention_tokens)")
         st.pending.extend(tokens)
         st.appended += len(tokens)
         st.version += 1
