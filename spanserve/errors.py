@@ -40,7 +40,10 @@ class UnsupportedModelError(SpanserveError, ValueError):
 
 
 class CacheFullError(InvalidRequestError):
-    """A single request needs more KV blocks than the whole pool holds."""
+    """The KV pool cannot hold what is asked (a request larger than the pool, sessions beyond
+    their share of it, a session's backlog)."""
+
+    code = "cache_full"
 
 
 class CorpusNotFoundError(SpanserveError, FileNotFoundError):
@@ -59,6 +62,18 @@ class SessionNotFoundError(InvalidRequestError):
 
     code = "session_not_found"
     status = 404
+
+
+class InvalidSessionError(InvalidRequestError):
+    """Session settings that cannot work (a retention that leaves no room for data or questions)."""
+
+    code = "invalid_session"
+
+
+class InvalidSparseError(InvalidRequestError):
+    """An unknown sparse flow, or a budget it cannot work with."""
+
+    code = "invalid_sparse"
 
 
 class SessionFullError(InvalidRequestError):

@@ -642,6 +642,7 @@ def test_schemathesis(case, body_validators):
     # allows. Whether a request fits the model also depends on how many tokens its prompt makes (prompt +
     # max_tokens <= max_model_len), on which model name is served, whether its spans fit its prompt, and
     # whether a span query is well formed (its tree is free JSON), whether link policy comb has its plug-in,
+    # whether a session exists and its retention fits its instructions, whether a sparse flow exists,
     # and no JSON schema can say any of these;
     # the same check, minus those answers, follows.
     response = case.call_and_validate(excluded_checks=[positive_data_acceptance], timeout=60)
@@ -651,7 +652,8 @@ def test_schemathesis(case, body_validators):
         error = response.json().get("error", {}) if response.status_code >= 300 else {}
         assert response.status_code < 300 or (response.status_code, error.get("code")) in {
             (400, "context_length_exceeded"), (404, "model_not_found"), (400, "invalid_span"),
-            (400, "invalid_query"), (400, "plugin_not_loaded")}, (
+            (400, "invalid_query"), (400, "plugin_not_loaded"), (404, "session_not_found"),
+            (400, "invalid_session"), (400, "invalid_sparse"), (400, "cache_full")}, (
             response.status_code, response.text)
 
 

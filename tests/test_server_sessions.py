@@ -74,8 +74,8 @@ def test_another_tenant_sees_no_session(server):
         assert_openai_error(request(server, "bob", method, f"/v1/sessions/{sid}{path}", body), 404, "no session")
     assert request(server, "alice", "GET", f"/v1/sessions/{sid}").status_code == 200
     request(server, "alice", "POST", f"/v1/sessions/{sid}/save")
-    assert_openai_error(request(server, "bob", "POST", "/v1/sessions/restore", {"id": sid}), 404)
-    assert_openai_error(request(server, "bob", "POST", "/v1/sessions/restore", {"id": "../../etc/passwd"}), 404)
+    assert_openai_error(request(server, "bob", "POST", f"/v1/sessions/{sid}/restore"), 404)
+    assert_openai_error(request(server, "bob", "POST", "/v1/sessions/..%2F..%2Fetc%2Fpasswd/restore"), 404)
 
 
 def test_bad_input_is_a_clear_4xx(server):

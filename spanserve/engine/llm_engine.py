@@ -19,6 +19,7 @@ from spanserve.errors import (
     CacheFullError,
     InvalidRequestError,
     InvalidSpanError,
+    InvalidSparseError,
     PluginNotLoadedError,
     PromptTooLongError,
 )
@@ -279,7 +280,7 @@ class LLMEngine:
             return None
         flow = self.sparse_flows.get(params.sparse)
         if flow is None:
-            raise InvalidRequestError(f"unknown sparse flow {params.sparse!r}; available: "
+            raise InvalidSparseError(f"unknown sparse flow {params.sparse!r}; available: "
                                       f"{', '.join(sorted(self.sparse_flows))}")
         flow.check_budget(params.sparse_budget, self.config.block_size)
         return flow

@@ -321,12 +321,8 @@ class SessionDataRequest(_Request):
 
 class SessionQueryRequest(_SamplingFields, _Request):
     question: NonEmptyStr
-    max_tokens: _int(ge=1) | None = 64
+    max_tokens: _int(ge=1) = 64
     n: _int(ge=1, le=1) = 1
-
-
-class SessionRestoreRequest(_Request):
-    id: NonEmptyStr
 
 
 class SessionInfo(BaseModel):

@@ -2,7 +2,7 @@
 
 POST /v1/sessions, GET and DELETE /v1/sessions/{id}, POST /v1/sessions/{id}/data, POST
 /v1/sessions/{id}/query (with stream), GET /v1/sessions/{id}/flash (server-sent events), POST
-/v1/sessions/{id}/save and POST /v1/sessions/restore. A session belongs to the API key's tenant
+/v1/sessions/{id}/save and POST /v1/sessions/{id}/restore. A session belongs to the API key's tenant
 that created it: any other caller gets the 404 of a session that does not exist.
 
 Session state lives on the engine thread: every route reaches it through AsyncLLM.call. With a
@@ -29,7 +29,6 @@ from spanserve.server.protocol import (
     SessionDataRequest,
     SessionInfo,
     SessionQueryRequest,
-    SessionRestoreRequest,
 )
 from spanserve.sessions import persist
 from spanserve.sessions.session import Answer
@@ -91,16 +90,15 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
         return await llm.call(lambda: store.create(body.system, body.retention_tokens, body.flash, tenant,
                                                    body.flash_max_tokens).info())
 
-    @app.get("/v1/sessions/{session_id}", responses=errors)
-    async def session_info(session_id: str, http: Request) -> SessionInfo:
+    # One route for both methods: a 405 on this path then lists them both in its Allow header.
+    @app.api_route("/v1/sessions/{session_id}", methods=["GET", "DELETE"], responses=errors)
+    async def session(session_id: str, http: Request) -> dict:
+        """GET: the session's state. DELETE: close it (and forget its saved file)."""
         tenant = _tenant(http)
-        return await llm.call(lambda: store.get(session_id, tenant).info())
-
-    @app.delete("/v1/sessions/{session_id}", responses=errors)
-    async def delete_session(session_id: str, http: Request) -> dict:
-        tenant = _tenant(http)
+        if http.method == "GET":
+            return await llm.call(lambda: store.get(session_id, tenant).info())
         await llm.call(lambda: store.close(session_id, tenant))
-        if session_dir is not None:
+        if session_dir is not None and _SESSION_ID.fullmatch(session_id):
             _file(session_dir, session_id).unlink(missing_ok=True)  # it must not come back at restart
         return {"id": session_id, "object": "session", "deleted": True}
 
@@ -179,11 +177,12 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
         await llm.call(lambda: persist.save(store.get(session_id, tenant), path))
         return {"id": session_id, "object": "session", "saved": True}
 
-    @app.post("/v1/sessions/restore", responses=errors)
-    async def restore_session(body: SessionRestoreRequest, http: Request) -> SessionInfo:
-        tenant, path = _tenant(http), _file(session_dir, body.id)
+    @app.post("/v1/sessions/{session_id}/restore", responses=errors)
+    async def restore_session(session_id: str, http: Request) -> SessionInfo:
+        """Open a session saved with .../save (by the same API key)."""
+        tenant, path = _tenant(http), _file(session_dir, session_id)
         if not path.exists():
-            raise SessionNotFoundError(f"no saved session {body.id!r}")
+            raise SessionNotFoundError(f"no saved session {session_id!r}")
         return await llm.call(lambda: store.restore(path, tenant).info())
 
 

@@ -2,7 +2,7 @@
 
 from functools import cached_property
 
-from spanserve.errors import CacheFullError, InvalidRequestError, SessionNotFoundError
+from spanserve.errors import CacheFullError, InvalidRequestError, InvalidSessionError, SessionNotFoundError
 from spanserve.sampling import SamplingParams
 from spanserve.sessions import persist
 from spanserve.sessions.format import SessionFormat
@@ -33,13 +33,13 @@ class SessionStore:
         max_len, bs = self.engine.max_model_len, self.engine.config.block_size
         retention = max_len - min(QUESTION_ROOM, max_len // 4) if retention_tokens is None else retention_tokens
         if not isinstance(retention, int) or isinstance(retention, bool):
-            raise InvalidRequestError("retention_tokens must be an integer")
+            raise InvalidSessionError("retention_tokens must be an integer")
         if retention < len(frozen) + 4 * bs:
-            raise InvalidRequestError(
+            raise InvalidSessionError(
                 f"retention_tokens ({retention}) must exceed the session's instructions ({len(frozen)} tokens, "
                 f"region 0) by at least four blocks of {bs} tokens of data")
         if retention + bs > max_len:
-            raise InvalidRequestError(f"retention_tokens ({retention}) leaves no room for a question within "
+            raise InvalidSessionError(f"retention_tokens ({retention}) leaves no room for a question within "
                                       f"max_model_len {max_len}")
         self._reserve(retention)
         params = SamplingParams(temperature=0.0, max_tokens=flash_max_tokens)

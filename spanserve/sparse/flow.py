@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spanserve.errors import InvalidRequestError
+from spanserve.errors import InvalidSparseError
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Flow:
     def check_budget(self, budget_tokens: int, block_size: int) -> None:
         least = self.min_budget_blocks() * block_size
         if not isinstance(budget_tokens, int) or budget_tokens < least:
-            raise InvalidRequestError(f"sparse_budget {budget_tokens!r} is smaller than flow {self.name!r} needs: "
+            raise InvalidSparseError(f"sparse_budget {budget_tokens!r} is smaller than flow {self.name!r} needs: "
                                       f"{least} tokens (sinks, recent window and the newest block)")
 
 
