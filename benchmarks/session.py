@@ -251,7 +251,7 @@ class _LlamaCpp:
     def answer(self, ids: list[int]) -> float:
         """Seconds to the first generated token after `ids` (reusing the cached common prefix)."""
         start = time.perf_counter()
-        for _ in self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=False):
+        for _ in self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0):  # reuses the longest common prefix
             break
         return time.perf_counter() - start
 
