@@ -42,11 +42,11 @@ def run(args: argparse.Namespace) -> dict:
     decode_lengths = [int(x) for x in (args.decode_lengths or args.lengths).split(",")]
     flows = [f for f in args.flows.split(",") if f]
     conditions = [None, *flows]
-    llm = LLM(model=args.model, kv_cache_memory_gb=6.0, max_num_seqs=128)
+    llm = LLM(model=args.model, kv_cache_memory_gb=6.0, max_num_seqs=32)
     accuracy, speed = {}, {}
     for length in sorted(set(lengths) | set(decode_lengths)):
         context, facts = _context(llm, length, args.questions)
-        prefix = llm.chat([_system(), {"role": "user", "content": context}], _params(1))[0]  # computed once
+        prefix = llm.generate(_ask(llm, context, ""), _params(1))[0]  # the context, computed once
         log(f"{length}: context of {len(prefix.prompt_token_ids)} tokens")
         if length in lengths:
             accuracy[length] = {_label(c): _retrieval(llm, context, facts, c, args.budget) for c in conditions}
@@ -105,12 +105,15 @@ def _context(llm, length: int, count: int) -> tuple[str, list[tuple[str, str]]]:
     return "\n".join(parts), facts
 
 
-def _ask(context: str, name: str) -> list[dict]:
-    return [_system(), {"role": "user", "content": f"{context}\n\nWhat is the access code of {name}?"}]
+def _ask(llm, context: str, name: str) -> str:
+    """The question, and the answer's start (small models otherwise restate the question first)."""
+    messages = [_system(), {"role": "user", "content": f"{context}\n\nWhat is the access code of {name}?"}]
+    text = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return f"{text}The access code of {name} is"
 
 
 def _retrieval(llm, context: str, facts, condition, budget: int) -> float:
-    outs = llm.chat([_ask(context, name) for name, _ in facts], _params(10, condition, budget))
+    outs = llm.generate([_ask(llm, context, name) for name, _ in facts], _params(8, condition, budget))
     right = sum(code in re.sub(r"\D", "", out.outputs[0].text) for out, (_, code) in zip(outs, facts))
     return right / len(facts)
 
@@ -119,8 +122,8 @@ def _decode_rate(llm, context: str, facts, batch: int, condition, args) -> float
     """Decode tokens per second of `batch` questions decoding together (best of two runs)."""
     best = 0.0
     for _ in range(2):
-        outs = llm.chat([_ask(context, name) for name, _ in facts[:batch]],
-                        _params(args.decode_tokens, condition, args.budget, ignore_eos=True))
+        outs = llm.generate([_ask(llm, context, name) for name, _ in facts[:batch]],
+                            _params(args.decode_tokens, condition, args.budget, ignore_eos=True))
         first = max(o.metrics.first_token_time for o in outs)
         last = max(o.metrics.finish_time for o in outs)
         best = max(best, batch * (args.decode_tokens - 1) / (last - first))
