@@ -1,10 +1,10 @@
 """Sparse decode: retrieval accuracy and decode speed of every flow against full attention.
 
 (a) Multi-key retrieval. A context of real prose (State of the Union paragraphs, spanserve/corpus.py,
-"eval" split) of about L tokens holds --questions facts "The access code of NAME is NNNNNN.", spread
-evenly; each question asks one code (the context prefix-cached, so it is computed once per length).
-A question is right when its answer holds the six digits. Greedy, same run for every condition:
-full attention, then each flow at --budget tokens.
+"eval" split) of about L tokens holds --facts facts "The access code of NAME is NNNNNN.", spread
+evenly; each question asks one code (the context prefix-cached, so it is computed once), and as
+many contexts as --questions needs are made. A question is right when its answer holds the six
+digits. Greedy, same run for every condition: full attention, then each flow at --budget tokens.
 (b) Decode speed. Batch 1 and batch 8 over the same contexts (each sequence its own question), 32
 tokens each, the EOS ignored: decode tokens per second, from the first token to the last.
 
@@ -31,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=int, default=2048, help="tokens a flow attends to per step")
     parser.add_argument("--flows", default="block_topk,quest,streaming,h2o")
     parser.add_argument("--questions", type=int, default=100, help="retrieval questions per length")
+    parser.add_argument("--facts", type=int, default=10, help="facts (and questions) per context")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sparse-<model>.json)")
 
 
@@ -45,18 +46,24 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(model=args.model, kv_cache_memory_gb=6.0, max_num_seqs=32)
     accuracy, speed = {}, {}
     for length in sorted(set(lengths) | set(decode_lengths)):
-        context, facts = _context(llm, length, args.questions)
-        prefix = llm.generate(_ask(llm, context, ""), _params(1))[0]  # the context, computed once
-        log(f"{length}: context of {len(prefix.prompt_token_ids)} tokens")
+        contexts = [_context(llm, length, args.facts, seed) for seed in range(-(-args.questions // args.facts))]
         if length in lengths:
-            accuracy[length] = {_label(c): _retrieval(llm, context, facts, c, args.budget) for c in conditions}
+            right = {_label(c): 0 for c in conditions}
+            for context, facts in contexts:
+                prefix = llm.generate(_ask(llm, context, ""), _params(1))[0]  # the context, computed once
+                log(f"{length}: a context of {len(prefix.prompt_token_ids)} tokens")
+                for c in conditions:
+                    right[_label(c)] += _retrieval(llm, context, facts, c, args.budget)
+            accuracy[length] = {label: n / (len(contexts) * args.facts) for label, n in right.items()}
             log(f"{length}: accuracy " + ", ".join(f"{k} {v:.2f}" for k, v in accuracy[length].items()))
+        context, facts = contexts[0]
         if length in decode_lengths:
             speed[length] = {b: {_label(c): _decode_rate(llm, context, facts, b, c, args) for c in conditions}
                              for b in (int(x) for x in args.batches.split(","))}
             log(f"{length}: decode tok/s {speed[length]}")
     result = {"benchmark": "sparse", "model": args.model or "SmolLM2-135M-Instruct", "budget": args.budget,
-              "questions": args.questions, "accuracy": accuracy, "decode_tok_s": speed,
+              "questions": -(-args.questions // args.facts) * args.facts, "facts_per_context": args.facts,
+              "accuracy": accuracy, "decode_tok_s": speed,
               "machine": harness.machine_info()}
     _report(result, [_label(c) for c in conditions])
     name = (args.model or "smollm2").lower().replace("/", "_")
@@ -85,11 +92,11 @@ def _params(max_tokens: int, sparse=None, budget: int = 2048, ignore_eos: bool =
                           ignore_eos=ignore_eos)
 
 
-def _context(llm, length: int, count: int) -> tuple[str, list[tuple[str, str]]]:
+def _context(llm, length: int, count: int, seed: int = 0) -> tuple[str, list[tuple[str, str]]]:
     """Prose of about `length` tokens with `count` access-code facts spread evenly."""
     from spanserve.corpus import paragraphs
 
-    rng = random.Random(length)
+    rng = random.Random(length * 1000 + seed)
     tokenizer, prose = llm.get_tokenizer(), paragraphs("eval")
     names = [f"{rng.choice(_FIRST)} {rng.choice(_LAST)}-{i}" for i in range(count)]
     facts = [(name, f"{rng.randrange(100000, 1000000)}") for name in names]
@@ -112,10 +119,10 @@ def _ask(llm, context: str, name: str) -> str:
     return f"{text}The access code of {name} is"
 
 
-def _retrieval(llm, context: str, facts, condition, budget: int) -> float:
+def _retrieval(llm, context: str, facts, condition, budget: int) -> int:
+    """How many of the context's questions are answered right."""
     outs = llm.generate([_ask(llm, context, name) for name, _ in facts], _params(8, condition, budget))
-    right = sum(code in re.sub(r"\D", "", out.outputs[0].text) for out, (_, code) in zip(outs, facts))
-    return right / len(facts)
+    return sum(code in re.sub(r"\D", "", out.outputs[0].text) for out, (_, code) in zip(outs, facts))
 
 
 def _decode_rate(llm, context: str, facts, batch: int, condition, args) -> float:
