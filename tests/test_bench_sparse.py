@@ -9,8 +9,9 @@ from benchmarks import sparse
 
 def test_sparse_bench_measures_every_flow(tiny_llama_path, tmp_path):
     out = tmp_path / "sparse.json"
-    sparse.run(bench_args(sparse, ["--model", str(tiny_llama_path), "--lengths", "400", "--questions", "4", "--facts", "2",
-                                   "--budget", "96", "--batches", "1,2", "--decode-tokens", "4", "--out", str(out)]))
+    sparse.run(bench_args(sparse, ["--model", str(tiny_llama_path), "--lengths", "400", "--questions", "4",
+                                   "--facts", "2", "--budget", "96", "--batches", "1,2", "--decode-tokens", "4",
+                                   "--out", str(out)]))
     result = json.loads(out.read_text())
     labels = {"full", "block_topk", "quest", "streaming", "h2o"}
     assert set(result["accuracy"]["400"]) == labels

@@ -189,6 +189,17 @@ def test_restore_refuses_corrupt_files_and_other_models(llm, tiny_qwen2_path, tm
         llm.restore_session(str(bad))
     with pytest.raises(InvalidRequestError, match="no session file"):
         llm.restore_session(str(tmp_path / "missing"))
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["session"])
+    crafted = tmp_path / "crafted.safetensors"  # an id that would name a file elsewhere when saved
+    save_file(load_file(str(path)), str(crafted), metadata={"session": json.dumps({**meta, "id": "../../evil"})})
+    with pytest.raises(InvalidRequestError, match="its session id"):
+        llm.restore_session(str(crafted))
     other = LLM(model=str(tiny_qwen2_path), dtype="float32", num_blocks=64)
     with pytest.raises(InvalidRequestError, match="another model"):
         other.restore_session(str(path))

@@ -12,7 +12,6 @@ when it starts.
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -31,10 +30,9 @@ from spanserve.server.protocol import (
     SessionQueryRequest,
 )
 from spanserve.sessions import persist
-from spanserve.sessions.session import Answer
+from spanserve.sessions.session import SESSION_ID, Answer
 
 log = logging.getLogger("spanserve.server")
-_SESSION_ID = re.compile(r"sess-[0-9a-f]{32}")
 
 
 def _tenant(http: Request) -> str | None:
@@ -44,7 +42,7 @@ def _tenant(http: Request) -> str | None:
 def _file(session_dir: Path | None, session_id: str) -> Path:
     if session_dir is None:
         raise InvalidRequestError("this server keeps no sessions on disk (start it with --session-dir)")
-    if not _SESSION_ID.fullmatch(session_id):
+    if not SESSION_ID.fullmatch(session_id):
         raise SessionNotFoundError(f"no session {session_id!r}")
     return session_dir / f"{session_id}.safetensors"
 
@@ -98,7 +96,7 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
         if http.method == "GET":
             return await llm.call(lambda: store.get(session_id, tenant).info())
         await llm.call(lambda: store.close(session_id, tenant))
-        if session_dir is not None and _SESSION_ID.fullmatch(session_id):
+        if session_dir is not None and SESSION_ID.fullmatch(session_id):
             _file(session_dir, session_id).unlink(missing_ok=True)  # it must not come back at restart
         return {"id": session_id, "object": "session", "deleted": True}
 

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from spanserve.comb.plugin import model_fingerprint
 from spanserve.errors import CacheFullError, InvalidRequestError
 from spanserve.sampling import SamplingParams
-from spanserve.sessions.session import Session, SessionState
+from spanserve.sessions.session import SESSION_ID, Session, SessionState
 
 FORMAT = "spanserve-session-1"
 
@@ -63,7 +63,9 @@ def load(engine, path: str | Path) -> tuple[Session, torch.Tensor]:
         params = SamplingParams(temperature=0.0, max_tokens=int(meta["flash_max_tokens"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidRequestError(f"{path} is not a valid session file ({exc})") from exc
-    session = Session(engine, state, meta.get("tenant"), meta.get("id"), flash_params=params)
+    if not isinstance(meta.get("id"), str) or not SESSION_ID.fullmatch(meta["id"]):
+        raise InvalidRequestError(f"{path} is not a valid session file (its session id)")
+    session = Session(engine, state, meta.get("tenant"), meta["id"], flash_params=params)
     cache = engine.runner.kv_cache
     expected = (*cache.shape[:2], session.num_blocks_held(), *cache.shape[3:])
     if tuple(kv.shape) != expected or kv.dtype != cache.dtype:

@@ -26,6 +26,7 @@ priority; their answers are kept per data version and pushed to subscribers.
 Everything here runs on the engine's thread.
 """
 
+import re
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -40,6 +41,7 @@ INGEST_TOKENS = 1024  # data one ingest request computes (the scheduler splits i
 # An eviction drops this much of the data window beyond what it must, so that a key is moved
 # (rotated and rounded) a bounded number of times, about 1 / EVICT_FRACTION, over its life.
 EVICT_FRACTION = 0.125
+SESSION_ID = re.compile(r"sess-[0-9a-f]{32}")  # what Session ids look like (they name files)
 BACKLOG_FACTOR = 4  # data waiting to be computed, in retentions: past it an append is refused
 
 
@@ -216,6 +218,8 @@ class Session:
             return True
         window = (len(st.tokens) - st.num_frozen) // bs
         drop = min(window, -(-(excess + int(EVICT_FRACTION * (st.retention_tokens - st.num_frozen))) // bs))
+        if drop <= 0:
+            return True
         first = st.num_frozen // bs
         gone, kept = self.blocks[first:first + drop], self.blocks[first + drop:]
         read = [b for b in kept if b.ref_cnt > 1]

@@ -45,6 +45,6 @@ class FieldStore:
         layers, _, num_blocks, _, heads, dim = self.kv_cache.shape
         for name, shape in specs.items():
             shape = tuple(dim if s == -1 else s for s in shape)
-            self.fields[flow.name, name] = torch.zeros(layers, num_blocks, heads, *shape, dtype=torch.float32,
-                                                       device=self.kv_cache.device)
+            self.fields[flow.name, name] = torch.zeros(layers, num_blocks, heads, *shape, dtype=self.kv_cache.dtype,
+                                                       device=self.kv_cache.device)  # half of float32
         self.computed[flow.name] = torch.full((layers, num_blocks), -1, dtype=torch.long)
