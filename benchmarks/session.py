@@ -15,8 +15,9 @@ once ingested, questions are asked (greedy), the same token sequence on every pa
   vLLM, vLLM cached the same two on a vLLM-CPU server with prefix caching (--vllm-url)
 Latency is the time to a one-token answer (the paper's classification questions). Ingest is the
 background throughput, from append to visible. The rolling-window check runs a second session
-whose retention keeps half the feed: a question about a recent bar (in its window) must get the
-answer the full-context session gets, and both are checked against the data.
+whose retention keeps half the feed: questions about the latest alerts (in its window; the feed
+has one every 12 bars, with a code) must get the answers the full-context session gets, and both
+are checked against the data.
 
     spanserve bench session [--model M] [--max-context 7600] [--steps 15] [--llama-cpp]
 """
@@ -34,6 +35,7 @@ QUESTIONS = ("Is the trend of the last ten bars UP or DOWN? Answer UP or DOWN.",
              "Did the last bar close above its open? Answer YES or NO.",
              "Was the last bar's volume above 20000? Answer YES or NO.")
 SYSTEM = "You analyse hourly price bars of one stock. Answer briefly."
+ALERT_EVERY = 12
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,9 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bars(count: int, seed: int = 0) -> list[str]:
-    """Hourly bars with trends, pullbacks and sideways phases (the paper's OHLCV feed)."""
+    """Hourly bars with trends, pullbacks and sideways phases (the paper's OHLCV feed); every
+    ALERT_EVERY bars an alert with a code, what the rolling-window check asks about."""
     rng, price, rows = random.Random(seed), 100.0, []
     for i in range(count):
+        if i % ALERT_EVERY == ALERT_EVERY - 1:
+            trader = f"{_TRADERS[i // ALERT_EVERY % len(_TRADERS)]} {i // ALERT_EVERY}"
+            rows.append(f"ALERT: the desk code of {trader} is {rng.randrange(1000, 10000)}.\n")
+            continue
         drift = 0.3 * math.sin(i / 40) + rng.uniform(-0.4, 0.4)
         open_, close = price, price + drift
         high, low = max(open_, close) + rng.uniform(0, 0.5), min(open_, close) - rng.uniform(0, 0.5)
@@ -101,6 +108,9 @@ def run(args: argparse.Namespace) -> dict:
     result = _summary(args, steps, [p.name for p in peers])
     harness.write_json(result, path=args.out or harness.result_path(f"session-{_name(args.model)}"))
     return result
+
+
+_TRADERS = ("Ada Moss", "Bram Pell", "Cleo Rowe", "Dario Sato", "Edda Voss", "Fenn Wick", "Gita Yates", "Hugo Tamm")
 
 
 def _name(model) -> str:
@@ -168,22 +178,22 @@ def _measure(llm, session, params, peers: list, step: int) -> dict:
 
 
 def _window_check(full, window, fed: list[str], count: int) -> dict:
-    """Questions about recent bars (inside the window's retention): the window session against the
-    full-context one and against the data."""
+    """Questions about the latest alerts (inside the window's retention): the window session against
+    the full-context one and against the data."""
     from spanserve import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    alerts = [row for row in fed if row.startswith("ALERT")][-count:]
     right = {"window": 0, "full": 0, "agree": 0}
-    for back in range(1, count + 1):
-        bar = fed[-min(len(fed), 3 * back - 2)]  # the last bar, three before it, ...
-        stamp, close = bar[:8], bar.split(" C ")[1].split()[0]
-        question = f"What was the close (C) of the bar {stamp}? Answer with the number only."
+    for alert in alerts:
+        trader, code = alert.split(" of ")[1].split(" is ")[0], alert.split(" is ")[1].rstrip(".\n")
+        question = f"What is the desk code of {trader}? Answer with the number only."
         answers = {name: s.query(question, params).text.strip() for name, s in (("window", window), ("full", full))}
         for name, text in answers.items():
-            right[name] += close in text
+            right[name] += code in text
         right["agree"] += answers["window"] == answers["full"]
     return {"window_evicted": window.info()["evicted_tokens"],
-            **{f"window_{k}": v / count for k, v in right.items()}}
+            **{f"window_{k}": v / max(1, len(alerts)) for k, v in right.items()}}
 
 
 def _print_progress(steps: list[dict], shown: int) -> int:
