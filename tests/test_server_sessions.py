@@ -107,6 +107,21 @@ def test_flash_answers_are_pushed(server):
     assert hit["flash_hit"] and hit["text"] == event["answer"]
 
 
+def test_a_client_leaving_a_streamed_answer_leaves_nothing_running(server):
+    from server_utils import wait_for_metrics
+
+    sid = request(server, "alice", "POST", "/v1/sessions", {"system": "Log."}).json()["id"]
+    request(server, "alice", "POST", f"/v1/sessions/{sid}/data", {"text": ROWS})
+    ingested(server, "alice", sid)
+    headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+    with httpx.stream("POST", f"{server.url}/v1/sessions/{sid}/query", headers=headers, timeout=120,
+                      json={"question": "Tell me everything.", "max_tokens": 400, "ignore_eos": True,
+                            "stream": True}) as r:
+        next(r.iter_lines())  # one chunk, then gone
+    idle = wait_for_metrics(server.url, lambda m: m.get("spanserve_num_requests_running", 1) == 0, 30, headers)
+    assert idle["spanserve_num_requests_running"] == 0
+
+
 def test_sessions_outlive_a_restart(server, tiny_llama_path, root):
     sid = request(server, "alice", "POST", "/v1/sessions", {"system": "Kept."}).json()["id"]
     request(server, "alice", "POST", f"/v1/sessions/{sid}/data", {"text": ROWS})

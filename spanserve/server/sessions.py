@@ -141,14 +141,17 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
             yield chunk(first.text, "stop", first.version, True)
             return
         sent, out = 0, first
-        while True:
-            c = out.outputs[0]
-            if len(c.text) > sent or c.finish_reason:
-                yield chunk(c.text[sent:], c.finish_reason, seen["version"])
-                sent = len(c.text)
-            if out.finished:
-                return
-            out = await anext(run)
+        try:
+            while True:
+                c = out.outputs[0]
+                if len(c.text) > sent or c.finish_reason:
+                    yield chunk(c.text[sent:], c.finish_reason, seen["version"])
+                    sent = len(c.text)
+                if out.finished:
+                    return
+                out = await anext(run)
+        finally:
+            await run.aclose()  # a client gone mid-stream: the question is aborted at once
 
     @app.get("/v1/sessions/{session_id}/flash", responses=errors)
     async def flash_events(session_id: str, http: Request):
