@@ -157,3 +157,13 @@ def test_fields_are_computed_once_per_block_and_again_after_a_rewrite():
     generation[2] += 1  # the pool saw it rewritten
     assert calls == [2] and torch.equal(store.get(flow, 1, ids)["kmax"][1], cache[1, 0, 2].amax(0))
     assert calls == [2, 1]
+
+
+def test_every_flow_runs_in_bfloat16(tiny_llama_path):
+    """Fields are kept in the cache's dtype; the flows read them as float32 (a bf16 engine once failed
+    every flow whose indexer mixed the two in an einsum)."""
+    llm = LLM(model=str(tiny_llama_path), dtype="bfloat16", num_blocks=128)
+    for name in BUILTINS:
+        out = llm.generate({"prompt_token_ids": random_prompt(300, seed=5)}, greedy(3, sparse=name, sparse_budget=96))
+        assert out[0].outputs[0].finish_reason == "length", (name, out[0].outputs[0].stop_reason)
+    assert_engine_idle(llm)

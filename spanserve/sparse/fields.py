@@ -23,7 +23,7 @@ class FieldStore:
         self.computed: dict[str, torch.Tensor] = {}  # flow -> [layers, num_blocks] generation, -1: none
 
     def get(self, flow, layer: int, block_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """`flow`'s fields of blocks `block_ids` at `layer`, computing the missing or stale ones."""
+        """`flow`'s fields of blocks `block_ids` at `layer` (float32), computing the missing or stale ones."""
         specs = flow.create_cache()
         if not specs:
             return {}
@@ -37,7 +37,7 @@ class FieldStore:
             for name, value in flow.forward_cache(keys, values).items():
                 self.fields[flow.name, name][layer, on_device] = value.to(self.fields[flow.name, name].dtype)
             self.computed[flow.name][layer, stale] = self.generation[stale]
-        return {name: self.fields[flow.name, name][layer, block_ids] for name in specs}
+        return {name: self.fields[flow.name, name][layer, block_ids].float() for name in specs}
 
     def _allocate(self, flow, specs: dict[str, tuple[int, ...]]) -> None:
         if flow.name in self.computed:

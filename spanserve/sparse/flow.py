@@ -10,7 +10,8 @@ A flow has two stages:
   block holding the newest token always included.
 
 Shapes, for one request at one layer (B full blocks, H kv heads, G query heads per kv head, D head
-dim, S block size): q [H, G, D]; keys and values of blocks [n, S, H, D]; each field [B, H, *shape].
+dim, S block size): q [H, G, D]; keys and values of blocks [n, S, H, D]; each field [B, H, *shape],
+float32 (kept in the cache's dtype).
 `forward_indexer` returns block indices in [0, B), at most `ctx.budget_blocks` of them. `state` is
 the request's own dict for this layer, kept across its decode steps (H2O's accumulator lives there).
 """
