@@ -10,16 +10,20 @@ import torch
 from spanserve.sparse.flow import Flow, IndexerContext, select
 
 
-class BlockTopK(Flow):
-    """Blocks whose mean key (centroid) is closest to the query."""
-
-    name = "block_topk"
+class _Centroids(Flow):
+    """The cache stage of flows that score blocks by their mean key."""
 
     def create_cache(self):
         return {"centroid": (-1,)}
 
     def forward_cache(self, keys, values):
         return {"centroid": keys.float().mean(1)}
+
+
+class BlockTopK(_Centroids):
+    """Blocks whose mean key (centroid) is closest to the query."""
+
+    name = "block_topk"
 
     def forward_indexer(self, q, fields, state, ctx: IndexerContext):
         scores = torch.einsum("hgd,bhd->b", q.float(), fields["centroid"])
@@ -56,17 +60,11 @@ class StreamingLLM(Flow):
         return torch.cat([torch.arange(min(self.sink_blocks, num)), recent])
 
 
-class H2O(Flow):
+class H2O(_Centroids):
     """H2O (Zhang et al., 2023) on blocks: each step's attention over block centroids accumulates
     in the request's state; the heavy hitters (most accumulated weight) and the recent window stay."""
 
     name = "h2o"
-
-    def create_cache(self):
-        return {"centroid": (-1,)}
-
-    def forward_cache(self, keys, values):
-        return {"centroid": keys.float().mean(1)}
 
     def forward_indexer(self, q, fields, state, ctx: IndexerContext):
         scale = q.shape[-1] ** -0.5

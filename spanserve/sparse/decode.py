@@ -38,6 +38,7 @@ class SparseStep:
 
     def __init__(self, fields: FieldStore, sequences: dict[int, SparseDecode], block_size: int):
         self.fields, self.sequences, self.block_size = fields, sequences, block_size
+        self._rows: list[int] | None = None  # each sequence's first query row, the same in every layer
         for decode in sequences.values():
             decode.steps += 1
 
@@ -47,7 +48,9 @@ class SparseStep:
         if not narrowed:
             return meta
         tables, lens, first = meta.block_tables.clone(), list(meta.context_lens), list(meta.contiguous_from or [])
-        rows = torch.tensor([0, *meta.query_lens]).cumsum(0).tolist()
+        if self._rows is None:
+            self._rows = torch.tensor([0, *meta.query_lens]).cumsum(0).tolist()
+        rows = self._rows
         changed = False
         for i in narrowed:
             decode, newest = self.sequences[i], (lens[i] - 1) // self.block_size  # full blocks come before it
