@@ -58,6 +58,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import harness
+from spanserve.pic.link import POLICIES
 
 NAMES = ["Marisol", "Thaddeus", "Ingrid", "Kofi", "Beatrix", "Osvaldo", "Yuki", "Fenwick", "Priya", "Lazlo",
          "Henrike", "Dashiell", "Noor", "Tobias", "Quentin", "Saoirse", "Rafferty", "Ottilie", "Cosimo", "Wren"]
@@ -76,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidates", type=int, default=4, help="candidates (one needle each) per judge query")
     parser.add_argument("--runs", type=int, default=20, help="queries per hay length and variant")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per judge answer")
-    parser.add_argument("--link-policy", default="full", choices=["none", "gap", "blend", "full"])
+    parser.add_argument("--link-policy", default="full", choices=POLICIES)
     parser.add_argument("--gap-length", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="3 runs at hay lengths 5 and 20 (a smoke test)")

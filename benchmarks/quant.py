@@ -1,11 +1,11 @@
-"""Weight-only int8 against the model's own dtype (bf16 here), same run: speed and drift.
+"""Weight-only int8 and int4 against the model's own dtype (bf16 here), same run: speed and drift.
 
 Speed: decode tok/s at batch 1 after a --context-token random prompt (--tokens tokens, best of
 --repeats) and prefill tok/s of a --prefill-token prompt. Drift, over the chat prompts below: the
 greedy outputs (--answer tokens) that are identical, the mean length of the common prefix, and
 the mean |logprob difference| of the first answer token (both read the same prompt).
 
-    spanserve bench quant [--model M]
+    spanserve bench quant [--model M] [--methods int8,int4]
 """
 
 import argparse
@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--answer", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--methods", default="int8,int4", help="quantizations to compare with bf16")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/quant.json)")
 
 
@@ -39,8 +40,9 @@ def run(args: argparse.Namespace) -> dict:
     harness.configure_threads()
     from spanserve import LLM, SamplingParams
 
-    engines = {"bf16": LLM(model=args.model, kv_cache_memory_gb=1.0),
-               "int8": LLM(model=args.model, kv_cache_memory_gb=1.0, quantization="int8")}
+    methods = args.methods.split(",")
+    engines = {"bf16": LLM(model=args.model, kv_cache_memory_gb=1.0)}
+    engines.update({m: LLM(model=args.model, kv_cache_memory_gb=1.0, quantization=m) for m in methods})
     vocab = engines["bf16"].engine.model_config.vocab_size
     rng = random.Random(0)
     tokens = lambda n: [rng.randrange(1000, vocab - 1) for _ in range(n)]  # noqa: E731
@@ -48,7 +50,7 @@ def run(args: argparse.Namespace) -> dict:
     speed: dict[str, dict[str, list[float]]] = {name: {"decode": [], "prefill": []} for name in engines}
     for llm in engines.values():
         llm.generate({"prompt_token_ids": tokens(64)}, SamplingParams(max_tokens=4))  # warm-up
-    for _ in range(args.repeats):  # the engines take turns: noise hits both alike
+    for _ in range(args.repeats):  # the engines take turns: noise hits all alike
         for name, llm in engines.items():
             out = llm.generate({"prompt_token_ids": tokens(args.context)}, decode)[0]
             speed[name]["decode"].append((args.tokens - 1) / (out.metrics.e2e_s - out.metrics.ttft_s))
@@ -57,23 +59,29 @@ def run(args: argparse.Namespace) -> dict:
     answers = {name: llm.chat([[{"role": "user", "content": p}] for p in PROMPTS],
                               SamplingParams(temperature=0, max_tokens=args.answer, logprobs=20))
                for name, llm in engines.items()}
-    drift = _drift(answers["bf16"], answers["int8"])
     best = {name: {k: max(v) for k, v in runs.items()} for name, runs in speed.items()}
-    result = {"benchmark": "quant", "model": args.model or "SmolLM2-135M-Instruct", "speed_runs": speed,
-              "best": best, "decode_ratio": best["int8"]["decode"] / best["bf16"]["decode"],
-              "prefill_ratio": best["int8"]["prefill"] / best["bf16"]["prefill"], "drift": drift,
+    result = {"benchmark": "quant", "model": args.model or "SmolLM2-135M-Instruct", "methods": methods,
+              "speed_runs": speed, "best": best,
+              "decode_ratio": {m: best[m]["decode"] / best["bf16"]["decode"] for m in methods},
+              "prefill_ratio": {m: best[m]["prefill"] / best["bf16"]["prefill"] for m in methods},
+              "drift": {m: _drift(answers["bf16"], answers[m]) for m in methods},
               "machine": harness.machine_info()}
-    harness.print_table(["measure", "bf16", "int8", "int8 / bf16"], [
-        [f"decode tok/s after {args.context}", f"{best['bf16']['decode']:.1f}", f"{best['int8']['decode']:.1f}",
-         f"{result['decode_ratio']:.2f}x"],
-        [f"prefill tok/s, {args.prefill}", f"{best['bf16']['prefill']:.0f}", f"{best['int8']['prefill']:.0f}",
-         f"{result['prefill_ratio']:.2f}x"],
-    ], title=f"int8 weight-only vs bf16: {result['model']}")
-    print(f"greedy answers identical: {drift['identical']}/{drift['prompts']}, mean common prefix "
-          f"{drift['mean_common_prefix']:.1f}/{args.answer} tokens, "
-          f"first-token |dlogprob| {drift['first_token_dlogprob']:.4f}")
+    rows = [[f"decode tok/s after {args.context}", f"{best['bf16']['decode']:.1f}",
+             *(f"{best[m]['decode']:.1f} ({result['decode_ratio'][m]:.2f}x)" for m in methods)],
+            [f"prefill tok/s, {args.prefill}", f"{best['bf16']['prefill']:.0f}",
+             *(f"{best[m]['prefill']:.0f} ({result['prefill_ratio'][m]:.2f}x)" for m in methods)]]
+    for key, label in [("identical", "greedy answers identical"), ("mean_common_prefix", "mean common prefix"),
+                       ("first_token_dlogprob", "first-token |dlogprob|")]:
+        rows.append([label, "", *(_fmt(result["drift"][m][key]) for m in methods)])
+    harness.print_table(["measure", "bf16", *methods], rows,
+                        title=f"weight-only quantization vs bf16: {result['model']} ({len(PROMPTS)} prompts, "
+                              f"{args.answer}-token answers)")
     harness.write_json(result, path=args.out or harness.result_path("quant"))
     return result
+
+
+def _fmt(value) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
 def _drift(reference, other) -> dict:

@@ -77,11 +77,11 @@ class Prompts:
 class SpanserveRunner:
     name = "spanserve"
 
-    def __init__(self, model: str | None, dtype: str, max_batched_tokens: int):
+    def __init__(self, model: str | None, dtype: str, max_batched_tokens: int, quantization: str | None = None):
         from spanserve import LLM
 
         self.llm = LLM(model=model, dtype=dtype, max_num_batched_tokens=max_batched_tokens,
-                       kv_cache_memory_gb=1.0)
+                       kv_cache_memory_gb=1.0, quantization=quantization)
         self.vocab_size = self.llm.engine.model_config.vocab_size
 
     def _params(self, n: int):
@@ -285,6 +285,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=2048,
                         help="spanserve max_num_batched_tokens (>= 2048 keeps a 2k prefill in one chunk)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quantization", default=None, help="our engine's weights: int8 or int4 (default: dtype)")
     parser.add_argument("--no-chart", action="store_true")
 
 
@@ -305,7 +306,7 @@ def run(args: argparse.Namespace) -> dict:
     results: dict[str, dict] = {}
     for dtype in dtypes:
         log(f"[{dtype}] loading")
-        runners = [SpanserveRunner(args.model, DTYPES[dtype], args.max_batched_tokens)]
+        runners = [SpanserveRunner(args.model, DTYPES[dtype], args.max_batched_tokens, args.quantization)]
         if not args.no_hf:
             runners.append(TransformersRunner(path, DTYPES[dtype]))
         if llama_cpp:
@@ -326,7 +327,8 @@ def run(args: argparse.Namespace) -> dict:
                 row += [s.get("llama.cpp"), _fmt_ratio(s.get("ratio_llama_cpp"))]
             rows.append(row)
         harness.print_table(["tokens/s", *columns], rows,
-                            title=f"{dtype} ({model_name}, {threads} threads{', quick' if args.quick else ''})")
+                            title=f"{dtype}{' ' + args.quantization if args.quantization else ''} ({model_name}, "
+                                  f"{threads} threads{', quick' if args.quick else ''})")
     goals = _goals(summary, names) if not args.no_hf else {}
     if goals:
         print("\ngoals (spanserve / transformers):")
@@ -338,6 +340,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": model_name,
         "model_path": str(path),
         "quick": args.quick,
+        "quantization": args.quantization,
         "plan": plan.__dict__,
         "machine": harness.machine_info(),
         "elapsed_s": time.perf_counter() - started,

@@ -1,6 +1,6 @@
-"""Weight-only int8 (quantization="int8"): the kernel paths compute the dequantized weights'
-product, the engine with int8 equals an engine holding those dequantized weights, and what
-cannot run is refused at start."""
+"""Weight-only int8 and int4 (quantization="int8" / "int4"): the kernel paths compute the
+dequantized weights' product, the engine with either equals an engine holding those dequantized
+weights, and what cannot run is refused at start."""
 
 import pytest
 import torch
@@ -26,17 +26,54 @@ def test_int8_linear_computes_the_dequantized_product(rows, dtype):
     assert ((dequantized - weight).abs().amax(1) <= 0.01 * weight.abs().amax(1)).all()
 
 
-def test_the_engine_with_int8_equals_the_engine_with_the_dequantized_weights(tiny_llama_path):
+@pytest.mark.parametrize("rows", [1, 32, 33, 64])  # the packed kernel up to 32 rows, the GEMM beyond
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_linear_computes_the_dequantized_product(rows, dtype):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40, bias=True).to(dtype)  # 40 rows: padded to the layout's 64
+    q = quant.Int4Linear(linear)
+    x = torch.randn(2, rows, 96).to(dtype)
+    dequantized = q.dequantized().float()
+    expected = x.float() @ dequantized.t() + linear.bias.float()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(q(x).float(), expected, atol=tol, rtol=tol)
+    groups = linear.weight.float().view(40, -1, quant.INT4_GROUP)  # each weight within half a step of 15
+    steps = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15
+    rounding = 1e-6 if dtype == torch.float32 else 2**-8 * groups.abs().amax(-1, keepdim=True)  # a bf16 grid
+    assert ((dequantized.view_as(groups) - groups).abs() <= 0.5 * steps + rounding).all()
+
+
+def test_int4_reads_back_weights_on_its_grid_exactly():
+    """Weights that lie on a 4-bit grid survive packing and unpacking bit for bit: the packed
+    layout is read back in the right order (rows, lanes, nibbles, column pairs)."""
+    gen = torch.Generator().manual_seed(1)
+    rows, cols = 128, 64
+    q = torch.randint(0, 16, (rows, cols), generator=gen).float()
+    q[:, :: quant.INT4_GROUP], q[:, 1 :: quant.INT4_GROUP] = 0, 15  # each group spans the whole grid
+    low = torch.randint(-8, 8, (rows, cols // quant.INT4_GROUP, 1), generator=gen).float() / 4
+    weight = (low + q.view(rows, -1, quant.INT4_GROUP) * 0.125).view(rows, cols)
+    linear = nn.Linear(cols, rows, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    assert torch.equal(quant.Int4Linear(linear).dequantized(), weight)
+
+
+def test_int4_refuses_inputs_it_cannot_group():
+    with pytest.raises(InvalidRequestError, match="divisible by 32"):
+        quant.Int4Linear(nn.Linear(48, 64))
+
+
+@pytest.mark.parametrize("method, kind", [("int8", quant.Int8Linear), ("int4", quant.Int4Linear)])
+def test_the_engine_quantized_equals_the_engine_with_the_dequantized_weights(tiny_llama_path, method, kind):
     prompts = [{"prompt_token_ids": random_prompt(n, seed=n)} for n in (7, 40)]
-    int8 = LLM(model=str(tiny_llama_path), dtype="float32", quantization="int8", num_blocks=64)
-    assert isinstance(int8.engine.runner.model.layers[0].mlp.down_proj, quant.Int8Linear)
+    quantized = LLM(model=str(tiny_llama_path), dtype="float32", quantization=method, num_blocks=64)
+    assert isinstance(quantized.engine.runner.model.layers[0].mlp.down_proj, kind)
     reference = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=64)
     with torch.no_grad():
-        for name, module in int8.engine.runner.model.named_modules():
-            if isinstance(module, quant.Int8Linear):
-                target = reference.engine.runner.model.get_submodule(name)
-                target.weight.copy_(module.qweight.float() * module.scale.float()[:, None])
-    outs = [llm.generate(prompts, greedy(8, logprobs=0)) for llm in (int8, reference)]
+        for name, module in quantized.engine.runner.model.named_modules():
+            if isinstance(module, kind):
+                reference.engine.runner.model.get_submodule(name).weight.copy_(_dequantized(module))
+    outs = [llm.generate(prompts, greedy(8, logprobs=0)) for llm in (quantized, reference)]
     for a, b in zip(*outs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         got = [lp[t] for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]
@@ -45,7 +82,8 @@ def test_the_engine_with_int8_equals_the_engine_with_the_dequantized_weights(tin
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(quantization="int4"), "unknown quantization 'int4'"),
+    (dict(quantization="int3"), "unknown quantization 'int3'"),
+    (dict(quantization="int4", dtype="float16"), "needs bfloat16 or float32"),
     (dict(quantization="int8", dtype="float16"), "needs bfloat16 or float32"),
 ])
 def test_quantizations_that_cannot_run_are_refused_at_start(tiny_llama_path, kwargs, message):
@@ -56,3 +94,9 @@ def test_quantizations_that_cannot_run_are_refused_at_start(tiny_llama_path, kwa
 def test_int8_on_a_gpu_is_refused():
     with pytest.raises(InvalidRequestError, match="runs on the CPU"):
         quant.check("int8", torch.device("cuda"), torch.bfloat16)
+
+
+def _dequantized(module) -> torch.Tensor:
+    if isinstance(module, quant.Int8Linear):
+        return module.qweight.float() * module.scale.float()[:, None]
+    return module.dequantized().float()

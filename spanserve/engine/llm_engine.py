@@ -117,7 +117,7 @@ class LLMEngine:
         model = load_model(path, self.dtype, self.device, get_backend(config.attention_backend, self.device),
                            max_positions=self.max_model_len, random_weights=config.load_format == "dummy")
         if config.quantization:
-            quant.quantize(model)
+            quant.quantize(model, config.quantization)
         num_blocks = config.num_blocks or self._blocks_for_budget(cfg)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,

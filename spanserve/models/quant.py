@@ -1,10 +1,12 @@
-"""Weight-only int8 quantization for CPU decode.
+"""Weight-only int8 and int4 quantization for CPU decode.
 
 A decode step of a small model reads every weight once for a few rows of activations: its cost is
-the weight bytes. int8 weights with one bf16 scale per output channel halve them, and torch's
-packed CPU kernel multiplies them without a dequantized copy. For many rows (a prefill chunk) that
-kernel loses to the bf16 GEMM, so those dequantize the weight on the fly and use the GEMM.
-Activations, the KV cache, norms and the embedding stay in the model's dtype.
+the weight bytes. int8 weights with one scale per output channel halve them; int4 weights with a
+scale and an offset per group of 32 input channels (llama.cpp's Q4_1 grid) take them to about 0.6
+bytes per weight. torch's packed CPU kernels multiply either without a dequantized copy. For many
+rows (a prefill chunk) those kernels lose to the bf16 GEMM, so such calls dequantize the weight on
+the fly and use the GEMM. Activations, the KV cache, norms and the embedding stay in the model's
+dtype.
 """
 
 import torch
@@ -13,8 +15,11 @@ from torch import nn
 
 from spanserve.errors import InvalidRequestError
 
-QUANTIZATIONS = ("int8",)
-PACKED_MAX_ROWS = 8  # measured here: the packed kernel wins up to 4-8 rows, the bf16 GEMM beyond
+QUANTIZATIONS = ("int8", "int4")
+PACKED_MAX_ROWS = 8  # measured here: the packed int8 kernel wins up to 4-8 rows, the bf16 GEMM beyond
+INT4_PACKED_MAX_ROWS = 32  # the int4 kernel's time grows with every row; beyond, dequantizing for the GEMM wins
+INT4_GROUP = 32  # input channels sharing one scale and offset
+INT4_LANES = 64  # output channels the packed int4 layout interleaves (a weight's rows are padded to it)
 
 
 class Int8Linear(nn.Module):
@@ -40,6 +45,62 @@ class Int8Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class Int4Linear(nn.Module):
+    """A Linear whose weight is 4-bit per group of INT4_GROUP input channels: W ~ low + q * step
+    (q in 0..15, low and step per group), held in the layout of torch's packed CPU kernel."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if self.in_features % INT4_GROUP:
+            raise InvalidRequestError(f"quantization 'int4' needs input sizes divisible by {INT4_GROUP}; "
+                                      f"this model has a projection of {self.in_features}")
+        rows = -(-self.out_features // INT4_LANES) * INT4_LANES
+        weight = F.pad(linear.weight.detach().float(), (0, 0, 0, rows - self.out_features))
+        groups = weight.view(rows, -1, INT4_GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)
+        dtype = linear.weight.dtype
+        step = ((high - low) / 15).clamp_min(1e-8).to(dtype).float()  # the grid as the kernel will see it
+        offset = (low + 8 * step).to(dtype).float()  # the kernel computes (q - 8) * step + offset
+        q = ((groups - offset[..., None]) / step[..., None] + 8).round().clamp(0, 15).to(torch.int32)
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q.view(rows, -1), 1))
+        # [groups, rows, 2]: step and offset, the kernel's layout
+        self.register_buffer("grid", torch.stack([step, offset], -1).transpose(0, 1).contiguous().to(dtype))
+        self.bias = linear.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, [out_features, in_features] in the model's dtype."""
+        return self._transposed_weight()[:, : self.out_features].t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= INT4_PACKED_MAX_ROWS:
+            out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.grid)
+        else:
+            out = rows @ self._transposed_weight().to(x.dtype)
+        out = out[:, : self.out_features]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _transposed_weight(self) -> torch.Tensor:
+        """The dequantized weight [in_features, padded rows], read from the kernel's packed layout:
+        per block of 64 output rows, a byte for each pair of input columns and each of 32 lanes,
+        whose low nibble is row `lane` of the block and high nibble row `32 + lane`. In that order
+        the nibbles already run along the input columns, so one pass dequantizes a block."""
+        rows, cols = self.packed.shape[0], self.in_features
+        blocks, groups = rows // INT4_LANES, cols // INT4_GROUP
+        x = self.packed.view(blocks, cols // 2, 2, INT4_LANES // 2)
+        q = torch.stack([x & 15, x >> 4], -2).view(blocks, groups, INT4_GROUP, INT4_LANES)
+        step, offset = self.grid.float().unbind(-1)  # [groups, rows]
+
+        def per_block(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(groups, blocks, 1, INT4_LANES).transpose(0, 1).contiguous().to(self.grid.dtype)
+
+        weight = torch.addcmul(per_block(offset - 8 * step), q.to(self.grid.dtype), per_block(step))
+        return weight.view(blocks, cols, INT4_LANES).transpose(0, 1).reshape(cols, rows)
+
+
 def check(method: str, device: torch.device, dtype: torch.dtype) -> None:
     """A method or a device/dtype that cannot run it is an error at start (before the model
     loads), never a silent fallback."""
@@ -52,11 +113,12 @@ def check(method: str, device: torch.device, dtype: torch.dtype) -> None:
         raise InvalidRequestError(f"quantization {method!r} needs bfloat16 or float32 activations, not {dtype}")
 
 
-def quantize(model: nn.Module) -> None:
-    """Replace the decoder's projections and the LM head by int8 ones, in place."""
+def quantize(model: nn.Module, method: str = "int8") -> None:
+    """Replace the decoder's projections and the LM head by quantized ones, in place."""
+    kind = {"int8": Int8Linear, "int4": Int4Linear}[method]
     for layer in model.layers:
-        layer.self_attn.qkv_proj = Int8Linear(layer.self_attn.qkv_proj)
-        layer.self_attn.o_proj = Int8Linear(layer.self_attn.o_proj)
-        layer.mlp.gate_up_proj = Int8Linear(layer.mlp.gate_up_proj)
-        layer.mlp.down_proj = Int8Linear(layer.mlp.down_proj)
-    model.lm_head = Int8Linear(model.lm_head)  # a tied embedding keeps its own rows for lookups
+        layer.self_attn.qkv_proj = kind(layer.self_attn.qkv_proj)
+        layer.self_attn.o_proj = kind(layer.self_attn.o_proj)
+        layer.mlp.gate_up_proj = kind(layer.mlp.gate_up_proj)
+        layer.mlp.down_proj = kind(layer.mlp.down_proj)
+    model.lm_head = kind(model.lm_head)  # a tied embedding keeps its own rows for lookups
