@@ -51,14 +51,14 @@ class Attention(nn.Module):
         _, k = self.rope(positions, k, k)
         return k, v.view(-1, self.num_kv_heads, self.head_dim)
 
-    def forward(self, x, positions, meta: AttentionMetadata):
+    def forward(self, x, positions, meta: AttentionMetadata, rope_tables=None):
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+        q, k = self.rope(positions, q, k, rope_tables)
         if meta.sparse is not None:  # decode over the blocks sparse flows pick, at this layer
             meta = meta.sparse.restrict(self.layer, q, meta)
         out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
@@ -84,8 +84,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+    def forward(self, x, positions, meta, rope_tables=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, rope_tables)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -104,8 +104,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, hidden] of every token in the flat batch."""
         x = self.embed_tokens(input_ids)
+        tables = self.rope.tables(positions, x.dtype)  # the same in every layer
         for layer in self.layers:
-            x = layer(x, positions, meta)
+            x = layer(x, positions, meta, tables)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
