@@ -106,10 +106,7 @@ class LLMSession:
     def wait(self, version: int | None = None) -> None:
         """Step the engine until data `version` (default: all appended) is visible to questions and
         the registered questions are answered for it."""
-        target = self._session.state.version if version is None else version
-        state, flash = self._session.state, self._session.flash.values()
-        while (state.visible_version < target or any(f.running for f in flash)) \
-                and self._llm.engine.has_unfinished_requests():
+        while not self._session.caught_up(version) and self._llm.engine.has_unfinished_requests():
             self._llm.engine.step()
 
     def query(self, question: str, sampling_params: SamplingParams | None = None) -> Answer:

@@ -144,6 +144,12 @@ class Session:
     def header(self) -> list[int]:
         return self.engine.sessions.format.question_header
 
+    def caught_up(self, version: int | None = None) -> bool:
+        """Whether data `version` (default: all appended) is visible to questions and no registered
+        question is being answered again."""
+        target = self.state.version if version is None else version
+        return self.state.visible_version >= target and not any(f.running for f in self.flash.values())
+
     def service(self) -> None:
         """Background work, after each engine step: drop old data, start the next ingest, ask
         the flash questions whose answers are stale."""
