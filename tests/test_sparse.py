@@ -159,6 +159,16 @@ def test_fields_are_computed_once_per_block_and_again_after_a_rewrite():
     assert calls == [2, 1]
 
 
+def test_flows_with_the_same_cache_stage_share_its_fields():
+    cache = torch.randn(2, 2, 4, BS, KV_HEADS, DIM)
+    store, ids = FieldStore(cache, torch.zeros(4, dtype=torch.long)), torch.tensor([1, 3])
+    topk, h2o, calls = BUILTINS["block_topk"](), BUILTINS["h2o"](), []
+    first = store.get(topk, 0, ids)
+    h2o.forward_cache = lambda k, v: calls.append(len(k)) or {}
+    assert torch.equal(store.get(h2o, 0, ids)["centroid"], first["centroid"]) and calls == []
+    assert len(store.fields) == 1 and set(store.get(Quest(), 0, ids)) == {"kmin", "kmax"}
+
+
 def test_every_flow_runs_in_bfloat16(tiny_llama_path):
     """Fields are kept in the cache's dtype; the flows read them as float32 (a bf16 engine once failed
     every flow whose indexer mixed the two in an einsum)."""
