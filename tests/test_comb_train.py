@@ -1,11 +1,12 @@
 """Training the COMB encoder: the self-distillation loss falls when only the plug-in learns."""
 
+import pytest
 import torch
 from helpers import greedy
 
 from spanserve import LLM, Span
 from spanserve.cli import main
-from spanserve.comb import train
+from spanserve.comb import dense, train
 from spanserve.comb.data import FACTS, ExampleMaker
 from spanserve.comb.plugin import CombPlugin
 
@@ -20,12 +21,13 @@ def test_training_steps_lower_the_kl_to_the_full_context_model_and_touch_only_th
         t.requires_grad_(True)
     plugin.attach(model, cast=False)
     maker = ExampleMaker(llm.get_tokenizer(), seed=3, min_docs=2, max_docs=3)
-    layout, positions, teacher = train.build(llm, maker, max_answer=4)
+    questions = train.build(llm, maker, max_answer=4)
+    layout = questions[0].layout
     assert layout.spans and all(offset for _, _, offset in layout.spans)  # documents after the anchor
     opt = torch.optim.Adam(plugin.parameters(), lr=1e-3)
     losses = []
     for _ in range(20):
-        loss = train.kl_loss(model, plugin, layout, positions, teacher)
+        loss = train.kl_loss(model, plugin, questions)
         losses.append(loss.item())
         loss.backward()
         opt.step()
@@ -35,17 +37,51 @@ def test_training_steps_lower_the_kl_to_the_full_context_model_and_touch_only_th
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
+def test_questions_over_one_document_set_share_its_encoding_and_get_full_context_targets(tiny_llama_path):
+    """build() computes the documents once for several questions: each teacher target equals the
+    plain full-context forward of its own prompt, and backward() (one encoder pass, each question's
+    graph differentiated alone) gives the gradient of the mean loss."""
+    llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=256)
+    model = llm.engine.runner.model
+    model.requires_grad_(False)
+    plugin = CombPlugin.zeros(model, rank=4, seed=1)
+    for a, b in plugin.deltas.values():
+        b.normal_(0, 0.05)  # not the decoder: the student differs from the teacher
+        a.requires_grad_(True), b.requires_grad_(True)
+    plugin.attach(model, cast=False)
+    questions = train.build(llm, ExampleMaker(llm.get_tokenizer(), seed=5, min_docs=3, max_docs=3), 4, questions=3)
+    assert len(questions) == 3 and len({tuple(q.layout.token_ids) for q in questions}) == 3
+    assert all(q.layout.spans == questions[0].layout.spans for q in questions)
+    for q in questions:
+        with torch.no_grad():
+            full = dense.forward(model, None, dense.DenseLayout(q.layout.token_ids, [], []), q.positions)
+        torch.testing.assert_close(q.teacher, full.log_softmax(-1), atol=1e-4, rtol=0)
+    train.kl_loss(model, plugin, questions).backward()
+    grads = lambda: [torch.zeros_like(t) if t.grad is None else t.grad.clone() for t in plugin.parameters()]  # noqa: E731
+    expected = grads()  # (the last layer's MLP and output deltas never reach span KV: no gradient)
+    for t in plugin.parameters():
+        t.grad = None
+    loss = train.backward(model, plugin, questions)
+    assert loss == pytest.approx(train.kl_loss(model, plugin, questions).item(), rel=1e-5)
+    assert sum(g.abs().sum() for g in expected) > 0
+    for got, want in zip(grads(), expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
 def test_examples_hold_one_fact_per_document_and_ask_for_one_of_them(tiny_llama_path):
     tok = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=64).get_tokenizer()
     maker = ExampleMaker(tok, seed=0, min_docs=3, max_docs=3)
     sentences = [f[1].split("{name}")[-1].split("{value}")[0] for f in FACTS]
     for _ in range(10):
-        example = maker.example()
-        docs = [part.text for part in example.messages[1]["content"][:-1]]
-        assert len(docs) == 3
+        examples = maker.examples(2)
+        docs = [part.text for part in examples[0].messages[1]["content"][:-1]]
+        assert len(docs) == 3 and all(e.messages[1]["content"][:-1] == examples[0].messages[1]["content"][:-1]
+                                      for e in examples)
         fact_docs = [d for d in docs if any(s in d for s in sentences)]
         assert len(fact_docs) in (0, 3)  # a reading question, or one fact in every document
         assert all("access code" not in d for d in docs)  # the benchmark's facts stay out of training
+        if fact_docs:  # two different people asked about
+            assert examples[0].messages[1]["content"][-1] != examples[1].messages[1]["content"][-1]
 
 
 def test_train_comb_from_the_cli_writes_a_plugin_the_engine_serves(tiny_llama_path, tmp_path):

@@ -77,22 +77,29 @@ class ExampleMaker:
         taken.add(name)
         return name
 
-    def example(self) -> Example:
+    def examples(self, questions: int = 1) -> list[Example]:
+        """`questions` questions over one set of documents (the same documents, in the same order,
+        in every example): training encodes the documents once for all of them."""
         rng = self.rng
         docs = [self.document(rng.randrange(60, 231)) for _ in range(rng.randint(self.min_docs, self.max_docs))]
         system = rng.choice(SYSTEMS)
         if rng.random() < 0.7:
-            question, prefix = self._fact_question(docs)
+            asked = self._fact_questions(docs, questions)
         else:
-            k = rng.randrange(len(docs))
-            topic = rng.choice(docs[k].split()[:12]).strip(",.;:").lower()
-            question, prefix = rng.choice(READING).format(k=k + 1, topic=topic), ""
+            asked = [self._reading_question(docs) for _ in range(questions)]
             docs = [f"Document {i + 1}: {d}" for i, d in enumerate(docs)]
-        content = [Span(d + "\n\n") for d in docs] + [question]
-        return Example([{"role": "system", "content": system}, {"role": "user", "content": content}], prefix)
+        return [Example([{"role": "system", "content": system},
+                         {"role": "user", "content": [Span(d + "\n\n") for d in docs] + [question]}], prefix)
+                for question, prefix in asked]
 
-    def _fact_question(self, docs: list[str]) -> tuple[str, str]:
-        """Insert one fact into every document (in place); ask for one of them."""
+    def _reading_question(self, docs: list[str]) -> tuple[str, str]:
+        k = self.rng.randrange(len(docs))
+        topic = self.rng.choice(docs[k].split()[:12]).strip(",.;:").lower()
+        return self.rng.choice(READING).format(k=k + 1, topic=topic), ""
+
+    def _fact_questions(self, docs: list[str], questions: int) -> list[tuple[str, str]]:
+        """Insert one fact into every document (in place); ask for some of them (each once, while
+        there are documents left to ask about)."""
         rng, taken, facts = self.rng, set(), []
         value, sentence, question, prefix = rng.choice(FACTS)
         for i, doc in enumerate(docs):
@@ -102,5 +109,5 @@ class ExampleMaker:
             at = rng.randrange(len(parts) + 1)
             fact = sentence.format(name=name, value=value(rng)).rstrip(".")
             docs[i] = ". ".join(parts[:at] + [fact] + parts[at:]).replace("..", ".")
-        name = rng.choice(facts)
-        return question.format(name=name), prefix.format(name=name) if rng.random() < 0.5 else ""
+        names = rng.sample(facts, min(questions, len(facts))) + rng.choices(facts, k=max(0, questions - len(facts)))
+        return [(question.format(name=name), prefix.format(name=name) if rng.random() < 0.5 else "") for name in names]

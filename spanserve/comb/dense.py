@@ -124,15 +124,16 @@ def encode_spans(model: LlamaModel, plugin: CombPlugin | None, layout: DenseLayo
 
 @_on_model_device
 def forward(model: LlamaModel, plugin: CombPlugin | None, layout: DenseLayout,
-            logit_positions: list[int]) -> torch.Tensor:
-    """Logits [len(logit_positions), vocab] of context tokens at those positions."""
+            logit_positions: list[int], encoded=None) -> torch.Tensor:
+    """Logits [len(logit_positions), vocab] of context tokens at those positions. `encoded`: the
+    spans' encode_spans output when already computed (prompts that share their spans)."""
     n = len(layout.token_ids)
     independent = torch.zeros(n, dtype=torch.bool)
     for start, end, _ in layout.spans:
         independent[start:end] = True
     context = (~independent).nonzero()[:, 0]
     span_idx = independent.nonzero()[:, 0]
-    encoded = encode_spans(model, plugin, layout)
+    encoded = encode_spans(model, plugin, layout) if encoded is None else encoded
     ids = torch.tensor(layout.token_ids)
     x = model.embed_tokens(ids[context])
     mask = (torch.arange(n)[None, :] <= context[:, None])[None]

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,48 +26,89 @@ from spanserve.models.loader import DEFAULT_MODEL
 log = logging.getLogger(__name__)
 
 
-def build(llm, maker: ExampleMaker, max_answer: int):
-    """(DenseLayout with spans, logit positions, teacher log-probs) of one fresh example."""
+@dataclass
+class Question:
+    layout: dense.DenseLayout  # the student's prompt: documents as spans, then the question and answer
+    positions: list[int]  # where the loss is taken: the question and the answer
+    teacher: torch.Tensor  # the full-context model's log-probs there
+
+
+def build(llm, maker: ExampleMaker, max_answer: int, questions: int = 1) -> list[Question]:
+    """Fresh documents and `questions` questions over them, each with its teacher targets. The
+    documents are computed once for every question, by the teacher and by the student alike."""
     from spanserve import SamplingParams
 
     engine = llm.engine
-    example = maker.example()
-    prompt = engine.chat_prompt(example.messages)
-    tail = engine.tokenizer.encode(example.answer_prefix, add_special_tokens=False) if example.answer_prefix else []
-    ids = prompt["prompt_token_ids"] + tail
-    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=max_answer))[0]
-    answer = list(out.outputs[0].token_ids)
-    full = ids + answer
-    first_span = prompt["spans"][0][0]
-    positions = [p for p in range(first_span, len(full) - 1) if not _inside(p, prompt["spans"])]
+    prompts, spans = [], None
+    for example in maker.examples(questions):
+        prompt = engine.chat_prompt(example.messages)
+        tail = engine.tokenizer.encode(example.answer_prefix, add_special_tokens=False) if example.answer_prefix else []
+        prompts.append(prompt["prompt_token_ids"] + tail)
+        spans = spans or prompt["spans"]
+        assert prompt["spans"] == spans and prompts[-1][:spans[-1][1]] == prompts[0][:spans[-1][1]]
+    greedy = SamplingParams(temperature=0, max_tokens=max_answer)
+    answers = llm.generate({"prompt_token_ids": prompts[0]}, greedy)  # then the others reuse its documents
+    answers += llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], greedy) if len(prompts) > 1 else []
+    full = [p + list(a.outputs[0].token_ids) for p, a in zip(prompts, answers)]
+    model, first, end = engine.runner.model, spans[0][0], spans[-1][1]
+    # The teacher reads the documents in context: as one span computed after the text before it, at
+    # its real positions, which is the full-context forward (computed once for all the questions).
+    in_context = [dense.DenseLayout(ids, [(first, end, first)], ids[:first]) for ids in full]
+    out = []
     with torch.no_grad():
-        teacher = dense.forward(engine.runner.model, None, dense.DenseLayout(full, [], []), positions)
-    return dense.DenseLayout.for_engine(engine, full, prompt["spans"]), positions, teacher.log_softmax(-1)
+        documents = dense.encode_spans(model, None, in_context[0])
+        for ids, teacher in zip(full, in_context):
+            positions = [p for p in range(first, len(ids) - 1) if not _inside(p, spans)]
+            logprobs = dense.forward(model, None, teacher, positions, documents).log_softmax(-1)
+            out.append(Question(dense.DenseLayout.for_engine(engine, ids, spans), positions, logprobs))
+    return out
 
 
 def _inside(p: int, spans) -> bool:
     return any(s <= p < e for s, e in spans)
 
 
-def kl_loss(model, plugin: CombPlugin, layout, positions, teacher_logprobs) -> torch.Tensor:
-    student = dense.forward(model, plugin, layout, positions).log_softmax(-1)
-    return (teacher_logprobs.exp() * (teacher_logprobs - student)).sum(-1).mean()
+def _kl(model, plugin: CombPlugin, question: Question, encoded) -> torch.Tensor:
+    student = dense.forward(model, plugin, question.layout, question.positions, encoded).log_softmax(-1)
+    return (question.teacher.exp() * (question.teacher - student)).sum(-1).mean()
 
 
-def train_step(model, plugin: CombPlugin, opt, example, lr: float) -> float:
+def kl_loss(model, plugin: CombPlugin, questions: list[Question]) -> torch.Tensor:
+    """The mean KL(teacher || student) over the questions of one document set."""
+    encoded = dense.encode_spans(model, plugin, questions[0].layout)
+    return sum(_kl(model, plugin, q, encoded) for q in questions) / len(questions)
+
+
+def train_step(model, plugin: CombPlugin, opt, questions: list[Question], lr: float) -> float:
     for group in opt.param_groups:
         group["lr"] = lr
-    loss = kl_loss(model, plugin, *example)
-    loss.backward()
+    loss = backward(model, plugin, questions)
     torch.nn.utils.clip_grad_norm_(plugin.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.item()
+    return loss
+
+
+def backward(model, plugin: CombPlugin, questions: list[Question]) -> float:
+    """kl_loss(...).backward(), for less memory: the encoder runs once; each question's decoder
+    pass is differentiated alone into the encoder's outputs, then the encoder once for all of
+    them, so memory holds one question's graph at a time. Returns the loss."""
+    encoded = dense.encode_spans(model, plugin, questions[0].layout)
+    outputs = [t for pair in encoded for t in pair]
+    leaves = [t.detach().requires_grad_() for t in outputs]
+    shared = list(zip(leaves[0::2], leaves[1::2]))
+    total = 0.0
+    for question in questions:
+        loss = _kl(model, plugin, question, shared) / len(questions)
+        loss.backward()
+        total += loss.item()
+    torch.autograd.backward(outputs, [t.grad for t in leaves])
+    return total
 
 
 def validation_kl(model, plugin: CombPlugin, examples) -> float:
     with torch.no_grad():
-        return sum(kl_loss(model, plugin, *example).item() for example in examples) / max(1, len(examples))
+        return sum(kl_loss(model, plugin, example).item() for example in examples) / max(1, len(examples))
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -102,13 +144,13 @@ def train(args) -> Path:
     # A fixed held-out set (another seed) tracks progress: single-example losses are too noisy.
     val_maker = ExampleMaker(llm.get_tokenizer(), seed=args.seed + 10_000, min_docs=args.min_docs,
                              max_docs=args.max_docs)
-    val = [build(llm, val_maker, args.max_answer) for _ in range(args.val_examples)]
+    val = [build(llm, val_maker, args.max_answer, args.questions) for _ in range(args.val_examples)]
     started, history, window = time.monotonic(), [], []
     log.info("held-out KL at the start: %.4f", validation_kl(model, plugin, val))
     done = 0
     while done < args.steps and not (args.time_limit and time.monotonic() - started > args.time_limit):
         lr = lr_at(done, args.steps, args.lr, args.warmup)
-        window.append(train_step(model, plugin, opt, build(llm, maker, args.max_answer), lr))
+        window.append(train_step(model, plugin, opt, build(llm, maker, args.max_answer, args.questions), lr))
         done += 1
         if done % args.log_every == 0:
             seconds = round(time.monotonic() - started)
@@ -129,6 +171,7 @@ def _save(plugin: CombPlugin, out: Path, args, history, steps: int, started: flo
     plugin.meta = {"model": args.model, "steps": steps, "rank": plugin.rank, "lr": args.lr, "seed": args.seed,
                    "previous": previous,
                    "data": "spanserve/comb/data.py (corpus split train)", "docs": [args.min_docs, args.max_docs],
+                   "questions": args.questions,
                    "wall_s": round(time.monotonic() - started), "threads": torch.get_num_threads(),
                    "history": history}
     plugin.save(out)
@@ -149,6 +192,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-docs", type=int, default=2)
     p.add_argument("--max-docs", type=int, default=8)
     p.add_argument("--max-answer", type=int, default=24, help="teacher answer tokens per example")
+    p.add_argument("--questions", type=int, default=4, help="questions per document set (the documents are "
+                   "encoded once for all of them: more signal per step for little more time)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
