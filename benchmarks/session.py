@@ -30,6 +30,7 @@ import sys
 import time
 
 from benchmarks import harness
+from benchmarks.llama_cpp_peer import LlamaCppPeer
 
 QUESTIONS = ("Is the trend of the last ten bars UP or DOWN? Answer UP or DOWN.",
              "Did the last bar close above its open? Answer YES or NO.",
@@ -248,22 +249,17 @@ def _ms(value, digits: int = 0) -> str:
 
 
 class _LlamaCpp:
-    """llama-cpp-python on the model's GGUF: it keeps the previous call's KV (longest common prefix)."""
+    """llama-cpp-python on the model's GGUF, in a process of its own (benchmarks/llama_cpp_peer.py):
+    it keeps the previous call's KV (longest common prefix)."""
 
     name = "llama.cpp"
 
     def __init__(self, gguf, n_ctx: int, threads: int):
-        import llama_cpp
-
-        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads, seed=0,
-                                   verbose=False)
+        self.peer = LlamaCppPeer(gguf, n_ctx, threads)
 
     def answer(self, ids: list[int]) -> float:
         """Seconds to the first generated token after `ids` (reusing the cached common prefix)."""
-        start = time.perf_counter()
-        for _ in self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0):  # reuses the longest common prefix
-            break
-        return time.perf_counter() - start
+        return self.peer.first_token(ids)
 
 
 class _Vllm:

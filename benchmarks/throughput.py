@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import harness
+from benchmarks.llama_cpp_peer import LlamaCppPeer
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 # Goal per metric: spanserve / transformers must be at least this.
@@ -164,42 +165,30 @@ class TransformersRunner:
 
 
 class LlamaCppRunner:
-    """llama.cpp on the GGUF itself (its own quantization: the dtype does not apply)."""
+    """llama.cpp on the GGUF itself (its own quantization: the dtype does not apply), in a process of
+    its own (benchmarks/llama_cpp_peer.py: our OpenMP settings would slow it down 3x)."""
 
     name = "llama.cpp"
 
     def __init__(self, gguf: Path, threads: int, n_ctx: int):
-        import llama_cpp
-
-        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=2048, n_threads=threads,
-                                   seed=0, verbose=False)
-        self.vocab_size = self.llm.n_vocab()
+        self.peer = LlamaCppPeer(gguf, n_ctx, threads, n_batch=2048)
+        self.vocab_size = self.peer.vocab_size
 
     def prefill(self, ids: list[int]) -> float:
-        self.llm.reset()
-        return harness.timed(lambda: self.llm.eval(ids))[1]
-
-    def _run(self, ids: list[int], n: int) -> list[float]:
-        times, start = [], time.perf_counter()
-        self.llm.reset()
-        for _ in self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
-            times.append(time.perf_counter())
-            if len(times) == n:
-                break
-        return [start, *times]
+        return self.peer.prefill(ids)
 
     def decode(self, ids: list[int], n: int) -> tuple[float, float, int]:
-        times = self._run(ids, n)
+        times = self.peer.token_times(ids, n)
         return times[1] - times[0], times[-1] - times[1], len(times) - 1
 
     def concurrent(self, prompts: list[list[int]], n: int) -> tuple[float, int]:
         start, tokens = time.perf_counter(), 0
         for p in prompts:
-            tokens += len(self._run(p, n)) - 1
+            tokens += len(self.peer.token_times(p, n)) - 1
         return time.perf_counter() - start, tokens
 
     def warm_up(self, prompts: Prompts) -> None:
-        self._run(prompts(64), 8)
+        self.peer.token_times(prompts(64), 8)
 
 
 # ---- measuring -------------------------------------------------------------------------------
