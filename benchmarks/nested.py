@@ -24,6 +24,7 @@ import statistics
 import sys
 
 from benchmarks import harness
+from spanserve.pic.link import POLICIES
 
 TASKS = {
     "emails": {
@@ -54,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperatures", default="0,0.5")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per candidate (default: the task's)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--link-policy", default="auto", choices=["auto", *POLICIES],
+                        help="the engine's default span policy (auto: comb where a plug-in ships for the model)")
     parser.add_argument("--quick", action="store_true", help="fan-out 1 and 2, 16-token candidates, one repeat")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/nested.json)")
 
@@ -104,7 +107,7 @@ def run(args) -> dict:
     temperatures = [float(x) for x in args.temperatures.split(",")]
     task = TASKS[args.task]
     max_tokens, repeats = (16, 1) if args.quick else (args.max_tokens or task["max_tokens"], args.repeats)
-    llm = LLM(model=args.model, dtype=args.dtype)
+    llm = LLM(model=args.model, dtype=args.dtype, link_policy=args.link_policy)
     rows, results = [], []
     for fanout in fanouts:
         for temperature in temperatures:
