@@ -96,13 +96,19 @@ class _Run:
             log.info("static prefix of %s not prefilled: %s", path, exc)
 
     async def _complete_last_blocks(self, node: Generate) -> None:
-        """Compute the KV of the call's last partial block as its caller will read it (output,
-        assistant footer, padding), so the caller reuses every block of the call: the span query
-        paper crops those tokens instead. Runs as a prefill of the padded sequence, whose other
-        blocks are prefix-cache hits."""
+        """Compute the call's KV as its caller will read it, a span after the anchor (input,
+        output, assistant footer, padding), so the caller reuses every block of the call: the span
+        query paper crops the last partial block instead. Runs as a prefill of that span (and one
+        token after it, which samples) under the engine's link policy: with `none` its blocks but
+        the last are the call's own, hits; with `comb` the encoder writes them all (a plug-in's
+        span KV is not the decoder's), here as each call finishes rather than in the caller's
+        prompt."""
         prefill = SamplingParams(max_tokens=1, temperature=0)
-        sequences = self.executor.tokenizer.exposed(node, self.outputs)
-        await asyncio.gather(*(self.executor.complete({"prompt_token_ids": seq}, prefill) for seq in sequences))
+        tokenizer = self.executor.tokenizer
+        start = len(tokenizer.anchor)
+        prompts = [{"prompt_token_ids": seq + [tokenizer.pad_id], "spans": [[start, len(seq)]]}
+                   for seq in tokenizer.exposed(node, self.outputs)]
+        await asyncio.gather(*(self.executor.complete(prompt, prefill) for prompt in prompts))
 
     async def _generate(self, node: Generate, path: str, ready: float | None = None) -> RequestOutput:
         exposed = path != "$" and not node.bare  # a caller reads it as a span
