@@ -8,12 +8,24 @@ the peer runs in a child process with the default policy and times itself there;
 only sends token ids and reads the timings back (JSON lines over a pipe).
 """
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+
+def peer_gguf(model: str | None) -> tuple[Path | None, str]:
+    """The GGUF a llama.cpp peer of `model` runs, or None and why it cannot run. llama-cpp-python is
+    looked up, not imported: loading it here would put its OpenMP beside ours for nothing."""
+    from spanserve.models.loader import gguf_file
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None, "llama-cpp-python is not installed (pip install llama-cpp-python)"
+    gguf = gguf_file(model)
+    return (gguf, "") if gguf is not None else (None, "the model is not a GGUF")
 
 
 class LlamaCppPeer:

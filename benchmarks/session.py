@@ -30,7 +30,7 @@ import sys
 import time
 
 from benchmarks import harness
-from benchmarks.llama_cpp_peer import LlamaCppPeer
+from benchmarks.llama_cpp_peer import LlamaCppPeer, peer_gguf
 
 QUESTIONS = ("Is the trend of the last ten bars UP or DOWN? Answer UP or DOWN.",
              "Did the last bar close above its open? Answer YES or NO.",
@@ -284,16 +284,9 @@ class _Vllm:
 def _llama(args):
     if not args.llama_cpp:
         return None
-    from spanserve.models.loader import gguf_file
-
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        print("llama.cpp: llama-cpp-python is not installed; skipping it", file=sys.stderr)
-        return None
-    gguf = gguf_file(args.model)
+    gguf, why = peer_gguf(args.model)
     if gguf is None:
-        print("llama.cpp: the model is not a GGUF; skipping it", file=sys.stderr)
+        print(f"llama.cpp: {why}; skipping it", file=sys.stderr)
         return None
     return _LlamaCpp(gguf, n_ctx=args.max_context + 1024, threads=harness.configure_threads())
 

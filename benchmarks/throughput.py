@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import harness
-from benchmarks.llama_cpp_peer import LlamaCppPeer
+from benchmarks.llama_cpp_peer import LlamaCppPeer, peer_gguf
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 # Goal per metric: spanserve / transformers must be at least this.
@@ -383,16 +383,9 @@ def _chart(summary: dict, names: list[str], path: Path, model: str) -> None:
 
 
 def _llama_cpp_runner(args, plan: Plan, threads: int, log) -> LlamaCppRunner | None:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        log("llama.cpp: llama-cpp-python is not installed; skipping its column (pip install llama-cpp-python)")
-        return None
-    from spanserve.models.loader import gguf_file
-
-    gguf = gguf_file(args.model)
+    gguf, why = peer_gguf(args.model)
     if gguf is None:
-        log("llama.cpp: needs a .gguf model; skipping its column")
+        log(f"llama.cpp: {why}; skipping its column")
         return None
     log(f"llama.cpp: {gguf.name} (its own quantization: the dtype does not apply)")
     return LlamaCppRunner(gguf, threads, n_ctx=max(*plan.prefill_lens, plan.decode_context + plan.decode_tokens) + 64)

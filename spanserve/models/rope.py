@@ -69,7 +69,7 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def _rotate_full(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`rotate` with whole-head tables (RotaryEmbedding._tables): the same products, fewer ops."""
+    """`rotate` with whole-head tables (RotaryEmbedding.tables): the same products, fewer ops."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
