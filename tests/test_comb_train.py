@@ -7,7 +7,7 @@ from helpers import greedy
 from spanserve import LLM, Span
 from spanserve.cli import main
 from spanserve.comb import dense, train
-from spanserve.comb.data import FACTS, ExampleMaker
+from spanserve.comb.data import FACTS, FIRST, LAST, ExampleMaker
 from spanserve.comb.plugin import CombPlugin
 
 
@@ -84,20 +84,65 @@ def test_examples_hold_one_fact_per_document_and_ask_for_one_of_them(tiny_llama_
             assert examples[0].messages[1]["content"][-1] != examples[1].messages[1]["content"][-1]
 
 
+def test_examples_can_hold_several_facts_per_document_about_different_people(tiny_llama_path):
+    tok = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=64).get_tokenizer()
+    maker = ExampleMaker(tok, seed=1, min_docs=4, max_docs=4, max_facts=3, fact_share=1.0)
+    counts = []
+    for _ in range(8):
+        example = maker.examples(1)[0]
+        docs = [part.text for part in example.messages[1]["content"][:-1]]
+        sentence = next(f for f in FACTS if f[1].split("{name}")[-1].split("{value}")[0] in docs[0])[1]
+        middle = sentence.split("{name}")[-1].split("{value}")[0]
+        counts += [d.count(middle) for d in docs]
+        question = example.messages[1]["content"][-1]
+        asked = next(f"{first} {last}" for first in FIRST for last in LAST if f"{first} {last}" in question)
+        assert sum(asked in d for d in docs) == 1  # the person asked about is in one document only
+    assert set(counts) == {1, 2, 3}
+
+
+def test_validation_agreement_is_the_share_of_greedy_answers_equal_to_the_teachers(tiny_llama_path):
+    """validate() reads agreement teacher-forced; it must equal decoding the student greedily."""
+    llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=256)
+    model = llm.engine.runner.model
+    model.requires_grad_(False)
+    plugin = CombPlugin.zeros(model, rank=4, seed=2)
+    for _, b in plugin.deltas.values():
+        b.normal_(0, 0.004)  # small: a random model's answers are near ties
+    plugin.attach(model, cast=False)
+    sets = [train.build(llm, ExampleMaker(llm.get_tokenizer(), seed=s, min_docs=2, max_docs=2), 3, questions=2)
+            for s in range(4)]
+    expected = []
+    for q in (q for questions in sets for q in questions):
+        ids = q.layout.token_ids[:len(q.layout.token_ids) - len(q.answer)]
+        for _ in q.answer:  # the student's own greedy answer, token by token
+            layout = dense.DenseLayout(ids, q.layout.spans, q.layout.anchor_ids)
+            with torch.no_grad():
+                ids = ids + [int(dense.forward(model, plugin, layout, [len(ids) - 1]).argmax())]
+        expected.append(ids[-len(q.answer):] == q.answer)
+    got = train.validate(model, plugin, sets)
+    assert got.agreement == sum(expected) / len(expected) and 0 < got.agreement < 1
+    assert got.kl == pytest.approx(sum(train.kl_loss(model, plugin, [q]).item() for s in sets for q in s) / 8)
+
+
 def test_train_comb_from_the_cli_writes_a_plugin_the_engine_serves(tiny_llama_path, tmp_path):
     out = tmp_path / "plugin.safetensors"
     main(["train", "comb", "--model", str(tiny_llama_path), "--dtype", "float32", "--steps", "3", "--rank", "2",
           "--max-docs", "2", "--max-answer", "2", "--log-every", "1", "--save-every", "2", "--val-examples", "1",
           "--out", str(out)])
     plugin = CombPlugin.load(out)
-    assert plugin.meta["steps"] == 3 and plugin.rank == 2 and plugin.meta["previous"] is None
-    assert [h["step"] for h in plugin.meta["history"] if "val_kl" in h] == [2, 3]
+    assert plugin.rank == 2 and plugin.meta["previous"] is None
+    checks = [h for h in plugin.meta["history"] if "val_kl" in h]
+    assert [h["step"] for h in checks] == [0, 2, 3]  # the start, each --save-every and the end
+    best = max(checks, key=lambda h: (h["val_agreement"], -h["val_kl"]))  # the file holds the best
+    assert plugin.meta["steps"] == best["step"]
     llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=128, comb_plugin=str(out))
     reply = llm.generate([["Intro\n", Span("a document " * 20), "question"]], greedy(2, link_policy="comb"))[0]
     assert reply.num_cached_tokens == 0 and len(reply.outputs[0].token_ids) == 2
     main(["train", "comb", "--model", str(tiny_llama_path), "--dtype", "float32", "--steps", "1", "--seed", "1",
           "--init", str(out), "--max-docs", "2", "--max-answer", "2", "--val-examples", "1", "--out", str(out)])
     continued = CombPlugin.load(out)
-    assert continued.meta["steps"] == 1 and continued.meta["previous"]["steps"] == 3
-    assert continued.rank == 2 and any(not torch.equal(a, b) for a, b in zip(continued.parameters(),
-                                                                               plugin.parameters()))
+    assert continued.meta["previous"]["steps"] == plugin.meta["steps"] and continued.rank == 2
+    checks = [h for h in continued.meta["history"] if "val_kl" in h]
+    assert continued.meta["steps"] == max(checks, key=lambda h: (h["val_agreement"], -h["val_kl"]))["step"]
+    changed = any(not torch.equal(a, b) for a, b in zip(continued.parameters(), plugin.parameters()))
+    assert changed == (continued.meta["steps"] == 1)  # the start is kept unless the step did better

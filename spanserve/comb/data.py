@@ -3,8 +3,10 @@
 Documents are real prose (spanserve/corpus.py, split "train" only: the benchmark's real-text task
 reads "eval") of 60 to 230 tokens. Two kinds of questions, both answered by the model itself with
 the documents in full context (self-distillation: the targets are on-policy, see train.py):
-- fact lookup: one made-up fact per document (locker numbers, birth years, code names, cities,
-  meeting days: never the access codes the benchmark asks for), the question asks for one;
+- fact lookup: made-up facts in every document, one to `max_facts` each about different people
+  (locker numbers, birth years, code names, cities, meeting days: never the access codes the
+  benchmark asks for), the question asks for one; several per document teach the encoder to keep
+  many name-value bindings in one span apart;
 - reading: summarise, quote or compare documents: open answers that need the documents' text.
 Nothing here is ever the benchmark's prompt: other facts, other names, other text.
 """
@@ -54,9 +56,11 @@ class Example:
 
 
 class ExampleMaker:
-    def __init__(self, tokenizer, seed: int = 0, min_docs: int = 2, max_docs: int = 8):
+    def __init__(self, tokenizer, seed: int = 0, min_docs: int = 2, max_docs: int = 8, max_facts: int = 1,
+                 fact_share: float = 0.7):
         self.rng = random.Random(seed)
         self.tokenizer, self.min_docs, self.max_docs = tokenizer, min_docs, max_docs
+        self.max_facts, self.fact_share = max_facts, fact_share  # facts per document; share of fact lookups
         self.paragraphs = paragraphs("train")
 
     def document(self, tokens: int) -> str:
@@ -83,7 +87,7 @@ class ExampleMaker:
         rng = self.rng
         docs = [self.document(rng.randrange(60, 231)) for _ in range(rng.randint(self.min_docs, self.max_docs))]
         system = rng.choice(SYSTEMS)
-        if rng.random() < 0.7:
+        if rng.random() < self.fact_share:
             asked = self._fact_questions(docs, questions)
         else:
             asked = [self._reading_question(docs) for _ in range(questions)]
@@ -98,16 +102,16 @@ class ExampleMaker:
         return self.rng.choice(READING).format(k=k + 1, topic=topic), ""
 
     def _fact_questions(self, docs: list[str], questions: int) -> list[tuple[str, str]]:
-        """Insert one fact into every document (in place); ask for some of them (each once, while
-        there are documents left to ask about)."""
+        """Insert facts of one kind into every document (in place), 1 to max_facts each, about
+        different people; ask for some of them (each once, while there are facts left to ask about)."""
         rng, taken, facts = self.rng, set(), []
         value, sentence, question, prefix = rng.choice(FACTS)
         for i, doc in enumerate(docs):
-            name = self.person(taken)
-            facts.append(name)
             parts = doc.split(". ")
-            at = rng.randrange(len(parts) + 1)
-            fact = sentence.format(name=name, value=value(rng)).rstrip(".")
-            docs[i] = ". ".join(parts[:at] + [fact] + parts[at:]).replace("..", ".")
+            for _ in range(rng.randint(1, self.max_facts) if self.max_facts > 1 else 1):  # (1: as before, same draws)
+                name = self.person(taken)
+                facts.append(name)
+                parts.insert(rng.randrange(len(parts) + 1), sentence.format(name=name, value=value(rng)).rstrip("."))
+            docs[i] = ". ".join(parts).replace("..", ".")
         names = rng.sample(facts, min(questions, len(facts))) + rng.choices(facts, k=max(0, questions - len(facts)))
         return [(question.format(name=name), prefix.format(name=name) if rng.random() < 0.5 else "") for name in names]
