@@ -26,9 +26,9 @@ def make_llm(path, **kwargs) -> LLM:
     return LLM(model=str(path), dtype="float32", num_blocks=256, **kwargs)
 
 
-def random_plugin(llm: LLM, seed: int = 0) -> CombPlugin:
+def random_plugin(llm: LLM, seed: int = 0, reader: bool = True) -> CombPlugin:
     """Deltas large enough to change the outputs (a trained plug-in's B is not zero)."""
-    plugin = CombPlugin.zeros(llm.engine.runner.model, rank=4, seed=seed)
+    plugin = CombPlugin.zeros(llm.engine.runner.model, rank=4, seed=seed, reader=reader)
     gen = torch.Generator().manual_seed(seed + 1)
     for name, (a, b) in plugin.deltas.items():
         plugin.deltas[name] = (a, 0.05 * torch.randn(b.shape, generator=gen))
@@ -36,10 +36,17 @@ def random_plugin(llm: LLM, seed: int = 0) -> CombPlugin:
 
 
 @pytest.fixture(scope="module")
-def plugin_file(tiny_llama_path, tmp_path_factory):
-    path = tmp_path_factory.mktemp("comb") / "tiny.safetensors"
-    random_plugin(make_llm(tiny_llama_path)).save(path)
-    return path
+def plugin_files(tiny_llama_path, tmp_path_factory):
+    """With reader deltas (the tokens after the spans read through them) and without."""
+    folder, llm = tmp_path_factory.mktemp("comb"), make_llm(tiny_llama_path)
+    for reader in (True, False):
+        random_plugin(llm, reader=reader).save(folder / f"reader-{reader}.safetensors")
+    return {reader: folder / f"reader-{reader}.safetensors" for reader in (True, False)}
+
+
+@pytest.fixture
+def plugin_file(plugin_files):
+    return plugin_files[True]
 
 
 @pytest.fixture
@@ -73,8 +80,12 @@ def run(llm: LLM, p: dict, **params):
     return out, list(out.outputs[0].token_ids)
 
 
+@pytest.mark.parametrize("reader", [True, False], ids=["reader", "encoder-only"])
 @pytest.mark.parametrize("orders", [[[0, 1, 2]], [[0, 1, 2], [2, 0, 1]]], ids=["cold", "warm-shuffled"])
-def test_engine_comb_equals_the_dense_reference_cold_and_reused_at_new_positions(comb_llm, orders):
+def test_engine_comb_equals_the_dense_reference_cold_and_reused_at_new_positions(tiny_llama_path, plugin_files,
+                                                                                  orders, reader):
+    comb_llm = make_llm(tiny_llama_path, comb_plugin=str(plugin_files[reader]), link_policy="comb")
+    assert comb_llm.engine.comb.has_reader == reader
     for order in orders:
         p = prompt(order)
         out, tokens = run(comb_llm, p)
@@ -88,6 +99,21 @@ def test_engine_comb_equals_the_dense_reference_cold_and_reused_at_new_positions
     assert_engine_idle(comb_llm)
 
 
+def test_reader_deltas_leave_the_text_before_the_spans_to_the_plain_decoder(comb_llm, tiny_llama_path):
+    """The prompt's head is shared with requests without spans: a comb request must cache the
+    plain decoder's KV for it, which a plain request then reads as its own."""
+    assert comb_llm.engine.comb.has_reader
+    run(comb_llm, prompt([0, 1, 2]))
+    plain = {"prompt_token_ids": HEAD + QUESTION}
+    out, tokens = run(comb_llm, plain, link_policy="none")
+    assert out.num_cached_tokens == 16  # HEAD's block, written by the comb request
+    fresh, fresh_tokens = run(make_llm(tiny_llama_path), plain)
+    assert tokens == fresh_tokens
+    torch.testing.assert_close(torch.tensor([lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)]),
+                               torch.tensor([lp[t] for lp, t in zip(fresh.outputs[0].logprobs, tokens)]),
+                               atol=1e-5, rtol=0)
+
+
 def test_the_plugin_changes_the_answer_and_a_zero_plugin_equals_none(tiny_llama_path, tmp_path):
     plain = make_llm(tiny_llama_path)
     zero = CombPlugin.zeros(plain.engine.runner.model, rank=4)
@@ -96,7 +122,7 @@ def test_the_plugin_changes_the_answer_and_a_zero_plugin_equals_none(tiny_llama_
     _, none_tokens = run(plain, p, link_policy="none")
     zero_llm = make_llm(tiny_llama_path, comb_plugin=str(tmp_path / "zero.safetensors"))
     assert run(zero_llm, p, link_policy="comb")[1] == none_tokens
-    random_plugin(plain, seed=5).save(tmp_path / "random.safetensors")
+    random_plugin(plain, seed=5, reader=False).save(tmp_path / "random.safetensors")
     comb = make_llm(tiny_llama_path, comb_plugin=str(tmp_path / "random.safetensors"))
     comb_out = comb.generate(p, greedy(1, logprobs=5, link_policy="comb"))[0].outputs[0].logprobs[0]
     none_out = plain.generate(p, greedy(1, logprobs=5, link_policy="none"))[0].outputs[0].logprobs[0]

@@ -4,12 +4,14 @@ What the engine computes for `link_policy="comb"`, written out densely so it can
 and serve as the engine's reference:
 - each span is a sequence of its own, after the anchor (when it has one) at span-local positions,
   through the encoder (the decoder's layers with the plug-in's deltas on every row);
-- every other token ("context") goes through the frozen decoder at its real position and attends
-  to all keys before it: its own context's and the spans' encoder keys, moved to their real
-  positions (RoPE: rotating a key to local position i and then by the span's shift is rotating it
-  to its real position at once).
+- every other token ("context") goes through the frozen decoder at its real position (with the
+  plug-in's reader deltas from the first span on, if it has them) and attends to all keys before
+  it: its own context's and the spans' encoder keys, moved to their real positions (RoPE:
+  rotating a key to local position i and then by the span's shift is rotating it to its real
+  position at once).
 """
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -101,11 +103,8 @@ def encode_spans(model: LlamaModel, plugin: CombPlugin | None, layout: DenseLayo
         mask[s, :, n_anchor:] = torch.ones(width, width, dtype=torch.bool).tril()
     valid = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).flatten()
     x = model.embed_tokens(ids.flatten())
-    rows, out = torch.arange(num * width), []
-    previous, plugin_rows = (plugin.rows, rows) if plugin else (None, None)
-    try:
-        if plugin:
-            plugin.rows = plugin_rows
+    out = []
+    with plugin.active(torch.arange(num * width)) if plugin else contextlib.nullcontext():
         for i, layer in enumerate(model.layers):
             q, k_rot, k, v = _project(layer, x, positions.flatten())
             out.append((k[valid], v[valid]))
@@ -116,9 +115,6 @@ def encode_spans(model: LlamaModel, plugin: CombPlugin | None, layout: DenseLayo
                 values = torch.cat([av[None].expand(num, *av.shape), values], 1)
             attn = _attend(layer, q.view(num, width, *q.shape[1:]), keys, values, mask)
             x = _finish_layer(layer, x, attn.flatten(0, 1))
-    finally:
-        if plugin:
-            plugin.rows = previous
     return out
 
 
@@ -137,6 +133,17 @@ def forward(model: LlamaModel, plugin: CombPlugin | None, layout: DenseLayout,
     ids = torch.tensor(layout.token_ids)
     x = model.embed_tokens(ids[context])
     mask = (torch.arange(n)[None, :] <= context[:, None])[None]
+    readers = (context >= layout.spans[0][0]).nonzero()[:, 0] if layout.spans else None  # reader deltas' rows
+    with plugin.active(None, readers) if plugin else contextlib.nullcontext():
+        x = _read(model, layout, x, context, span_idx, mask, encoded)
+    where = {int(p): i for i, p in enumerate(context.tolist())}
+    rows = torch.tensor([where[p] for p in logit_positions])
+    return model.compute_logits(model.norm(x[rows]))
+
+
+def _read(model: LlamaModel, layout: DenseLayout, x, context, span_idx, mask, encoded) -> torch.Tensor:
+    """The decoder over the context tokens, reading the spans' encoded keys and values."""
+    n = len(layout.token_ids)
     for layer, (span_k, span_v) in zip(model.layers, encoded):
         q, k, _, v = _project(layer, x, context)
         keys = k.new_empty(n, *k.shape[1:])
@@ -146,6 +153,4 @@ def forward(model: LlamaModel, plugin: CombPlugin | None, layout: DenseLayout,
             _, moved = layer.self_attn.rope(span_idx, span_k[:, :1], span_k)  # to real positions
             keys[span_idx], values[span_idx] = moved, span_v
         x = _finish_layer(layer, x, _attend(layer, q[None], keys[None], values[None], mask)[0])
-    where = {int(p): i for i, p in enumerate(context.tolist())}
-    rows = torch.tensor([where[p] for p in logit_positions])
-    return model.compute_logits(model.norm(x[rows]))
+    return x

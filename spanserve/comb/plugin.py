@@ -11,13 +11,20 @@ decoder's self-attention reads it as the paper's cross-attention layers read enc
 reuse mechanism keeps working, and the plug-in is small enough to ship (a few MB). With the
 deltas at zero the encoder is the decoder: training starts from link policy "none".
 
+The paper's decoder also gets trained cross-attention layers, its side of reading encoder KV.
+Ours may carry reader deltas for that side (`reader.` names): low-rank deltas on the query part
+of the q/k/v projection and on the output projection, active only on the rows of context tokens
+at or after a request's first span (its question and answer), so the text before the spans stays
+the plain decoder's and keeps sharing its prefix cache with every other request.
+
 Differences from the paper, scaled to our models and a CPU: one encoder layer per decoder layer
-(each decoder layer needs span KV of its own) instead of a few layers of full rank; the
-decoder's query projections stay frozen too.
+(each decoder layer needs span KV of its own) instead of a few layers of full rank, and low-rank
+reader deltas on the decoder's own attention instead of new cross-attention layers.
 """
 
 import hashlib
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -30,6 +37,8 @@ from torch import nn
 from spanserve.errors import InvalidRequestError
 
 TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+READER_TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj")  # of qkv, only the query columns
+READER = "reader."  # name prefix of reader deltas
 FORMAT = "spanserve-comb-1"
 
 
@@ -48,8 +57,9 @@ def model_fingerprint(model: nn.Module) -> str:
 
 @dataclass
 class CombPlugin:
-    """Low-rank deltas per (layer, projection). `rows` selects the flat-batch rows they apply to
-    while a step runs (None: none, the plain decoder)."""
+    """Low-rank deltas per (layer, projection). While a step runs, encoder deltas apply to the
+    flat-batch `rows` (span tokens) and reader deltas to `reader_rows` (see `active`); None: the
+    plain decoder."""
 
     fingerprint: str
     rank: int
@@ -57,16 +67,40 @@ class CombPlugin:
     deltas: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "layers.3.mlp.down_proj" -> (A [r, in], B [out, r])
     meta: dict = field(default_factory=dict)  # training facts: steps, data, wall time...
     rows: torch.Tensor | None = None
+    reader_rows: torch.Tensor | None = None
 
     @classmethod
-    def zeros(cls, model: nn.Module, rank: int = 16, alpha: float = 32.0, seed: int = 0) -> "CombPlugin":
+    def zeros(cls, model: nn.Module, rank: int = 16, alpha: float = 32.0, seed: int = 0,
+              reader: bool = False) -> "CombPlugin":
         """Fresh deltas for `model`: A random, B zero (so the encoder starts as the decoder)."""
-        gen = torch.Generator().manual_seed(seed)
-        deltas = {}
-        for name, linear in _targets(model):
-            a = torch.randn(rank, linear.in_features, generator=gen) / linear.in_features**0.5
-            deltas[name] = (a, torch.zeros(linear.out_features, rank))
-        return cls(model_fingerprint(model), rank, alpha, deltas)
+        plugin = cls(model_fingerprint(model), rank, alpha, {})
+        plugin._add_zeros(_targets(model), "", torch.Generator().manual_seed(seed))
+        if reader:
+            plugin.add_reader(model, seed)
+        return plugin
+
+    def add_reader(self, model: nn.Module, seed: int = 0) -> None:
+        """Zero reader deltas (a plug-in without them reads as the plain decoder does)."""
+        self._add_zeros(_reader_targets(model), READER, torch.Generator().manual_seed(seed + 1))
+
+    def _add_zeros(self, targets, prefix: str, gen: torch.Generator) -> None:
+        for name, in_features, out_features in targets:
+            a = torch.randn(self.rank, in_features, generator=gen) / in_features**0.5
+            self.deltas[prefix + name] = (a, torch.zeros(out_features, self.rank))
+
+    @property
+    def has_reader(self) -> bool:
+        return any(name.startswith(READER) for name in self.deltas)
+
+    @contextmanager
+    def active(self, rows: torch.Tensor | None, reader_rows: torch.Tensor | None = None):
+        """Apply the encoder deltas to `rows` and the reader deltas to `reader_rows` meanwhile."""
+        previous = self.rows, self.reader_rows
+        self.rows, self.reader_rows = rows, reader_rows if self.has_reader else None
+        try:
+            yield
+        finally:
+            self.rows, self.reader_rows = previous
 
     @property
     def scaling(self) -> float:
@@ -103,14 +137,18 @@ class CombPlugin:
             param = next(model.parameters())
             self.deltas = {n: (a.to(param.device, param.dtype), b.to(param.device, param.dtype))
                            for n, (a, b) in self.deltas.items()}
-        for name, linear in _targets(model):
+        for name, linear in _linears(model):
             linear.register_forward_hook(self._hook(name))
 
     def _hook(self, name: str):
+        reader = READER + name
         def add_delta(module, inputs, out):
+            x = inputs[0]
             if self.rows is not None:
-                x = inputs[0]
                 out.index_add_(0, self.rows, self.delta(name, x.index_select(0, self.rows)))
+            if self.reader_rows is not None and reader in self.deltas:
+                update = self.delta(reader, x.index_select(0, self.reader_rows))  # (qkv: the query columns)
+                out[:, :update.shape[1]].index_add_(0, self.reader_rows, update)
             return out
         return add_delta
 
@@ -146,12 +184,27 @@ class CombPlugin:
                    json.loads(meta.get("meta", "{}")))
 
 
-def _targets(model: nn.Module):
+def _linears(model: nn.Module):
     """(name, nn.Linear) of every projection the encoder adapts, in layer order."""
     for i, layer in enumerate(model.layers):
         for target in TARGETS:
-            module = layer.get_submodule(target)
-            yield f"layers.{i}.{target}", module
+            yield f"layers.{i}.{target}", layer.get_submodule(target)
+
+
+def _targets(model: nn.Module):
+    """(name, in, out) of the encoder's deltas."""
+    for name, linear in _linears(model):
+        yield name, linear.in_features, linear.out_features
+
+
+def _reader_targets(model: nn.Module):
+    """(name, in, out) of the reader's deltas: the query columns of q/k/v, the output projection."""
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        for target in READER_TARGETS:
+            linear = layer.get_submodule(target)
+            out = attn.num_heads * attn.head_dim if target == "self_attn.qkv_proj" else linear.out_features
+            yield f"layers.{i}.{target}", linear.in_features, out
 
 
 SHIPPED = Path(__file__).parent / "plugins"

@@ -148,8 +148,10 @@ def trainable_plugin(model, args) -> CombPlugin:
     model.requires_grad_(False)
     if args.init:
         plugin = CombPlugin.load(Path(args.init))
+        if args.reader and not plugin.has_reader:
+            plugin.add_reader(model, args.seed)
     else:
-        plugin = CombPlugin.zeros(model, args.rank, args.alpha, args.seed)
+        plugin = CombPlugin.zeros(model, args.rank, args.alpha, args.seed, reader=args.reader)
     for t in plugin.parameters():
         t.requires_grad_(True)
     plugin.attach(model, cast=False)
@@ -216,7 +218,7 @@ def _save(plugin: CombPlugin, out: Path, args, history, steps: int, started: flo
     plugin.meta = {"model": args.model, "steps": steps, "rank": plugin.rank, "lr": args.lr, "seed": args.seed,
                    "previous": previous,
                    "data": "spanserve/comb/data.py (corpus split train)", "docs": [args.min_docs, args.max_docs],
-                   "facts": args.max_facts, "questions": args.questions,
+                   "facts": args.max_facts, "questions": args.questions, "reader": plugin.has_reader,
                    "wall_s": round(time.monotonic() - started), "threads": torch.get_num_threads(),
                    "history": history}
     plugin.save(out)
@@ -231,6 +233,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init", default=None, help="continue from this plug-in (its rank and alpha win; give another "
                    "--seed so the prompts are new)")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--reader", action="store_true", help="train reader deltas too: the decoder's query and "
+                   "output projections on the tokens after the spans (added at zero to an --init plug-in)")
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup", type=int, default=20)

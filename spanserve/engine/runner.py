@@ -44,9 +44,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest]) -> list[Sample]:
         """Run one step; returns one Sample per request in `batch` whose `samples` is True."""
-        input_ids, positions, meta, logit_rows, encoder_rows = self._prepare(batch)
-        with self._threads(len(input_ids)), self._encoding(encoder_rows):
-            if self.graphs is not None and not encoder_rows and self.graphs.fits(meta):
+        input_ids, positions, meta, logit_rows, plugin_rows = self._prepare(batch)
+        with self._threads(len(input_ids)), self._encoding(*plugin_rows):
+            if self.graphs is not None and not any(plugin_rows) and self.graphs.fits(meta):
                 hidden = self.graphs.run(input_ids, meta)
             else:
                 hidden = self.model(input_ids, positions, meta)
@@ -56,23 +56,21 @@ class ModelRunner:
             return sample(logits, [item.request for item in batch if item.samples])
 
     def use_encoder(self, plugin) -> None:
-        """Attach a CombPlugin: its deltas then apply to the span rows of requests whose link
-        policy encodes spans."""
+        """Attach a CombPlugin: its deltas then apply to the rows of requests whose link policy
+        encodes spans (encoder deltas to span tokens, reader deltas to the tokens after them)."""
         plugin.attach(self.model)
         self.encoder = plugin
 
     @contextmanager
-    def _encoding(self, rows: list[int]):
-        """While the model runs, the encoder plug-in's deltas apply to `rows` (span tokens of
-        requests with link policy comb); the other rows see the plain decoder."""
-        if not rows:
+    def _encoding(self, rows: list[int], reader_rows: list[int]):
+        """While the model runs, the plug-in's deltas apply to those rows; the other rows see
+        the plain decoder."""
+        if not rows and not reader_rows:
             yield
             return
-        self.encoder.rows = self._tensor(rows)
-        try:
+        with self.encoder.active(self._tensor(rows) if rows else None,
+                                 self._tensor(reader_rows) if reader_rows else None):
             yield
-        finally:
-            self.encoder.rows = None
 
     def _threads(self, num_tokens: int):
         return step_threads(num_tokens) if self.device.type == "cpu" else nullcontext()
@@ -80,14 +78,19 @@ class ModelRunner:
     def _prepare(self, batch: list[ScheduledRequest]):
         input_ids, positions, slots, logit_rows = [], [], [], []
         query_lens, context_lens, contiguous_from, tables, rotations = [], [], [], [], []
-        encoder_rows, shares, sparse = [], [], {}
+        encoder_rows, reader_rows, shares, sparse = [], [], [], {}
+        reads = self.encoder is not None and self.encoder.has_reader
         for item in batch:
-            encodes = item.request.layout.link.encodes_spans
+            req_layout = item.request.layout
+            encodes = req_layout.link.encodes_spans and req_layout.spans
             for tokens, pos, table, ctx_len, layout, samples, in_span in _sequences(item):
                 if item.request.sparse is not None and samples and len(pos) == 1 and not in_span:
                     sparse[len(tables)] = item.request.sparse  # a decode step
                 if encodes and in_span:
                     encoder_rows.extend(range(len(input_ids), len(input_ids) + len(tokens)))
+                elif encodes and reads:  # the tokens that read the spans: from the first span on
+                    first = req_layout.spans[0].start
+                    reader_rows.extend(len(input_ids) + i for i, p in enumerate(pos) if p >= first)
                 input_ids.extend(tokens)
                 positions.extend(pos)
                 slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
@@ -112,7 +115,7 @@ class ModelRunner:
             span_share=shares if any(s is not None for s in shares) else None,
             sparse=SparseStep(self.fields, sparse, self.block_size) if sparse else None,
         )
-        return to(input_ids), meta.positions, meta, logit_rows, encoder_rows
+        return to(input_ids), meta.positions, meta, logit_rows, (encoder_rows, reader_rows)
 
     def _rotation(self, layout, ctx_len: int) -> KeyRotation | None:
         """What moves each cached key of a sequence from where it was computed to where it is
