@@ -44,7 +44,7 @@ def test_questions_over_one_document_set_share_its_encoding_and_get_full_context
     llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=256)
     model = llm.engine.runner.model
     model.requires_grad_(False)
-    plugin = CombPlugin.zeros(model, rank=4, seed=1)
+    plugin = CombPlugin.zeros(model, rank=4, seed=1, reader=True)  # both sides learn
     for a, b in plugin.deltas.values():
         b.normal_(0, 0.05)  # not the decoder: the student differs from the teacher
         a.requires_grad_(True), b.requires_grad_(True)
@@ -139,9 +139,11 @@ def test_train_comb_from_the_cli_writes_a_plugin_the_engine_serves(tiny_llama_pa
     reply = llm.generate([["Intro\n", Span("a document " * 20), "question"]], greedy(2, link_policy="comb"))[0]
     assert reply.num_cached_tokens == 0 and len(reply.outputs[0].token_ids) == 2
     main(["train", "comb", "--model", str(tiny_llama_path), "--dtype", "float32", "--steps", "1", "--seed", "1",
-          "--init", str(out), "--max-docs", "2", "--max-answer", "2", "--val-examples", "1", "--out", str(out)])
+          "--init", str(out), "--max-docs", "2", "--max-answer", "2", "--val-examples", "1", "--out", str(out),
+          "--reader"])
     continued = CombPlugin.load(out)
     assert continued.meta["previous"]["steps"] == plugin.meta["steps"] and continued.rank == 2
+    assert continued.has_reader and not plugin.has_reader and continued.meta["reader"]
     checks = [h for h in continued.meta["history"] if "val_kl" in h]
     assert continued.meta["steps"] == max(checks, key=lambda h: (h["val_agreement"], -h["val_kl"]))["step"]
     changed = any(not torch.equal(a, b) for a, b in zip(continued.parameters(), plugin.parameters()))
