@@ -79,18 +79,13 @@ class ModelRunner:
         input_ids, positions, slots, logit_rows = [], [], [], []
         query_lens, context_lens, contiguous_from, tables, rotations = [], [], [], [], []
         encoder_rows, reader_rows, shares, sparse = [], [], [], {}
-        reads = self.encoder is not None and self.encoder.has_reader
         for item in batch:
-            req_layout = item.request.layout
-            encodes = req_layout.link.encodes_spans and req_layout.spans
             for tokens, pos, table, ctx_len, layout, samples, in_span in _sequences(item):
                 if item.request.sparse is not None and samples and len(pos) == 1 and not in_span:
                     sparse[len(tables)] = item.request.sparse  # a decode step
-                if encodes and in_span:
-                    encoder_rows.extend(range(len(input_ids), len(input_ids) + len(tokens)))
-                elif encodes and reads:  # the tokens that read the spans: from the first span on
-                    first = req_layout.spans[0].start
-                    reader_rows.extend(len(input_ids) + i for i, p in enumerate(pos) if p >= first)
+                encoder, reader = self._plugin_rows(item.request.layout, pos, in_span)
+                encoder_rows.extend(len(input_ids) + i for i in encoder)
+                reader_rows.extend(len(input_ids) + i for i in reader)
                 input_ids.extend(tokens)
                 positions.extend(pos)
                 slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
@@ -116,6 +111,18 @@ class ModelRunner:
             sparse=SparseStep(self.fields, sparse, self.block_size) if sparse else None,
         )
         return to(input_ids), meta.positions, meta, logit_rows, (encoder_rows, reader_rows)
+
+    def _plugin_rows(self, layout, pos, in_span: bool) -> tuple:
+        """Which rows of one sequence the COMB plug-in's (encoder, reader) deltas apply to: a
+        span's tokens, or the context tokens from the request's first span on."""
+        if self.encoder is None or not layout.link.encodes_spans or not layout.spans:
+            return (), ()
+        if in_span:
+            return range(len(pos)), ()
+        if not self.encoder.has_reader:
+            return (), ()
+        first = layout.spans[0].start
+        return (), [i for i, p in enumerate(pos) if p >= first]
 
     def _rotation(self, layout, ctx_len: int) -> KeyRotation | None:
         """What moves each cached key of a sequence from where it was computed to where it is
