@@ -76,10 +76,17 @@ def _inside(p: int, spans) -> bool:
     return any(s <= p < e for s, e in spans)
 
 
-def _kl(model, plugin: CombPlugin, question: Question, encoded, student=None) -> torch.Tensor:
-    if student is None:
-        student = dense.forward(model, plugin, question.layout, question.positions, encoded).log_softmax(-1)
+def _student(model, plugin: CombPlugin, question: Question, encoded) -> torch.Tensor:
+    """The plug-in's log-probs at the question's loss positions."""
+    return dense.forward(model, plugin, question.layout, question.positions, encoded).log_softmax(-1)
+
+
+def _divergence(question: Question, student: torch.Tensor) -> torch.Tensor:
     return (question.teacher.exp() * (question.teacher - student)).sum(-1).mean()
+
+
+def _kl(model, plugin: CombPlugin, question: Question, encoded) -> torch.Tensor:
+    return _divergence(question, _student(model, plugin, question, encoded))
 
 
 def kl_loss(model, plugin: CombPlugin, questions: list[Question]) -> torch.Tensor:
@@ -129,8 +136,8 @@ def validate(model, plugin: CombPlugin, document_sets: list[list[Question]]) -> 
         for questions in document_sets:
             encoded = dense.encode_spans(model, plugin, questions[0].layout)
             for q in questions:
-                student = dense.forward(model, plugin, q.layout, q.positions, encoded).log_softmax(-1)
-                kls.append(_kl(model, plugin, q, encoded, student).item())
+                student = _student(model, plugin, q, encoded)
+                kls.append(_divergence(q, student).item())
                 picked = student[len(q.positions) - len(q.answer):].argmax(-1).tolist()
                 agree.append(picked == q.answer)
     n = max(1, len(kls))
@@ -177,8 +184,9 @@ def train(args) -> Path:
     val = [build(llm, val_maker, args.max_answer, args.questions) for _ in range(args.val_examples)]
     started, history, window, done = time.monotonic(), [], [], 0
     save = lambda step: _save(plugin, out, args, history, step, started, previous)  # noqa: E731
+    out_of_time = lambda: bool(args.time_limit and time.monotonic() - started > args.time_limit)  # noqa: E731
     best = _checkpoint(model, plugin, val, history, done, None, save)
-    while done < args.steps and not (args.time_limit and time.monotonic() - started > args.time_limit):
+    while done < args.steps and not out_of_time():
         lr = lr_at(done, args.steps, args.lr, args.warmup)
         window.append(train_step(model, plugin, opt, build(llm, maker, args.max_answer, args.questions), lr))
         done += 1
@@ -187,8 +195,7 @@ def train(args) -> Path:
             history.append({"step": done, "kl": sum(window) / len(window), "seconds": seconds})
             log.info("step %d  kl %.4f  %.0f s", done, history[-1]["kl"], seconds)
             window = []
-        stopping = done == args.steps or bool(args.time_limit and time.monotonic() - started > args.time_limit)
-        if done % args.save_every == 0 or stopping:
+        if done % args.save_every == 0 or done == args.steps or out_of_time():  # (the last step is judged too)
             best = _checkpoint(model, plugin, val, history, done, best, save)
     with torch.no_grad():  # the file holds the best checkpoint: write it once more with the whole curve
         for t, kept in zip(plugin.parameters(), best["state"]):

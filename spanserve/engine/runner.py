@@ -37,6 +37,7 @@ class ModelRunner:
         self.fields = FieldStore(self.kv_cache, generation)
         self.graphs = DecodeGraphs(model, graph_batch, max_model_len, block_size, num_blocks) if graphs else None
         self.encoder = None  # the span encoder plug-in (spanserve/comb/), see use_encoder
+        self.encoder_reads = False  # whether it has reader deltas
         if device.type == "cpu":
             use_pool_for_matmuls(model)
             keep_freed_memory()
@@ -60,6 +61,7 @@ class ModelRunner:
         encodes spans (encoder deltas to span tokens, reader deltas to the tokens after them)."""
         plugin.attach(self.model)
         self.encoder = plugin
+        self.encoder_reads = plugin.has_reader  # read once: a serving plug-in never changes
 
     @contextmanager
     def _encoding(self, rows: list[int], reader_rows: list[int]):
@@ -119,7 +121,7 @@ class ModelRunner:
             return (), ()
         if in_span:
             return range(len(pos)), ()
-        if not self.encoder.has_reader:
+        if not self.encoder_reads:
             return (), ()
         first = layout.spans[0].start
         return (), [i for i, p in enumerate(pos) if p >= first]
