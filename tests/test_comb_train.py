@@ -100,6 +100,28 @@ def test_examples_can_hold_several_facts_per_document_about_different_people(tin
     assert set(counts) == {1, 2, 3}
 
 
+def test_answer_share_puts_that_share_of_the_loss_on_the_answers_positions(tiny_llama_path):
+    """With --answer-share s a question's loss is s * (mean KL over its answer's positions) +
+    (1 - s) * (mean KL over its question's positions); without it, the mean over all of them."""
+    llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=256)
+    model = llm.engine.runner.model
+    plugin = CombPlugin.zeros(model, rank=4, seed=2)
+    for _, b in plugin.deltas.values():
+        b.normal_(0, 0.05)
+    plugin.attach(model, cast=False)
+    maker = lambda: ExampleMaker(llm.get_tokenizer(), seed=7, min_docs=2, max_docs=2)  # noqa: E731
+    plain, shared = train.build(llm, maker(), 4)[0], train.build(llm, maker(), 4, answer_share=0.8)[0]
+    assert plain.layout == shared.layout and plain.answer == shared.answer and len(plain.answer) == 4
+    with torch.no_grad():
+        student = dense.forward(model, plugin, plain.layout, plain.positions).log_softmax(-1)
+        per_position = (plain.teacher.exp() * (plain.teacher - student)).sum(-1)
+        answer, question = per_position[-4:], per_position[:-4]
+        assert train.kl_loss(model, plugin, [plain]).item() == pytest.approx(per_position.mean().item(), rel=1e-5)
+        want = 0.8 * answer.mean() + 0.2 * question.mean()
+        assert train.kl_loss(model, plugin, [shared]).item() == pytest.approx(want.item(), rel=1e-5)
+    assert train.loss_weights(5, 5, 0.8).tolist() == pytest.approx([0.2] * 5)  # no question positions: plain mean
+
+
 def test_validation_agreement_is_the_share_of_greedy_answers_equal_to_the_teachers(tiny_llama_path):
     """validate() reads agreement teacher-forced; it must equal decoding the student greedily."""
     llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=256)
@@ -140,10 +162,11 @@ def test_train_comb_from_the_cli_writes_a_plugin_the_engine_serves(tiny_llama_pa
     assert reply.num_cached_tokens == 0 and len(reply.outputs[0].token_ids) == 2
     main(["train", "comb", "--model", str(tiny_llama_path), "--dtype", "float32", "--steps", "1", "--seed", "1",
           "--init", str(out), "--max-docs", "2", "--max-answer", "2", "--val-examples", "1", "--out", str(out),
-          "--reader"])
+          "--reader", "--answer-share", "0.9"])
     continued = CombPlugin.load(out)
     assert continued.meta["previous"]["steps"] == plugin.meta["steps"] and continued.rank == 2
     assert continued.has_reader and not plugin.has_reader and continued.meta["reader"]
+    assert continued.meta["answer_share"] == 0.9 and plugin.meta["answer_share"] is None
     checks = [h for h in continued.meta["history"] if "val_kl" in h]
     assert continued.meta["steps"] == max(checks, key=lambda h: (h["val_agreement"], -h["val_kl"]))["step"]
     changed = any(not torch.equal(a, b) for a, b in zip(continued.parameters(), plugin.parameters()))

@@ -38,9 +38,22 @@ class Question:
     positions: list[int]  # where the loss is taken: the question and the answer
     teacher: torch.Tensor  # the full-context model's log-probs there
     answer: list[int]  # the teacher's greedy answer, predicted at the last len(answer) positions
+    weights: torch.Tensor  # of each position in the loss, summing to 1
 
 
-def build(llm, maker: ExampleMaker, max_answer: int, questions: int = 1) -> list[Question]:
+def loss_weights(positions: int, answer: int, answer_share: float | None) -> torch.Tensor:
+    """Every position alike (None), or `answer_share` of the weight on the answer's positions and
+    the rest on the question's: the question's tokens are the user's text, whose distribution says
+    little about whether the documents were read, and outnumber a short answer's several times."""
+    if answer_share is None or answer in (0, positions):
+        return torch.full((positions,), 1 / positions)
+    question = positions - answer
+    return torch.cat([torch.full((question,), (1 - answer_share) / question),
+                      torch.full((answer,), answer_share / answer)])
+
+
+def build(llm, maker: ExampleMaker, max_answer: int, questions: int = 1,
+          answer_share: float | None = None) -> list[Question]:
     """Fresh documents and `questions` questions over them, each with its teacher targets. The
     documents are computed once for every question, by the teacher and by the student alike."""
     from spanserve import SamplingParams
@@ -67,8 +80,9 @@ def build(llm, maker: ExampleMaker, max_answer: int, questions: int = 1) -> list
         for ids, teacher, prompt in zip(full, in_context, prompts):
             positions = [p for p in range(first, len(ids) - 1) if not _inside(p, spans)]
             logprobs = dense.forward(model, None, teacher, positions, documents).log_softmax(-1)
-            out.append(Question(dense.DenseLayout.for_engine(engine, ids, spans), positions, logprobs,
-                                ids[len(prompt):]))
+            answer = ids[len(prompt):]
+            out.append(Question(dense.DenseLayout.for_engine(engine, ids, spans), positions, logprobs, answer,
+                                loss_weights(len(positions), len(answer), answer_share)))
     return out
 
 
@@ -82,7 +96,8 @@ def _student(model, plugin: CombPlugin, question: Question, encoded) -> torch.Te
 
 
 def _divergence(question: Question, student: torch.Tensor) -> torch.Tensor:
-    return (question.teacher.exp() * (question.teacher - student)).sum(-1).mean()
+    per_position = (question.teacher.exp() * (question.teacher - student)).sum(-1)
+    return (per_position * question.weights.to(per_position)).sum()
 
 
 def _kl(model, plugin: CombPlugin, question: Question, encoded) -> torch.Tensor:
@@ -188,7 +203,8 @@ def train(args) -> Path:
     best = _checkpoint(model, plugin, val, history, done, None, save)
     while done < args.steps and not out_of_time():
         lr = lr_at(done, args.steps, args.lr, args.warmup)
-        window.append(train_step(model, plugin, opt, build(llm, maker, args.max_answer, args.questions), lr))
+        questions = build(llm, maker, args.max_answer, args.questions, args.answer_share)
+        window.append(train_step(model, plugin, opt, questions, lr))
         done += 1
         if done % args.log_every == 0:
             seconds = round(time.monotonic() - started)
@@ -225,7 +241,8 @@ def _save(plugin: CombPlugin, out: Path, args, history, steps: int, started: flo
     plugin.meta = {"model": args.model, "steps": steps, "rank": plugin.rank, "lr": args.lr, "seed": args.seed,
                    "previous": previous,
                    "data": "spanserve/comb/data.py (corpus split train)", "docs": [args.min_docs, args.max_docs],
-                   "facts": args.max_facts, "questions": args.questions, "reader": plugin.has_reader,
+                   "facts": args.max_facts, "questions": args.questions, "answer_share": args.answer_share,
+                   "reader": plugin.has_reader,
                    "wall_s": round(time.monotonic() - started), "threads": torch.get_num_threads(),
                    "history": history}
     plugin.save(out)
@@ -248,6 +265,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-docs", type=int, default=2)
     p.add_argument("--max-docs", type=int, default=8)
     p.add_argument("--max-answer", type=int, default=24, help="teacher answer tokens per example")
+    p.add_argument("--answer-share", type=float, default=None, help="share of each question's loss on its "
+                   "answer's positions, the rest on the question's (default: every position alike)")
     p.add_argument("--max-facts", type=int, default=1, help="fact lookups: up to this many facts per document")
     p.add_argument("--questions", type=int, default=4, help="questions per document set (the documents are "
                    "encoded once for all of them: more signal per step for little more time)")
