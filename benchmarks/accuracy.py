@@ -292,41 +292,46 @@ def run(args: argparse.Namespace) -> dict:
         styles = [args.style]
         conditions, skipped = choose_conditions(llm, args.conditions, log)
     ttft_n = args.ttft_docs or max(counts)
-    per_task = {task: run_task(llm, task, args, counts, conditions, styles, ttft_n, log) for task in tasks}
-
-    for task, r in per_task.items():
-        for i, (style, s) in enumerate(r["styles"].items()):
-            print_tables(task, style, s["summary"], r["ttft"] if i == 0 else {}, conditions, model_name, llm,
-                         threads, ttft_n)
-        if r["goals"]:
-            print(f"\ngoals ({task}):")
-            for key, g in r["goals"].items():
-                print(f"  {key}: {g['points']:+.1f} points -> {'met' if g['met'] else 'NOT met'}")
-    data = {
-        "benchmark": "accuracy",
-        "model": model_name,
-        "dtype": str(llm.engine.dtype).removeprefix("torch."),
-        "quick": args.quick,
-        "args": dict(vars(args)),
-        "conditions": conditions,
-        "skipped_conditions": skipped,
-        "styles": {s: {"system": STYLES[s][0], "question": STYLES[s][1], "answer_prefix": STYLES[s][2]}
-                   for s in styles},
-        "machine": harness.machine_info(),
-        "git": git,
-        "loadavg_before": loadavg_before,
-        "loadavg_after": list(os.getloadavg()),
-        "elapsed_s": time.perf_counter() - started,
-        "ttft_metric": f"median engine TTFT in seconds at N={ttft_n}, warm-shuffled (see the module docstring)",
-        "tasks": {task: {**{k: v for k, v in r.items() if k != "styles"},
-                         "summary": {s: x["summary"] for s, x in r["styles"].items()},
-                         "questions": {s: _records(x["items"], x["results"]) for s, x in r["styles"].items()}}
-                  for task, r in per_task.items()},
-    }
-    print(f"\n{time.perf_counter() - started:.0f} s in all")
     name = ("accuracy-styles" if args.styles else "accuracy") + f"-{model_name}" + ("-quick" if args.quick else "")
-    harness.write_json(data, name=name, path=args.out)
+    per_task: dict = {}
+    for task in tasks:  # each task is printed and written as soon as it is done: a stopped run keeps them
+        per_task[task] = run_task(llm, task, args, counts, conditions, styles, ttft_n, log)
+        report_task(task, per_task[task], conditions, model_name, llm, threads, ttft_n)
+        data = {
+            "benchmark": "accuracy",
+            "model": model_name,
+            "dtype": str(llm.engine.dtype).removeprefix("torch."),
+            "quick": args.quick,
+            "args": dict(vars(args)),
+            "conditions": conditions,
+            "skipped_conditions": skipped,
+            "styles": {s: {"system": STYLES[s][0], "question": STYLES[s][1], "answer_prefix": STYLES[s][2]}
+                       for s in styles},
+            "machine": harness.machine_info(),
+            "git": git,
+            "loadavg_before": loadavg_before,
+            "loadavg_after": list(os.getloadavg()),
+            "elapsed_s": time.perf_counter() - started,
+            "complete": len(per_task) == len(tasks),
+            "ttft_metric": f"median engine TTFT in seconds at N={ttft_n}, warm-shuffled (see the module docstring)",
+            "tasks": {task: {**{k: v for k, v in r.items() if k != "styles"},
+                             "summary": {s: x["summary"] for s, x in r["styles"].items()},
+                             "questions": {s: _records(x["items"], x["results"]) for s, x in r["styles"].items()}}
+                      for task, r in per_task.items()},
+        }
+        harness.write_json(data, name=name, path=args.out)
+    print(f"\n{time.perf_counter() - started:.0f} s in all")
     return data
+
+
+def report_task(task: str, r: dict, conditions: list[str], model: str, llm, threads: int, ttft_n: int) -> None:
+    for i, (style, s) in enumerate(r["styles"].items()):
+        print_tables(task, style, s["summary"], r["ttft"] if i == 0 else {}, conditions, model, llm, threads, ttft_n)
+    if r["goals"]:
+        print(f"\ngoals ({task}):")
+        for key, g in r["goals"].items():
+            print(f"  {key}: {g['points']:+.1f} points -> {'met' if g['met'] else 'NOT met'}")
+    sys.stdout.flush()
 
 
 def run_task(llm, task: str, args, counts: list[int], conditions: list[str], styles: list[str], ttft_n: int,

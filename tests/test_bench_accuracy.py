@@ -37,7 +37,28 @@ def test_accuracy_reports_every_condition_of_both_tasks_in_range(accuracy_result
                 assert 0.0 <= row[key] <= 1.0, (task, condition, key)
         assert {n: s["spans_off"]["questions"] for n, s in summary["per_n"].items()} == {"N=2": 6, "N=3": 6}
         assert set(summary["cells"]) == {f"N={n} {d}" for n in (2, 3) for d in accuracy.DEPTHS}
-    assert json.loads(out.read_text())["benchmark"] == "accuracy"
+    written = json.loads(out.read_text())
+    assert written["benchmark"] == "accuracy" and written["complete"] is True
+
+
+def test_a_run_stopped_in_its_second_task_keeps_the_first_on_disk(tiny_llama_path, tmp_path, monkeypatch):
+    out = tmp_path / "accuracy.json"
+    run_task = accuracy.run_task
+
+    def stopped_in_real(llm, task, *rest):
+        if task == "real":
+            raise KeyboardInterrupt
+        return run_task(llm, task, *rest)
+
+    monkeypatch.setattr(accuracy, "run_task", stopped_in_real)
+    args = bench_args(accuracy, ["--model", str(tiny_llama_path), "--dtype", "float32", "--docs", "2",
+                                 "--doc-tokens", "48", "--questions", "1", "--max-tokens", "2", "--ttft-repeats", "0",
+                                 "--conditions", "spans_off,none", "--out", str(out)])
+    with pytest.raises(KeyboardInterrupt):
+        accuracy.run(args)
+    kept = json.loads(out.read_text())
+    assert kept["complete"] is False and list(kept["tasks"]) == ["generated"]
+    assert kept["tasks"]["generated"]["summary"]["prefix"]["overall"]["none"]["questions"] == len(accuracy.DEPTHS)
 
 
 def test_real_task_documents_stay_within_their_limit(accuracy_result):
