@@ -45,6 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="attention temperature on span keys, in (0, 1] (ape)")
     g.add_argument("--ape-scale", type=float, default=APE_SCALE,
                    help="scaling factor S, in (0, 1]: the spans' summed weight Z counts as Z^(S*T) (ape)")
+    g.add_argument("--focus-spans", type=int, default=0,
+                   help="none, comb: recompute in context the spans the question attends to most, this many")
     g.add_argument("--comb-plugin", default=None,
                    help="COMB encoder plug-in file (comb; default: the one shipped for the model)")
     g.add_argument("--attention-backend", default="auto", choices=BACKENDS,
@@ -65,7 +67,7 @@ def engine_config(args) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         link_policy=args.link_policy, gap_length=args.gap_length,
         blend_ratio=args.blend_ratio, comb_plugin=args.comb_plugin, blend_layers=args.blend_layers,
-        ape_temperature=args.ape_temperature, ape_scale=args.ape_scale,
+        ape_temperature=args.ape_temperature, ape_scale=args.ape_scale, focus_spans=args.focus_spans,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager, load_format=args.load_format,
         quantization=args.quantization,
     )

@@ -270,7 +270,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-facts", type=int, default=1, help="fact lookups: up to this many facts per document")
     p.add_argument("--questions", type=int, default=4, help="questions per document set (the documents are "
                    "encoded once for all of them: more signal per step for little more time)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="model dtype (auto: bf16 where the CPU multiplies bf16 natively, "
+                   "else float32: without avx512_bf16 or AMX, bf16 matmuls are several times slower)")
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--val-examples", type=int, default=8, help="held-out document sets, --questions each, "

@@ -30,7 +30,7 @@ from spanserve.models.config import ModelConfig
 from spanserve.models.loader import load_model, load_tokenizer, resolve_model
 from spanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from spanserve.pic.layout import Anchor, PromptLayout, validate_spans
-from spanserve.pic.link import LinkPolicy
+from spanserve.pic.link import FOCUSABLE, LinkPolicy
 from spanserve.pic.prompt import chat_parts, is_parts_prompt, tokenize_parts
 from spanserve.sampling import SamplingParams
 from spanserve.sessions.store import SessionStore
@@ -241,7 +241,11 @@ class LLMEngine:
             raise PluginNotLoadedError(_NO_COMB)
         rest = {f: getattr(params, f) if getattr(params, f) is not None else getattr(self.config, f)
                 for f in ("blend_layers", "ape_temperature", "ape_scale")}
-        return LinkPolicy(name, gap, ratio, plugin=self.comb.signature if name == "comb" else "", **rest)
+        # the engine's default focus goes to the policies it applies to; a request's own, to any (checked)
+        focus = params.focus_spans if params.focus_spans is not None else (
+            self.config.focus_spans if name in FOCUSABLE else 0)
+        return LinkPolicy(name, gap, ratio, plugin=self.comb.signature if name == "comb" else "",
+                          focus_spans=focus, **rest)
 
     def make_group(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None, *,
                    priority: Priority = Priority.STATELESS, held: HeldContext | None = None,
@@ -378,15 +382,19 @@ class LLMEngine:
             self.runner.settle_keys(layout, [b.block_id for b in req.block_table], copies)
 
     def _select_links(self) -> None:
-        """CacheBlend (link_policy="blend"): once a request's spans and the text before them are
-        in the cache, probe which span tokens to recompute in context, and relink its blocks."""
+        """CacheBlend (link_policy="blend") or a focus probe (focus_spans): once a request's spans
+        and the text before them are in the cache, probe which span tokens to recompute in
+        context, and relink its blocks."""
         for req in self.scheduler.running:
             layout = req.layout
             if not (layout.awaiting_selection and req.num_computed_tokens >= layout.spans[0].start
                     and all(d >= s.sub_end for d, s in zip(req.span_done, layout.spans))):
                 continue
-            counts = layout.link.blend_counts(int(layout.independent.sum()), self.runner.max_blend_checks)
-            chosen = self.runner.blend_select(req, counts)
+            if layout.link.focus_spans:
+                chosen = self.runner.focus_select(req, layout.link.focus_spans)
+            else:
+                counts = layout.link.blend_counts(int(layout.independent.sum()), self.runner.max_blend_checks)
+                chosen = self.runner.blend_select(req, counts)
             self.runner.copy_blocks(self.kv.relink(req, chosen))
 
     def _append(self, req: Request, sample: Sample, detok: IncrementalDetokenizer) -> None:

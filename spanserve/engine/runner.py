@@ -17,6 +17,8 @@ from spanserve.sparse.decode import SparseStep
 from spanserve.sparse.fields import FieldStore
 from spanserve.threads import step_threads, use_pool_for_matmuls
 
+FOCUS_ROWS = 16  # focus_select: the question's last tokens whose attention scores the spans
+
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
@@ -248,6 +250,66 @@ class ModelRunner:
             kept = np.isin(rows, picks) | np.isin(rows, between)
             rows, hidden = rows[kept], hidden[self._rows(kept)]
         return picks.tolist()
+
+    @torch.inference_mode()
+    def focus_select(self, req, count: int) -> list[int]:
+        """Query-aware relinking (link policies none and comb with focus_spans, pic/link.py): the
+        span tokens of the `count` spans the request's question reads most, to recompute in context.
+
+        Once its spans and the text before them are computed, the request's in-context tokens
+        after its first span (text between spans, the question) run through every layer as a
+        probe over the cached span KV (their own KV is scratch, recomputed after the relink). At
+        each layer the last FOCUS_ROWS of them weigh every key; a span's score is the attention
+        weight its keys get, summed over those rows, heads and layers."""
+        layout = req.layout
+        n = req.num_prompt_tokens
+        rows = np.asarray(layout.in_context(layout.spans[0].start, n), dtype=np.int64)
+        watched = self._tensor(rows[-FOCUS_ROWS:].tolist())
+        owner = np.full(n + 1, len(layout.spans))  # each key's span; the last bucket: keys in context
+        for s, span in enumerate(layout.spans):
+            owner[span.start:span.end] = s
+        owner[:n][~layout.independent] = len(layout.spans)
+        owner = self._tensor(owner[:n].tolist())
+        score = torch.zeros(len(layout.spans) + 1, device=self.device)
+        hidden = self.model.embed_tokens(self._tensor([req.token_ids[t] for t in rows]))
+        for layer in range(len(self.model.layers)):
+            with self._reading(req, len(watched)):
+                weights = self._attention_weights(req, layer, hidden[-len(watched):], watched, n)
+            score.index_add_(0, owner, weights.float())
+            with self._reading(req, len(rows)):
+                hidden = self._probe_layer(req, layer, rows, rows[:0], hidden, n)
+        top = score[:-1].topk(min(count, len(layout.spans))).indices.cpu().numpy()
+        chosen = np.isin(owner.cpu().numpy(), top) & layout.independent
+        return np.flatnonzero(chosen).tolist()
+
+    def _reading(self, req, num_rows: int):
+        """The COMB plug-in's reader deltas on every row of a probe call (its rows all follow the
+        request's first span), where the request's policy has them."""
+        if self.encoder_reads and req.layout.link.encodes_spans:
+            return self._encoding([], list(range(num_rows)))
+        return nullcontext()
+
+    def _attention_weights(self, req, layer: int, x: torch.Tensor, positions: torch.Tensor,
+                           ctx_len: int) -> torch.Tensor:
+        """Summed over heads and queries: the attention weight that layer `layer`'s queries from
+        hidden states x (at `positions`) give each of the request's first ctx_len keys, as the
+        layer's attention computes it (span keys moved to their real positions, causal)."""
+        block = self.model.layers[layer]
+        attn = block.self_attn
+        q = attn.qkv_proj(block.input_layernorm(x))[:, :attn.split[0]].view(-1, attn.num_heads, attn.head_dim)
+        if attn.q_norm is not None:
+            q = attn.q_norm(q)
+        q, _ = attn.rope(positions, q, q)
+        bs, own = self.block_size, [b.block_id for b in req.block_table]
+        slots = self._tensor([own[t // bs] * bs + t % bs for t in range(ctx_len)])
+        keys = self.kv_cache[layer, 0].flatten(0, 1)[slots]
+        deltas = req.layout.key_deltas()
+        if deltas is not None and deltas.any():
+            keys = self._key_rotation(deltas).apply(keys)
+        keys = keys.float().repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * attn.scale
+        causal = torch.arange(ctx_len, device=self.device)[None, :] <= positions[:, None]
+        return scores.masked_fill(~causal, float("-inf")).softmax(-1).sum((0, 1))
 
     def _probe_layer(self, req, layer: int, rows: np.ndarray, fresh: np.ndarray, hidden: torch.Tensor,
                      ctx_len: int) -> torch.Tensor:

@@ -15,6 +15,10 @@ policies, per request:
 - ape: nothing recomputed; in-context queries read span keys at a lower attention temperature
   and scale the spans' share of the softmax (APE, arXiv 2502.05431; the span anchor is its
   shared prefix). See span_weighting.
+With none or comb, `focus_spans` k > 0 adds a query-aware relink: a probe runs the text after
+the first span (the question) over the cached spans and recomputes in context the k spans its
+last tokens attend to most (engine/runner.py focus_select). Recomputing a random span brings
+nothing back; recomputing the one holding the answer brings back most of what reuse lost.
 Recomputed tokens land in blocks private to the request; the shared span blocks are never
 written.
 """
@@ -33,6 +37,7 @@ BLEND_LAYERS = 3
 # ape: the defaults of the authors' code (demo_ape.py), kept over 90% of sequential accuracy there.
 APE_TEMPERATURE = 0.9
 APE_SCALE = 0.9
+FOCUSABLE = ("none", "comb")  # policies that reuse span KV unchanged, which a focus probe reads as is
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class LinkPolicy:
     blend_layers: int = BLEND_LAYERS  # blend: check layers of the probe (at most the model's layers - 1)
     ape_temperature: float = APE_TEMPERATURE  # ape: T in (0, 1]
     ape_scale: float = APE_SCALE  # ape: S in (0, 1]
+    focus_spans: int = 0  # none, comb: spans the question's attention picks for recompute in context
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -54,6 +60,11 @@ class LinkPolicy:
             raise InvalidRequestError(f"blend_ratio must be in [0, 1], got {self.blend_ratio!r}")
         if not isinstance(self.blend_layers, int) or self.blend_layers < 1:
             raise InvalidRequestError(f"blend_layers must be an integer >= 1, got {self.blend_layers!r}")
+        if isinstance(self.focus_spans, bool) or not isinstance(self.focus_spans, int) or self.focus_spans < 0:
+            raise InvalidRequestError(f"focus_spans must be an integer >= 0, got {self.focus_spans!r}")
+        if self.focus_spans and self.name not in FOCUSABLE:
+            raise InvalidRequestError(f"focus_spans applies to link policies {' and '.join(FOCUSABLE)}, "
+                                      f"not {self.name!r}")
         for field, value in (("ape_temperature", self.ape_temperature), ("ape_scale", self.ape_scale)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise InvalidRequestError(f"{field} must be in (0, 1], got {value!r}")
@@ -70,14 +81,15 @@ class LinkPolicy:
     @property
     def selects(self) -> bool:
         """True if the linked tokens are chosen by a probe of the request's own KV."""
-        return self.name == "blend" and self.blend_ratio > 0
+        return (self.name == "blend" and self.blend_ratio > 0) or self.focus_spans > 0
 
     @property
     def signature(self) -> tuple:
         """What decides the linked tokens, given the same context (part of cache keys)."""
+        focus = ("focus", self.focus_spans) if self.focus_spans else ()
         return {"none": ("none",), "gap": ("gap", self.gap_length),
                 "blend": ("blend", self.blend_ratio, self.blend_layers), "full": ("full",),
-                "comb": ("comb", self.plugin), "ape": ("ape", self.ape_temperature, self.ape_scale)}[self.name]
+                "comb": ("comb", self.plugin), "ape": ("ape", self.ape_temperature, self.ape_scale)}[self.name] + focus
 
     @property
     def span_key(self) -> tuple:

@@ -1,0 +1,124 @@
+"""focus_spans: a probe of the question over the cached spans picks the spans it reads most, and
+those are recomputed in context (pic/link.py, engine/runner.py focus_select).
+
+The reference is written apart from the engine: a dense forward of the prompt with every span
+cached (spanserve/comb/dense.py) whose attention weights are summed by hand, then the dense
+forward with the picked span moved into context."""
+
+import pytest
+import torch
+from helpers import assert_engine_idle, greedy
+from test_comb import DOCS, make_llm, prompt, random_plugin, run
+
+from spanserve import InvalidRequestError, SamplingParams
+from spanserve.comb import dense
+
+WATCHED = 16  # the probe's question rows (engine/runner.py FOCUS_ROWS)
+
+
+@pytest.fixture(scope="module")
+def plugin_file(tiny_llama_path, tmp_path_factory):
+    """A random plug-in with reader deltas: the probe must read through them too."""
+    path = tmp_path_factory.mktemp("focus") / "plugin.safetensors"
+    random_plugin(make_llm(tiny_llama_path), seed=3).save(path)
+    return path
+
+
+def span_attention(engine, plugin, p: dict) -> torch.Tensor:
+    """Per span: the attention weight the last WATCHED context tokens give its keys, summed over
+    layers and heads, with every span read from its cached (span-local) KV."""
+    model = engine.runner.model
+    layout = dense.DenseLayout.for_engine(engine, p["prompt_token_ids"], p["spans"])
+    n = len(layout.token_ids)
+    independent = torch.zeros(n, dtype=torch.bool)
+    owner = torch.full((n,), len(layout.spans))
+    for s, (start, end, _) in enumerate(layout.spans):
+        independent[start:end], owner[start:end] = True, s
+    context, span_idx = (~independent).nonzero()[:, 0], independent.nonzero()[:, 0]
+    encoded = dense.encode_spans(model, plugin, layout)
+    x = model.embed_tokens(torch.tensor(layout.token_ids)[context])
+    causal = torch.arange(n)[None, :] <= context[:, None]
+    readers = (context >= layout.spans[0][0]).nonzero()[:, 0]
+    score = torch.zeros(len(layout.spans) + 1)
+    with plugin.active(None, readers) if plugin else torch.no_grad():
+        for layer, (span_k, span_v) in zip(model.layers, encoded):
+            q, k, _, v = dense._project(layer, x, context)
+            keys, values = k.new_empty(n, *k.shape[1:]), v.new_empty(n, *v.shape[1:])
+            keys[context], values[context] = k, v
+            _, keys[span_idx] = layer.self_attn.rope(span_idx, span_k[:, :1], span_k)
+            values[span_idx] = span_v
+            group = q.shape[1] // keys.shape[1]
+            scores = torch.einsum("qhd,khd->hqk", q[-WATCHED:], keys.repeat_interleave(group, 1))
+            weights = (scores * layer.self_attn.scale).masked_fill(~causal[-WATCHED:], float("-inf")).softmax(-1)
+            score.index_add_(0, owner, weights.sum((0, 1)))
+            x = dense._finish_layer(layer, x, dense._attend(layer, q[None], keys[None], values[None], causal[None])[0])
+    return score[:-1]
+
+
+def reference(engine, plugin, p: dict, in_context: set[int], generated: list[int]) -> torch.Tensor:
+    """Dense logprobs of `generated` with the spans in `in_context` computed in context."""
+    spans = [s for i, s in enumerate(p["spans"]) if i not in in_context]
+    ids = p["prompt_token_ids"] + generated
+    layout = dense.DenseLayout.for_engine(engine, ids, spans)
+    first = len(p["prompt_token_ids"]) - 1
+    logits = dense.forward(engine.runner.model, plugin, layout, list(range(first, len(ids) - 1)))
+    return logits.log_softmax(-1)[torch.arange(len(generated)), generated]
+
+
+def logprobs(out, tokens) -> torch.Tensor:
+    return torch.tensor([lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)])
+
+
+@pytest.mark.parametrize("policy", ["none", "comb"])
+def test_focus_recomputes_in_context_the_span_the_question_reads_most(tiny_llama_path, plugin_file, policy):
+    llm = make_llm(tiny_llama_path, comb_plugin=str(plugin_file))
+    plugin = llm.engine.comb if policy == "comb" else None
+    p = prompt([2, 0, 1])
+    with torch.no_grad():
+        picked = int(span_attention(llm.engine, plugin, p).argmax())
+        out, tokens = run(llm, p, link_policy=policy, focus_spans=1)
+        ours = logprobs(out, tokens)
+        torch.testing.assert_close(ours, reference(llm.engine, plugin, p, {picked}, tokens), atol=1e-4, rtol=0)
+        for other in set(range(3)) - {picked}:  # another pick would give other logprobs
+            assert (ours - reference(llm.engine, plugin, p, {other}, tokens)).abs().max() > 1e-3
+    assert_engine_idle(llm)
+
+
+def test_focus_leaves_the_shared_span_blocks_as_cached(tiny_llama_path, plugin_file):
+    """The probe's scratch KV and the recomputed span go to the request's own blocks: a request
+    without focus reads the same span blocks afterwards as a fresh engine computes them."""
+    llm = make_llm(tiny_llama_path, comb_plugin=str(plugin_file), link_policy="comb")
+    p = prompt([0, 1, 2])
+    run(llm, p, focus_spans=2)
+    after, tokens = run(llm, {**p, "prompt_token_ids": p["prompt_token_ids"][:-1] + [7]})
+    full_blocks = sum(len(DOCS[i]) // 16 * 16 for i in range(3))
+    assert after.num_cached_tokens >= full_blocks
+    fresh, fresh_tokens = run(make_llm(tiny_llama_path, comb_plugin=str(plugin_file), link_policy="comb"),
+                              {**p, "prompt_token_ids": p["prompt_token_ids"][:-1] + [7]})
+    assert tokens == fresh_tokens
+    torch.testing.assert_close(logprobs(after, tokens), logprobs(fresh, tokens), atol=1e-5, rtol=0)
+
+
+def test_focus_on_every_span_is_the_full_context(tiny_llama_path):
+    llm = make_llm(tiny_llama_path)
+    p = prompt([1, 2, 0])
+    out, tokens = run(llm, p, link_policy="none", focus_spans=3)
+    plain, plain_tokens = run(llm, {"prompt_token_ids": p["prompt_token_ids"]})
+    assert tokens == plain_tokens
+    torch.testing.assert_close(logprobs(out, tokens), logprobs(plain, tokens), atol=1e-4, rtol=0)
+
+
+def test_an_engine_default_focus_applies_to_none_and_comb_only(tiny_llama_path):
+    llm = make_llm(tiny_llama_path, focus_spans=1)
+    assert llm.engine.link_policy(SamplingParams()).focus_spans == 1
+    assert llm.engine.link_policy(SamplingParams(link_policy="gap")).focus_spans == 0
+    assert llm.engine.link_policy(SamplingParams(focus_spans=0)).focus_spans == 0
+    assert llm.generate(prompt([0, 1]), greedy(2, link_policy="gap"))[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("fields", [{"focus_spans": -1}, {"focus_spans": True}, {"focus_spans": 1.5},
+                                    {"link_policy": "gap", "focus_spans": 1},
+                                    {"link_policy": "blend", "focus_spans": 2}])
+def test_bad_focus_settings_are_invalid_requests(fields):
+    with pytest.raises(InvalidRequestError, match="focus_spans"):
+        SamplingParams(**fields)
