@@ -249,9 +249,15 @@ class VLLMClient:
 
 
 def parse_policy(policy: str) -> dict:
-    """SamplingParams fields of a policy name: none, full, gapK (K tokens) or blend / blendR (a fraction)."""
+    """SamplingParams fields of a policy name: none, full, gapK (K tokens) or blend / blendR (a fraction),
+    or any other policy; a suffix +focusK (none, comb) recomputes the K spans the question reads most."""
     from spanserve.errors import InvalidRequestError
 
+    if "+focus" in policy:
+        policy, _, k = policy.partition("+focus")
+        if not k.isdigit():
+            raise InvalidRequestError(f"bad focus suffix in {policy!r}+focus{k}: use +focusK, K an integer")
+        return {**parse_policy(policy), "focus_spans": int(k)}
     try:
         if policy.startswith("gap"):
             return {"link_policy": "gap", "gap_length": int(policy[3:] or 32)}
