@@ -120,9 +120,11 @@ def encode_spans(model: LlamaModel, plugin: CombPlugin | None, layout: DenseLayo
 
 @_on_model_device
 def forward(model: LlamaModel, plugin: CombPlugin | None, layout: DenseLayout,
-            logit_positions: list[int], encoded=None) -> torch.Tensor:
+            logit_positions: list[int], encoded=None, readers_from: int | None = None) -> torch.Tensor:
     """Logits [len(logit_positions), vocab] of context tokens at those positions. `encoded`: the
-    spans' encode_spans output when already computed (prompts that share their spans)."""
+    spans' encode_spans output when already computed (prompts that share their spans).
+    `readers_from`: where reader deltas start (default: the first span; the engine's request may
+    have linked a span before it back into context, as a focus probe does)."""
     n = len(layout.token_ids)
     independent = torch.zeros(n, dtype=torch.bool)
     for start, end, _ in layout.spans:
@@ -133,7 +135,9 @@ def forward(model: LlamaModel, plugin: CombPlugin | None, layout: DenseLayout,
     ids = torch.tensor(layout.token_ids)
     x = model.embed_tokens(ids[context])
     mask = (torch.arange(n)[None, :] <= context[:, None])[None]
-    readers = (context >= layout.spans[0][0]).nonzero()[:, 0] if layout.spans else None  # reader deltas' rows
+    if readers_from is None and layout.spans:
+        readers_from = layout.spans[0][0]
+    readers = (context >= readers_from).nonzero()[:, 0] if readers_from is not None else None  # reader deltas' rows
     with plugin.active(None, readers) if plugin else contextlib.nullcontext():
         x = _read(model, layout, x, context, span_idx, mask, encoded)
     where = {int(p): i for i, p in enumerate(context.tolist())}

@@ -273,11 +273,12 @@ class ModelRunner:
         score = torch.zeros(len(layout.spans) + 1, device=self.device)
         hidden = self.model.embed_tokens(self._tensor([req.token_ids[t] for t in rows]))
         for layer in range(len(self.model.layers)):
-            with self._reading(req, len(watched)):
-                weights = self._attention_weights(req, layer, hidden[-len(watched):], watched, n)
-            score.index_add_(0, owner, weights.float())
-            with self._reading(req, len(rows)):
+            queries = hidden[-len(watched):]
+            with self._reading(req, len(rows)):  # (this layer's keys land in the request's blocks)
                 hidden = self._probe_layer(req, layer, rows, rows[:0], hidden, n)
+            with self._reading(req, len(watched)):
+                weights = self._attention_weights(req, layer, queries, watched, n)
+            score.index_add_(0, owner, weights.float())
         top = score[:-1].topk(min(count, len(layout.spans))).indices.cpu().numpy()
         chosen = np.isin(owner.cpu().numpy(), top) & layout.independent
         return np.flatnonzero(chosen).tolist()
