@@ -272,12 +272,16 @@ class ModelRunner:
         owner = self._tensor(owner[:n].tolist())
         score = torch.zeros(len(layout.spans) + 1, device=self.device)
         hidden = self.model.embed_tokens(self._tensor([req.token_ids[t] for t in rows]))
+        bs, own = self.block_size, [b.block_id for b in req.block_table]
+        slots = self._tensor([own[t // bs] * bs + t % bs for t in range(n)])  # the same in every layer
+        deltas = layout.key_deltas()
+        rotation = self._key_rotation(deltas) if deltas is not None and deltas.any() else None
         for layer in range(len(self.model.layers)):
             queries = hidden[-len(watched):]
             with self._reading(req, len(rows)):  # (this layer's keys land in the request's blocks)
                 hidden = self._probe_layer(req, layer, rows, rows[:0], hidden, n)
             with self._reading(req, len(watched)):
-                weights = self._attention_weights(req, layer, queries, watched, n)
+                weights = self._attention_weights(layer, queries, watched, slots, rotation)
             score.index_add_(0, owner, weights.float())
         top = score[:-1].topk(min(count, len(layout.spans))).indices.cpu().numpy()
         chosen = np.isin(owner.cpu().numpy(), top) & layout.independent
@@ -290,26 +294,23 @@ class ModelRunner:
             return self._encoding([], list(range(num_rows)))
         return nullcontext()
 
-    def _attention_weights(self, req, layer: int, x: torch.Tensor, positions: torch.Tensor,
-                           ctx_len: int) -> torch.Tensor:
+    def _attention_weights(self, layer: int, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                           rotation: KeyRotation | None) -> torch.Tensor:
         """Summed over heads and queries: the attention weight that layer `layer`'s queries from
-        hidden states x (at `positions`) give each of the request's first ctx_len keys, as the
-        layer's attention computes it (span keys moved to their real positions, causal)."""
+        hidden states x (at `positions`) give the keys at cache `slots`, as the layer's attention
+        computes it (span keys moved to their real positions by `rotation`, causal)."""
         block = self.model.layers[layer]
         attn = block.self_attn
         q = attn.qkv_proj(block.input_layernorm(x))[:, :attn.split[0]].view(-1, attn.num_heads, attn.head_dim)
         if attn.q_norm is not None:
             q = attn.q_norm(q)
         q, _ = attn.rope(positions, q, q)
-        bs, own = self.block_size, [b.block_id for b in req.block_table]
-        slots = self._tensor([own[t // bs] * bs + t % bs for t in range(ctx_len)])
         keys = self.kv_cache[layer, 0].flatten(0, 1)[slots]
-        deltas = req.layout.key_deltas()
-        if deltas is not None and deltas.any():
-            keys = self._key_rotation(deltas).apply(keys)
+        if rotation is not None:
+            keys = rotation.apply(keys)
         keys = keys.float().repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * attn.scale
-        causal = torch.arange(ctx_len, device=self.device)[None, :] <= positions[:, None]
+        causal = torch.arange(len(slots), device=self.device)[None, :] <= positions[:, None]
         return scores.masked_fill(~causal, float("-inf")).softmax(-1).sum((0, 1))
 
     def _probe_layer(self, req, layer: int, rows: np.ndarray, fresh: np.ndarray, hidden: torch.Tensor,
