@@ -9,6 +9,8 @@ the fly and use the GEMM. Activations, the KV cache, norms and the embedding sta
 dtype.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,7 +21,7 @@ QUANTIZATIONS = ("int8", "int4")
 PACKED_MAX_ROWS = 8  # measured here: the packed int8 kernel wins up to 4-8 rows, the bf16 GEMM beyond
 INT4_PACKED_MAX_ROWS = 32  # the int4 kernel's time grows with every row; beyond, dequantizing for the GEMM wins
 INT4_GROUP = 32  # input channels sharing one scale and offset
-INT4_LANES = 64  # output channels the packed int4 layout interleaves (a weight's rows are padded to it)
+INT4_LANES = 64  # a weight's rows are padded to this, a multiple of every packed layout's block
 
 
 class Int8Linear(nn.Module):
@@ -85,20 +87,32 @@ class Int4Linear(nn.Module):
 
     def _transposed_weight(self) -> torch.Tensor:
         """The dequantized weight [in_features, padded rows], read from the kernel's packed layout:
-        per block of 64 output rows, a byte for each pair of input columns and each of 32 lanes,
-        whose low nibble is row `lane` of the block and high nibble row `32 + lane`. In that order
-        the nibbles already run along the input columns, so one pass dequantizes a block."""
-        rows, cols = self.packed.shape[0], self.in_features
-        blocks, groups = rows // INT4_LANES, cols // INT4_GROUP
-        x = self.packed.view(blocks, cols // 2, 2, INT4_LANES // 2)
-        q = torch.stack([x & 15, x >> 4], -2).view(blocks, groups, INT4_GROUP, INT4_LANES)
+        per block of `lanes` output rows, for each input column `lanes / 2` bytes, whose low nibble
+        is row `j` of the block and high nibble row `lanes / 2 + j`. In that order the nibbles
+        already run along the input columns, so one pass dequantizes a block."""
+        rows, cols, lanes = self.packed.shape[0], self.in_features, packed_block_rows()
+        blocks, groups = rows // lanes, cols // INT4_GROUP
+        x = self.packed.view(blocks, cols, 1, lanes // 2)
+        q = torch.cat([x & 15, x >> 4], -2).view(blocks, groups, INT4_GROUP, lanes)
         step, offset = self.grid.float().unbind(-1)  # [groups, rows]
 
         def per_block(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(groups, blocks, 1, INT4_LANES).transpose(0, 1).contiguous().to(self.grid.dtype)
+            return t.reshape(groups, blocks, 1, lanes).transpose(0, 1).contiguous().to(self.grid.dtype)
 
         weight = torch.addcmul(per_block(offset - 8 * step), q.to(self.grid.dtype), per_block(step))
-        return weight.view(blocks, cols, INT4_LANES).transpose(0, 1).reshape(cols, rows)
+        return weight.view(blocks, cols, lanes).transpose(0, 1).reshape(cols, rows)
+
+
+@functools.cache
+def packed_block_rows() -> int:
+    """How many output rows one block of torch's packed int4 layout interleaves: it follows the
+    CPU's vector width (64 with AVX-512, 32 with AVX2), so it is read off a probe, not assumed.
+    The probe packs q = (row // 8) % 8: byte 0's high nibble is then the block's middle row / 8."""
+    q = (torch.arange(INT4_LANES) // 8 % 8)[:, None].expand(INT4_LANES, INT4_GROUP).to(torch.int32).contiguous()
+    middle_row = 8 * int(torch._convert_weight_to_int4pack_for_cpu(q, 1).flatten()[0] >> 4)
+    if middle_row not in (8, 16, 32):
+        raise RuntimeError(f"unrecognized packed int4 layout in this torch build (middle row {middle_row})")
+    return 2 * middle_row
 
 
 def check(method: str, device: torch.device, dtype: torch.dtype) -> None:
