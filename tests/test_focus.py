@@ -13,7 +13,7 @@ from test_comb import HEAD, QUESTION, make_llm, random_plugin, run
 from spanserve import InvalidRequestError, SamplingParams
 from spanserve.comb import dense
 
-WATCHED = 16  # the probe's question rows (engine/runner.py FOCUS_ROWS)
+WATCHED = 8  # the probe's question rows (engine/runner.py FOCUS_ROWS)
 # Documents of one length: a span's score must not follow from its length.
 DOCS = [random_prompt(32, seed=70 + i) for i in range(3)]
 
@@ -35,8 +35,9 @@ def plugin_file(tiny_llama_path, tmp_path_factory):
 
 
 def span_attention(engine, plugin, p: dict) -> torch.Tensor:
-    """Per span: the attention weight the last WATCHED context tokens give its keys, summed over
-    layers and heads, with every span read from its cached (span-local) KV."""
+    """[layers, watched, spans]: the attention weight the last WATCHED context tokens after the
+    first span (the question) give each span's keys in each layer, summed over heads, with every
+    span read from its cached (span-local) KV."""
     model = engine.runner.model
     layout = dense.DenseLayout.for_engine(engine, p["prompt_token_ids"], p["spans"])
     n = len(layout.token_ids)
@@ -49,20 +50,26 @@ def span_attention(engine, plugin, p: dict) -> torch.Tensor:
     x = model.embed_tokens(torch.tensor(layout.token_ids)[context])
     causal = torch.arange(n)[None, :] <= context[:, None]
     readers = (context >= layout.spans[0][0]).nonzero()[:, 0]
-    score = torch.zeros(len(layout.spans) + 1)
+    watched = readers[-WATCHED:]
+    out = torch.zeros(len(model.layers), len(watched), len(layout.spans) + 1)
     with plugin.active(None, readers) if plugin else torch.no_grad():
-        for layer, (span_k, span_v) in zip(model.layers, encoded):
+        for i, (layer, (span_k, span_v)) in enumerate(zip(model.layers, encoded)):
             q, k, _, v = dense._project(layer, x, context)
             keys, values = k.new_empty(n, *k.shape[1:]), v.new_empty(n, *v.shape[1:])
             keys[context], values[context] = k, v
             _, keys[span_idx] = layer.self_attn.rope(span_idx, span_k[:, :1], span_k)
             values[span_idx] = span_v
             group = q.shape[1] // keys.shape[1]
-            scores = torch.einsum("qhd,khd->hqk", q[-WATCHED:], keys.repeat_interleave(group, 1))
-            weights = (scores * layer.self_attn.scale).masked_fill(~causal[-WATCHED:], float("-inf")).softmax(-1)
-            score.index_add_(0, owner, weights.sum((0, 1)))
+            scores = torch.einsum("qhd,khd->hqk", q[watched], keys.repeat_interleave(group, 1))
+            weights = (scores * layer.self_attn.scale).masked_fill(~causal[watched], float("-inf")).softmax(-1)
+            out[i].index_add_(1, owner, weights.sum(0))
             x = dense._finish_layer(layer, x, dense._attend(layer, q[None], keys[None], values[None], causal[None])[0])
-    return score[:-1]
+    return out[..., :-1]
+
+
+def voting(weights: torch.Tensor) -> torch.Tensor:
+    """The layers whose attention picks the spans: from the first third on (engine/runner.py)."""
+    return weights[len(weights) // 3:]
 
 
 def reference(engine, plugin, p: dict, in_context: set[int], generated: list[int]) -> torch.Tensor:
@@ -93,12 +100,15 @@ def test_focus_recomputes_in_context_the_span_the_question_reads_most(tiny_llama
     whatever the question), over several orders: the pick is the span the reference scores highest."""
     llm = make_llm(tiny_llama4_path, comb_plugin=str(peaked_plugin))
     plugin = llm.engine.comb if policy == "comb" else None
-    picks = []
+    picks, probed, probe = [], [], llm.engine.runner.focus_weights
+    llm.engine.runner.focus_weights = lambda req: probed.append(probe(req)) or probed[-1]
     for order in ([2, 0, 1], [0, 1, 2], [1, 2, 0], [0, 2, 1]):
         p = prompt(order)
         with torch.no_grad():
-            picked = int(span_attention(llm.engine, plugin, p).argmax())
+            expected = voting(span_attention(llm.engine, plugin, p))
+            picked = int(expected.sum((0, 1)).argmax())
             out, tokens = run(llm, p, link_policy=policy, focus_spans=1)
+            torch.testing.assert_close(probed.pop(), expected, atol=1e-4, rtol=1e-4)  # per layer and row
             ours = logprobs(out, tokens)
             torch.testing.assert_close(ours, reference(llm.engine, plugin, p, {picked}, tokens), atol=1e-4, rtol=0)
             for other in set(range(3)) - {picked}:  # another pick would give other logprobs

@@ -17,7 +17,7 @@ from spanserve.sparse.decode import SparseStep
 from spanserve.sparse.fields import FieldStore
 from spanserve.threads import step_threads, use_pool_for_matmuls
 
-FOCUS_ROWS = 16  # focus_select: the question's last tokens whose attention scores the spans
+FOCUS_ROWS = 8  # focus_select: the question's last tokens whose attention scores the spans
 
 
 class ModelRunner:
@@ -254,38 +254,56 @@ class ModelRunner:
     @torch.inference_mode()
     def focus_select(self, req, count: int) -> list[int]:
         """Query-aware relinking (link policies none and comb with focus_spans, pic/link.py): the
-        span tokens of the `count` spans the request's question reads most, to recompute in context.
+        span tokens of the `count` spans the request's question reads most (focus_weights summed
+        over layers and watched rows), to recompute in context.
+
+        Only layers from the first third on vote. Measured on Qwen2.5-0.5B (16 documents, one
+        holds the answer): the earlier layers read by position, not content (each picks the last
+        span for any question), and their sum drowned the later ones: the document with the
+        answer came first 33% of the time with every layer voting, 88% with the last two thirds."""
+        layout = req.layout
+        score = self.focus_weights(req).sum((0, 1))
+        top = score.topk(min(count, len(layout.spans))).indices.cpu().numpy()
+        owner = np.full(req.num_prompt_tokens, -1)
+        for s, span in enumerate(layout.spans):
+            owner[span.start:span.end] = s
+        return np.flatnonzero(np.isin(owner, top) & layout.independent[:len(owner)]).tolist()
+
+    @torch.inference_mode()
+    def focus_weights(self, req) -> torch.Tensor:
+        """The focus probe: [voting layers, watched rows, spans], the attention weight each span's
+        keys get in each layer from the first third on.
 
         Once its spans and the text before them are computed, the request's in-context tokens
         after its first span (text between spans, the question) run through every layer as a
         probe over the cached span KV (their own KV is scratch, recomputed after the relink). At
-        each layer the last FOCUS_ROWS of them weigh every key; a span's score is the attention
-        weight its keys get, summed over those rows, heads and layers."""
+        each layer the last FOCUS_ROWS of them weigh every key, summed over heads."""
         layout = req.layout
         n = req.num_prompt_tokens
         rows = np.asarray(layout.in_context(layout.spans[0].start, n), dtype=np.int64)
         watched = self._tensor(rows[-FOCUS_ROWS:].tolist())
-        owner = np.full(n + 1, len(layout.spans))  # each key's span; the last bucket: keys in context
+        owner = np.full(n, len(layout.spans))  # each key's span; the last bucket: keys in context
         for s, span in enumerate(layout.spans):
             owner[span.start:span.end] = s
-        owner[:n][~layout.independent] = len(layout.spans)
-        owner = self._tensor(owner[:n].tolist())
-        score = torch.zeros(len(layout.spans) + 1, device=self.device)
+        owner[~layout.independent[:n]] = len(layout.spans)
+        owner = self._tensor(owner.tolist())
+        num_layers = len(self.model.layers)
+        first_voter = num_layers // 3
+        weights = torch.zeros(num_layers - first_voter, len(watched), len(layout.spans) + 1, device=self.device)
         hidden = self.model.embed_tokens(self._tensor([req.token_ids[t] for t in rows]))
         bs, own = self.block_size, [b.block_id for b in req.block_table]
         slots = self._tensor([own[t // bs] * bs + t % bs for t in range(n)])  # the same in every layer
         deltas = layout.key_deltas()
         rotation = self._key_rotation(deltas) if deltas is not None and deltas.any() else None
-        for layer in range(len(self.model.layers)):
+        for layer in range(num_layers):
             queries = hidden[-len(watched):]
             with self._reading(req, len(rows)):  # (this layer's keys land in the request's blocks)
                 hidden = self._probe_layer(req, layer, rows, rows[:0], hidden, n)
-            with self._reading(req, len(watched)):
-                weights = self._attention_weights(layer, queries, watched, slots, rotation)
-            score.index_add_(0, owner, weights.float())
-        top = score[:-1].topk(min(count, len(layout.spans))).indices.cpu().numpy()
-        chosen = np.isin(owner.cpu().numpy(), top) & layout.independent
-        return np.flatnonzero(chosen).tolist()
+            if layer >= first_voter:
+                with self._reading(req, len(watched)):
+                    per_key = self._attention_weights(layer, queries, watched, slots, rotation)
+                weights[layer - first_voter].index_add_(1, owner, per_key.float())
+        return weights[..., :-1]
 
     def _reading(self, req, num_rows: int):
         """The COMB plug-in's reader deltas on every row of a probe call (its rows all follow the
@@ -296,7 +314,7 @@ class ModelRunner:
 
     def _attention_weights(self, layer: int, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                            rotation: KeyRotation | None) -> torch.Tensor:
-        """Summed over heads and queries: the attention weight that layer `layer`'s queries from
+        """Summed over heads, [queries, keys]: the attention weight that layer `layer`'s queries from
         hidden states x (at `positions`) give the keys at cache `slots`, as the layer's attention
         computes it (span keys moved to their real positions by `rotation`, causal)."""
         block = self.model.layers[layer]
@@ -311,7 +329,7 @@ class ModelRunner:
         keys = keys.float().repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * attn.scale
         causal = torch.arange(len(slots), device=self.device)[None, :] <= positions[:, None]
-        return scores.masked_fill(~causal, float("-inf")).softmax(-1).sum((0, 1))
+        return scores.masked_fill(~causal, float("-inf")).softmax(-1).sum(0)
 
     def _probe_layer(self, req, layer: int, rows: np.ndarray, fresh: np.ndarray, hidden: torch.Tensor,
                      ctx_len: int) -> torch.Tensor:
