@@ -263,11 +263,10 @@ class ModelRunner:
         answer came first 33% of the time with every layer voting, 88% with the last two thirds."""
         layout = req.layout
         score = self.focus_weights(req).sum((0, 1))
-        top = score.topk(min(count, len(layout.spans))).indices.cpu().numpy()
-        owner = np.full(req.num_prompt_tokens, -1)
-        for s, span in enumerate(layout.spans):
-            owner[span.start:span.end] = s
-        return np.flatnonzero(np.isin(owner, top) & layout.independent[:len(owner)]).tolist()
+        picked = np.zeros_like(layout.independent)
+        for s in score.topk(min(count, len(layout.spans))).indices.tolist():
+            picked[layout.spans[s].start:layout.spans[s].end] = True
+        return np.flatnonzero(picked & layout.independent).tolist()
 
     @torch.inference_mode()
     def focus_weights(self, req) -> torch.Tensor:
@@ -319,10 +318,7 @@ class ModelRunner:
         computes it (span keys moved to their real positions by `rotation`, causal)."""
         block = self.model.layers[layer]
         attn = block.self_attn
-        q = attn.qkv_proj(block.input_layernorm(x))[:, :attn.split[0]].view(-1, attn.num_heads, attn.head_dim)
-        if attn.q_norm is not None:
-            q = attn.q_norm(q)
-        q, _ = attn.rope(positions, q, q)
+        q = attn.queries(block.input_layernorm(x), positions)
         keys = self.kv_cache[layer, 0].flatten(0, 1)[slots]
         if rotation is not None:
             keys = rotation.apply(keys)

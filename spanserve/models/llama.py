@@ -51,6 +51,14 @@ class Attention(nn.Module):
         _, k = self.rope(positions, k, k)
         return k, v.view(-1, self.num_kv_heads, self.head_dim)
 
+    def queries(self, x, positions) -> torch.Tensor:
+        """This layer's Q (rotated) for hidden states x, without attending (a probe)."""
+        q = self.qkv_proj(x)[:, :self.split[0]].view(-1, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q, _ = self.rope(positions, q, q)
+        return q
+
     def forward(self, x, positions, meta: AttentionMetadata, rope_tables=None):
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
