@@ -250,14 +250,17 @@ class VLLMClient:
 
 def parse_policy(policy: str) -> dict:
     """SamplingParams fields of a policy name: none, full, gapK (K tokens) or blend / blendR (a fraction),
-    or any other policy; a suffix +focusK (none, comb) recomputes the K spans the question reads most."""
+    or any other policy; a suffix +focusK (none, comb) recomputes the K spans the question reads most, +focusKt the
+    blocks it reads most, K tokens at most."""
     from spanserve.errors import InvalidRequestError
 
     if "+focus" in policy:
         policy, _, k = policy.partition("+focus")
-        if not k.isdigit():
-            raise InvalidRequestError(f"bad focus suffix in {policy!r}+focus{k}: use +focusK, K an integer")
-        return {**parse_policy(policy), "focus_spans": int(k)}
+        tokens = k.endswith("t")
+        if not k.removesuffix("t").isdigit():
+            raise InvalidRequestError(f"bad focus suffix in {policy!r}+focus{k}: use +focusK (K spans) "
+                                      "or +focusKt (K tokens), K an integer")
+        return {**parse_policy(policy), "focus_tokens" if tokens else "focus_spans": int(k.removesuffix("t"))}
     try:
         if policy.startswith("gap"):
             return {"link_policy": "gap", "gap_length": int(policy[3:] or 32)}

@@ -47,6 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="scaling factor S, in (0, 1]: the spans' summed weight Z counts as Z^(S*T) (ape)")
     g.add_argument("--focus-spans", type=int, default=0,
                    help="none, comb: recompute in context the spans the question attends to most, this many")
+    g.add_argument("--focus-tokens", type=int, default=0,
+                   help="none, comb: or recompute the span blocks it attends to most, up to this many tokens")
     g.add_argument("--comb-plugin", default=None,
                    help="COMB encoder plug-in file (comb; default: the one shipped for the model)")
     g.add_argument("--attention-backend", default="auto", choices=BACKENDS,
@@ -68,6 +70,7 @@ def engine_config(args) -> EngineConfig:
         link_policy=args.link_policy, gap_length=args.gap_length,
         blend_ratio=args.blend_ratio, comb_plugin=args.comb_plugin, blend_layers=args.blend_layers,
         ape_temperature=args.ape_temperature, ape_scale=args.ape_scale, focus_spans=args.focus_spans,
+        focus_tokens=args.focus_tokens,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager, load_format=args.load_format,
         quantization=args.quantization,
     )

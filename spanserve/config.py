@@ -48,6 +48,7 @@ class EngineConfig:
     ape_temperature: float = APE_TEMPERATURE
     ape_scale: float = APE_SCALE
     focus_spans: int = 0  # none, comb: spans the question's attention picks to recompute (0: off)
+    focus_tokens: int = 0  # none, comb: or a budget of span tokens it picks, in blocks (0: off)
     span_anchor: bool = True  # compute spans after a fixed anchor block (pic/layout.py)
     # Decode over private copies of a request's moved span keys, rotated once when its prompt is
     # computed (while the pool stays at least 10% free), instead of rotating the shared keys at
@@ -69,7 +70,8 @@ class EngineConfig:
         name = "none" if self.link_policy == "auto" else self.link_policy  # the engine resolves auto
         LinkPolicy(name, self.gap_length, self.blend_ratio, blend_layers=self.blend_layers,
                    ape_temperature=self.ape_temperature, ape_scale=self.ape_scale,
-                   focus_spans=self.focus_spans if name in FOCUSABLE else 0)  # raises on bad values
+                   focus_spans=self.focus_spans if name in FOCUSABLE else 0,
+                   focus_tokens=self.focus_tokens if name in FOCUSABLE else 0)  # raises on bad values
         from spanserve.attention import BACKENDS
 
         if self.attention_backend not in BACKENDS:

@@ -34,6 +34,7 @@ class SamplingParams:
     ape_temperature: float | None = None
     ape_scale: float | None = None
     focus_spans: int | None = None  # none, comb: spans recomputed in context, picked by the question
+    focus_tokens: int | None = None  # none, comb: or a budget of span tokens it picks, in 16-token blocks
     # Sparse decode (spanserve/sparse/): a flow's name, and the tokens it may attend to per step.
     sparse: str | None = None
     sparse_budget: int = 2048
@@ -75,7 +76,8 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop),
              "stop must be a non-empty string or a list of non-empty strings"),
         ]
-        link_fields = ("gap_length", "blend_ratio", "blend_layers", "ape_temperature", "ape_scale", "focus_spans")
+        link_fields = ("gap_length", "blend_ratio", "blend_layers", "ape_temperature", "ape_scale", "focus_spans",
+                       "focus_tokens")
         given = {f: getattr(self, f) for f in link_fields if getattr(self, f) is not None}
         if self.link_policy is not None or given:
             from spanserve.pic.link import LinkPolicy

@@ -5,6 +5,7 @@ The reference is written apart from the engine: a dense forward of the prompt wi
 cached (spanserve/comb/dense.py) whose attention weights are summed by hand, then the dense
 forward with the picked span moved into context."""
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_engine_idle, greedy, random_prompt
@@ -12,17 +13,22 @@ from test_comb import HEAD, QUESTION, make_llm, random_plugin, run
 
 from spanserve import InvalidRequestError, SamplingParams
 from spanserve.comb import dense
+from spanserve.pic.focus import focus_blocks
 
 WATCHED = 8  # the probe's question rows (engine/runner.py FOCUS_ROWS)
 # Documents of one length: a span's score must not follow from its length.
 DOCS = [random_prompt(32, seed=70 + i) for i in range(3)]
 
 
-def prompt(order: list[int]) -> dict:
+# Documents of four blocks (HEAD is one block): room for a window of blocks inside one.
+LONG_DOCS = [random_prompt(64, seed=80 + i) for i in range(3)]
+
+
+def prompt(order: list[int], docs: list[list[int]] = DOCS) -> dict:
     ids, spans = list(HEAD), []
     for i in order:
-        spans.append([len(ids), len(ids) + len(DOCS[i])])
-        ids += DOCS[i]
+        spans.append([len(ids), len(ids) + len(docs[i])])
+        ids += docs[i]
     return {"prompt_token_ids": ids + QUESTION, "spans": spans}
 
 
@@ -34,24 +40,23 @@ def plugin_file(tiny_llama_path, tmp_path_factory):
     return path
 
 
-def span_attention(engine, plugin, p: dict) -> torch.Tensor:
-    """[layers, watched, spans]: the attention weight the last WATCHED context tokens after the
-    first span (the question) give each span's keys in each layer, summed over heads, with every
-    span read from its cached (span-local) KV."""
+def key_attention(engine, plugin, p: dict) -> torch.Tensor:
+    """[layers, watched, keys]: the attention weight the last WATCHED context tokens after the
+    first span (the question) give each key of the prompt in each layer, summed over heads, with
+    every span read from its cached (span-local) KV."""
     model = engine.runner.model
     layout = dense.DenseLayout.for_engine(engine, p["prompt_token_ids"], p["spans"])
     n = len(layout.token_ids)
     independent = torch.zeros(n, dtype=torch.bool)
-    owner = torch.full((n,), len(layout.spans))
-    for s, (start, end, _) in enumerate(layout.spans):
-        independent[start:end], owner[start:end] = True, s
+    for start, end, _ in layout.spans:
+        independent[start:end] = True
     context, span_idx = (~independent).nonzero()[:, 0], independent.nonzero()[:, 0]
     encoded = dense.encode_spans(model, plugin, layout)
     x = model.embed_tokens(torch.tensor(layout.token_ids)[context])
     causal = torch.arange(n)[None, :] <= context[:, None]
     readers = (context >= layout.spans[0][0]).nonzero()[:, 0]
     watched = readers[-WATCHED:]
-    out = torch.zeros(len(model.layers), len(watched), len(layout.spans) + 1)
+    out = torch.zeros(len(model.layers), len(watched), n)
     with plugin.active(None, readers) if plugin else torch.no_grad():
         for i, (layer, (span_k, span_v)) in enumerate(zip(model.layers, encoded)):
             q, k, _, v = dense._project(layer, x, context)
@@ -62,9 +67,14 @@ def span_attention(engine, plugin, p: dict) -> torch.Tensor:
             group = q.shape[1] // keys.shape[1]
             scores = torch.einsum("qhd,khd->hqk", q[watched], keys.repeat_interleave(group, 1))
             weights = (scores * layer.self_attn.scale).masked_fill(~causal[watched], float("-inf")).softmax(-1)
-            out[i].index_add_(1, owner, weights.sum(0))
+            out[i] = weights.sum(0)
             x = dense._finish_layer(layer, x, dense._attend(layer, q[None], keys[None], values[None], causal[None])[0])
-    return out[..., :-1]
+    return out
+
+
+def by_span(weights: torch.Tensor, spans: list) -> torch.Tensor:
+    """[..., spans]: per-key weights summed over each span's keys."""
+    return torch.stack([weights[..., start:end].sum(-1) for start, end in spans], -1)
 
 
 def voting(weights: torch.Tensor) -> torch.Tensor:
@@ -72,11 +82,14 @@ def voting(weights: torch.Tensor) -> torch.Tensor:
     return weights[len(weights) // 3:]
 
 
-def reference(engine, plugin, p: dict, in_context: set[int], generated: list[int]) -> torch.Tensor:
-    """Dense logprobs of `generated` with the spans in `in_context` computed in context."""
+def reference(engine, plugin, p: dict, in_context: set[int], generated: list[int],
+              linked: tuple[int, ...] = ()) -> torch.Tensor:
+    """Dense logprobs of `generated` with the spans in `in_context` and the span tokens `linked`
+    computed in context."""
     spans = [s for i, s in enumerate(p["spans"]) if i not in in_context]
     ids = p["prompt_token_ids"] + generated
     layout = dense.DenseLayout.for_engine(engine, ids, spans)
+    layout.linked = linked
     first = len(p["prompt_token_ids"]) - 1
     logits = dense.forward(engine.runner.model, plugin, layout, list(range(first, len(ids) - 1)),
                            readers_from=p["spans"][0][0])  # (the engine's request keeps its first span)
@@ -105,8 +118,8 @@ def test_focus_recomputes_in_context_the_span_the_question_reads_most(tiny_llama
     for order in ([2, 0, 1], [0, 1, 2], [1, 2, 0], [0, 2, 1]):
         p = prompt(order)
         with torch.no_grad():
-            expected = voting(span_attention(llm.engine, plugin, p))
-            picked = int(expected.sum((0, 1)).argmax())
+            expected = voting(key_attention(llm.engine, plugin, p))
+            picked = int(by_span(expected.sum((0, 1)), p["spans"]).argmax())
             out, tokens = run(llm, p, link_policy=policy, focus_spans=1)
             torch.testing.assert_close(probed.pop(), expected, atol=1e-4, rtol=1e-4)  # per layer and row
             ours = logprobs(out, tokens)
@@ -116,6 +129,48 @@ def test_focus_recomputes_in_context_the_span_the_question_reads_most(tiny_llama
         picks.append(order[picked])
     if policy == "none":  # (this random plug-in draws the probe to one document in any order)
         assert len(set(picks)) > 1, picks  # the pick follows the question's attention, not a position
+    assert_engine_idle(llm)
+
+
+def windows_around_the_peaks(per_key: torch.Tensor, spans: list, blocks: int) -> list[int]:
+    """The span tokens of the `blocks` blocks the budget takes (pic/focus.py): peak blocks by the
+    weight their keys get, each followed by the block after it and the one before, in its span."""
+    owner = {b: s for s, (start, end) in enumerate(spans) for b in range(start // 16, end // 16)}
+    score = {b: float(per_key[b * 16:(b + 1) * 16].sum()) for b in owner}
+    peaks, taken = sorted(score, key=score.get, reverse=True), []
+    for i, peak in enumerate(peaks):
+        if len(taken) == blocks:
+            break
+        assert score[peak] - score[peaks[i + 1]] > 1e-3 * score[peak]  # a clear order: no tie to break
+        around = [b for b in (peak, peak + 1, peak - 1) if owner.get(b) == owner[peak] and b not in taken]
+        taken += around[:blocks - len(taken)]
+    return [t for b in sorted(taken) for t in range(b * 16, (b + 1) * 16)]
+
+
+@pytest.mark.parametrize("budget", [48, 20])
+def test_focus_tokens_recompute_the_blocks_around_the_questions_peak(tiny_llama4_path, peaked_plugin, budget):
+    """focus_tokens: the blocks around the key block the question reads most, up to the budget
+    in whole blocks (20 tokens: two), are recomputed in context; the reference links exactly
+    those tokens in a dense forward."""
+    llm = make_llm(tiny_llama4_path, comb_plugin=str(peaked_plugin))
+    plugin = llm.engine.comb
+    runner = llm.engine.runner
+    chosen, select, probed, probe = [], runner.focus_select, [], runner.focus_weights
+    runner.focus_select = lambda req, link: chosen.append(select(req, link)) or chosen[-1]
+    runner.focus_weights = lambda req: probed.append(probe(req)) or probed[-1]
+    for order in ([2, 0, 1], [0, 2, 1]):
+        p = prompt(order, LONG_DOCS)
+        with torch.no_grad():
+            expected = voting(key_attention(llm.engine, plugin, p))
+            linked = windows_around_the_peaks(expected.sum((0, 1)), p["spans"], -(-budget // 16))
+            out, tokens = run(llm, p, link_policy="comb", focus_tokens=budget)
+            torch.testing.assert_close(probed.pop(), expected, atol=1e-4, rtol=1e-4)
+            assert chosen.pop() == linked
+            ours = logprobs(out, tokens)
+            torch.testing.assert_close(ours, reference(llm.engine, plugin, p, set(), tokens, tuple(linked)),
+                                       atol=1e-4, rtol=0)
+            shifted = tuple(t + 16 if t + 16 < p["spans"][-1][1] else t - 48 for t in linked)
+            assert (ours - reference(llm.engine, plugin, p, set(), tokens, shifted)).abs().max() > 1e-3
     assert_engine_idle(llm)
 
 
@@ -153,7 +208,21 @@ def test_an_engine_default_focus_applies_to_none_and_comb_only(tiny_llama_path):
 
 @pytest.mark.parametrize("fields", [{"focus_spans": -1}, {"focus_spans": True}, {"focus_spans": 1.5},
                                     {"link_policy": "gap", "focus_spans": 1},
-                                    {"link_policy": "blend", "focus_spans": 2}])
+                                    {"link_policy": "blend", "focus_spans": 2},
+                                    {"focus_tokens": -16}, {"focus_tokens": "64"},
+                                    {"link_policy": "ape", "focus_tokens": 48},
+                                    {"focus_spans": 1, "focus_tokens": 48}])
 def test_bad_focus_settings_are_invalid_requests(fields):
-    with pytest.raises(InvalidRequestError, match="focus_spans"):
+    with pytest.raises(InvalidRequestError, match="focus_"):
         SamplingParams(**fields)
+
+
+def test_focus_blocks_take_windows_around_the_peaks_inside_their_spans():
+    # blocks: 0 outside every span, 1-3 span 0, 4-5 span 1, 6 outside
+    spans = np.array([-1, 0, 0, 0, 1, 1, -1])
+    scores = np.array([9.0, 1.0, 2.0, 0.5, 5.0, 3.0, 8.0])
+    assert focus_blocks(scores, spans, 3) == [4, 5, 2]  # peak 4: next 5, previous 3 is another span's
+    assert focus_blocks(scores, spans, 2) == [4, 5]
+    assert focus_blocks(scores, spans, 5) == [4, 5, 2, 3, 1]  # then peak 2 (5 is taken): 3 after it, 1 before
+    assert focus_blocks(scores, spans, 9) == [4, 5, 2, 3, 1]  # every span block, never one outside
+    assert focus_blocks(np.zeros(7), spans, 3) == []  # keys nobody reads: nothing to recompute

@@ -27,6 +27,7 @@ class DenseLayout:
     token_ids: list[int]
     spans: list[tuple[int, int, int]]  # (start, end, offset): tokens [start, end) at offset + i in their sequence
     anchor_ids: list[int]  # what a span with offset > 0 is computed after
+    linked: tuple[int, ...] = ()  # span tokens recomputed in context (a link policy's picks)
 
     @classmethod
     def for_engine(cls, engine, token_ids: list[int], spans) -> "DenseLayout":
@@ -129,8 +130,9 @@ def forward(model: LlamaModel, plugin: CombPlugin | None, layout: DenseLayout,
     independent = torch.zeros(n, dtype=torch.bool)
     for start, end, _ in layout.spans:
         independent[start:end] = True
+    span_idx = independent.nonzero()[:, 0]  # every span token is encoded; the linked ones are read fresh
+    independent[list(layout.linked)] = False
     context = (~independent).nonzero()[:, 0]
-    span_idx = independent.nonzero()[:, 0]
     encoded = encode_spans(model, plugin, layout) if encoded is None else encoded
     ids = torch.tensor(layout.token_ids)
     x = model.embed_tokens(ids[context])
@@ -152,9 +154,9 @@ def _read(model: LlamaModel, layout: DenseLayout, x, context, span_idx, mask, en
         q, k, _, v = _project(layer, x, context)
         keys = k.new_empty(n, *k.shape[1:])
         values = v.new_empty(n, *v.shape[1:])
-        keys[context], values[context] = k, v
         if span_k is not None:
             _, moved = layer.self_attn.rope(span_idx, span_k[:, :1], span_k)  # to real positions
             keys[span_idx], values[span_idx] = moved, span_v
+        keys[context], values[context] = k, v  # (over the linked span tokens' encoded KV)
         x = _finish_layer(layer, x, _attend(layer, q[None], keys[None], values[None], mask)[0])
     return x

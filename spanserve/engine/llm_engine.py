@@ -242,10 +242,12 @@ class LLMEngine:
         rest = {f: getattr(params, f) if getattr(params, f) is not None else getattr(self.config, f)
                 for f in ("blend_layers", "ape_temperature", "ape_scale")}
         # the engine's default focus goes to the policies it applies to; a request's own, to any (checked)
-        focus = params.focus_spans if params.focus_spans is not None else (
-            self.config.focus_spans if name in FOCUSABLE else 0)
+        focus = {f: getattr(params, f) if getattr(params, f) is not None else (
+            getattr(self.config, f) if name in FOCUSABLE else 0) for f in ("focus_spans", "focus_tokens")}
+        if params.focus_spans is not None or params.focus_tokens is not None:  # a request's own sizes the pick
+            focus = {f: getattr(params, f) or 0 for f in focus}
         return LinkPolicy(name, gap, ratio, plugin=self.comb.signature if name == "comb" else "",
-                          focus_spans=focus, **rest)
+                          **focus, **rest)
 
     def make_group(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None, *,
                    priority: Priority = Priority.STATELESS, held: HeldContext | None = None,
@@ -382,7 +384,7 @@ class LLMEngine:
             self.runner.settle_keys(layout, [b.block_id for b in req.block_table], copies)
 
     def _select_links(self) -> None:
-        """CacheBlend (link_policy="blend") or a focus probe (focus_spans): once a request's spans
+        """CacheBlend (link_policy="blend") or a focus probe (focus_spans, focus_tokens): once a request's spans
         and the text before them are in the cache, probe which span tokens to recompute in
         context, and relink its blocks."""
         for req in self.scheduler.running:
@@ -390,8 +392,8 @@ class LLMEngine:
             if not (layout.awaiting_selection and req.num_computed_tokens >= layout.spans[0].start
                     and all(d >= s.sub_end for d, s in zip(req.span_done, layout.spans))):
                 continue
-            if layout.link.focus_spans:
-                chosen = self.runner.focus_select(req, layout.link.focus_spans)
+            if layout.link.focuses:
+                chosen = self.runner.focus_select(req, layout.link)
             else:
                 counts = layout.link.blend_counts(int(layout.independent.sum()), self.runner.max_blend_checks)
                 chosen = self.runner.blend_select(req, counts)

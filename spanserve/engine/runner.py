@@ -13,6 +13,7 @@ from spanserve.engine.sampler import Sample, sample
 from spanserve.engine.scheduler import ScheduledRequest
 from spanserve.heap import keep_freed_memory
 from spanserve.models.llama import LlamaModel
+from spanserve.pic.focus import focus_blocks
 from spanserve.sparse.decode import SparseStep
 from spanserve.sparse.fields import FieldStore
 from spanserve.threads import step_threads, use_pool_for_matmuls
@@ -252,26 +253,40 @@ class ModelRunner:
         return picks.tolist()
 
     @torch.inference_mode()
-    def focus_select(self, req, count: int) -> list[int]:
-        """Query-aware relinking (link policies none and comb with focus_spans, pic/link.py): the
-        span tokens of the `count` spans the request's question reads most (focus_weights summed
-        over layers and watched rows), to recompute in context.
+    def focus_select(self, req, link) -> list[int]:
+        """Query-aware relinking (link policies none and comb with focus_spans or focus_tokens,
+        pic/link.py): the span tokens the request's question reads most (the focus probe's
+        weights summed over voting layers and watched rows), to recompute in context: whole
+        spans (focus_spans) or the blocks around the highest-scoring ones (focus_tokens, a
+        budget; pic/focus.py).
 
         Only layers from the first third on vote. Measured on Qwen2.5-0.5B (16 documents, one
         holds the answer): the earlier layers read by position, not content (each picks the last
         span for any question), and their sum drowned the later ones: the document with the
         answer came first 33% of the time with every layer voting, 88% with the last two thirds."""
         layout = req.layout
-        score = self.focus_weights(req).sum((0, 1))
+        n = req.num_prompt_tokens
+        span_keys = torch.from_numpy(layout.independent[:n])
+        per_key = torch.where(span_keys, self.focus_weights(req).sum((0, 1)).cpu(), 0)
         picked = np.zeros_like(layout.independent)
-        for s in score.topk(min(count, len(layout.spans))).indices.tolist():
-            picked[layout.spans[s].start:layout.spans[s].end] = True
+        if link.focus_spans:
+            score = torch.stack([per_key[s.start:s.end].sum() for s in layout.spans])
+            for s in score.topk(min(link.focus_spans, len(layout.spans))).indices.tolist():
+                picked[layout.spans[s].start:layout.spans[s].end] = True
+        else:
+            bs = self.block_size
+            scores = torch.zeros(-(-n // bs)).index_add_(0, torch.arange(n) // bs, per_key).numpy()
+            span_of_block = np.full(len(scores), -1)
+            for s, span in enumerate(layout.spans):
+                span_of_block[span.start // bs:-(-span.end // bs)] = s
+            for b in focus_blocks(scores, span_of_block, -(-link.focus_tokens // bs)):
+                picked[b * bs:(b + 1) * bs] = True
         return np.flatnonzero(picked & layout.independent).tolist()
 
     @torch.inference_mode()
     def focus_weights(self, req) -> torch.Tensor:
-        """The focus probe: [voting layers, watched rows, spans], the attention weight each span's
-        keys get in each layer from the first third on.
+        """The focus probe: [voting layers, watched rows, keys], the attention weight each key of
+        the prompt gets in each layer from the first third on (summed over heads).
 
         Once its spans and the text before them are computed, the request's in-context tokens
         after its first span (text between spans, the question) run through every layer as a
@@ -281,14 +296,9 @@ class ModelRunner:
         n = req.num_prompt_tokens
         rows = np.asarray(layout.in_context(layout.spans[0].start, n), dtype=np.int64)
         watched = self._tensor(rows[-FOCUS_ROWS:].tolist())
-        owner = np.full(n, len(layout.spans))  # each key's span; the last bucket: keys in context
-        for s, span in enumerate(layout.spans):
-            owner[span.start:span.end] = s
-        owner[~layout.independent[:n]] = len(layout.spans)
-        owner = self._tensor(owner.tolist())
         num_layers = len(self.model.layers)
         first_voter = num_layers // 3
-        weights = torch.zeros(num_layers - first_voter, len(watched), len(layout.spans) + 1, device=self.device)
+        weights = torch.zeros(num_layers - first_voter, len(watched), n, device=self.device)
         hidden = self.model.embed_tokens(self._tensor([req.token_ids[t] for t in rows]))
         bs, own = self.block_size, [b.block_id for b in req.block_table]
         slots = self._tensor([own[t // bs] * bs + t % bs for t in range(n)])  # the same in every layer
@@ -300,9 +310,8 @@ class ModelRunner:
                 hidden = self._probe_layer(req, layer, rows, rows[:0], hidden, n)
             if layer >= first_voter:
                 with self._reading(req, len(watched)):
-                    per_key = self._attention_weights(layer, queries, watched, slots, rotation)
-                weights[layer - first_voter].index_add_(1, owner, per_key.float())
-        return weights[..., :-1]
+                    weights[layer - first_voter] = self._attention_weights(layer, queries, watched, slots, rotation)
+        return weights
 
     def _reading(self, req, num_rows: int):
         """The COMB plug-in's reader deltas on every row of a probe call (its rows all follow the

@@ -19,6 +19,8 @@ With none or comb, `focus_spans` k > 0 adds a query-aware relink: a probe runs t
 the first span (the question) over the cached spans and recomputes in context the k spans its
 last tokens attend to most (engine/runner.py focus_select). Recomputing a random span brings
 nothing back; recomputing the one holding the answer brings back most of what reuse lost.
+`focus_tokens` t > 0 sizes the same pick in tokens instead: the ceil(t / 16) span blocks the
+question attends to most, wherever they lie, so that long documents cost no more than short ones.
 Recomputed tokens land in blocks private to the request; the shared span blocks are never
 written.
 """
@@ -50,6 +52,7 @@ class LinkPolicy:
     ape_temperature: float = APE_TEMPERATURE  # ape: T in (0, 1]
     ape_scale: float = APE_SCALE  # ape: S in (0, 1]
     focus_spans: int = 0  # none, comb: spans the question's attention picks for recompute in context
+    focus_tokens: int = 0  # none, comb: or a budget of span tokens it picks, in blocks
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -60,11 +63,16 @@ class LinkPolicy:
             raise InvalidRequestError(f"blend_ratio must be in [0, 1], got {self.blend_ratio!r}")
         if not isinstance(self.blend_layers, int) or self.blend_layers < 1:
             raise InvalidRequestError(f"blend_layers must be an integer >= 1, got {self.blend_layers!r}")
-        if isinstance(self.focus_spans, bool) or not isinstance(self.focus_spans, int) or self.focus_spans < 0:
-            raise InvalidRequestError(f"focus_spans must be an integer >= 0, got {self.focus_spans!r}")
-        if self.focus_spans and self.name not in FOCUSABLE:
-            raise InvalidRequestError(f"focus_spans applies to link policies {' and '.join(FOCUSABLE)}, "
-                                      f"not {self.name!r}")
+        for field in ("focus_spans", "focus_tokens"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidRequestError(f"{field} must be an integer >= 0, got {value!r}")
+            if value and self.name not in FOCUSABLE:
+                raise InvalidRequestError(f"{field} applies to link policies {' and '.join(FOCUSABLE)}, "
+                                          f"not {self.name!r}")
+        if self.focus_spans and self.focus_tokens:
+            raise InvalidRequestError("focus_spans and focus_tokens are two ways to size one probe's pick: "
+                                      "set one of them")
         for field, value in (("ape_temperature", self.ape_temperature), ("ape_scale", self.ape_scale)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise InvalidRequestError(f"{field} must be in (0, 1], got {value!r}")
@@ -81,12 +89,17 @@ class LinkPolicy:
     @property
     def selects(self) -> bool:
         """True if the linked tokens are chosen by a probe of the request's own KV."""
-        return (self.name == "blend" and self.blend_ratio > 0) or self.focus_spans > 0
+        return (self.name == "blend" and self.blend_ratio > 0) or self.focuses
+
+    @property
+    def focuses(self) -> bool:
+        """True if a focus probe picks what to recompute (focus_spans or focus_tokens)."""
+        return self.focus_spans > 0 or self.focus_tokens > 0
 
     @property
     def signature(self) -> tuple:
         """What decides the linked tokens, given the same context (part of cache keys)."""
-        focus = ("focus", self.focus_spans) if self.focus_spans else ()
+        focus = ("focus", self.focus_spans, self.focus_tokens) if self.focuses else ()
         return {"none": ("none",), "gap": ("gap", self.gap_length),
                 "blend": ("blend", self.blend_ratio, self.blend_layers), "full": ("full",),
                 "comb": ("comb", self.plugin), "ape": ("ape", self.ape_temperature, self.ape_scale)}[self.name] + focus

@@ -92,6 +92,7 @@ class _SamplingFields(_Body):
     ape_temperature: float | None = Field(None, gt=0, le=1)
     ape_scale: float | None = Field(None, gt=0, le=1)
     focus_spans: _int(ge=0, le=_SAFE) | None = None
+    focus_tokens: _int(ge=0, le=_SAFE) | None = None
     # spanserve extension: sparse decode (a flow the server has: built-in or --sparse-flow)
     sparse: NonEmptyStr | None = Field(None, max_length=128)
     sparse_budget: _int(ge=1, le=_SAFE) = 2048
@@ -99,7 +100,8 @@ class _SamplingFields(_Body):
     def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
         optional = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                                   "link_policy", "gap_length", "blend_ratio", "blend_layers",
-                                                  "ape_temperature", "ape_scale", "focus_spans")
+                                                  "ape_temperature", "ape_scale", "focus_spans",
+                                                  "focus_tokens")
                     if getattr(self, k) is not None}
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
