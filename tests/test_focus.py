@@ -78,8 +78,10 @@ def by_span(weights: torch.Tensor, spans: list) -> torch.Tensor:
 
 
 def voting(weights: torch.Tensor) -> torch.Tensor:
-    """The layers whose attention picks the spans: from the first third on (engine/runner.py)."""
-    return weights[len(weights) // 3:]
+    """The layers whose attention picks the spans: from a third to five sixths of the model
+    (engine/runner.py focus_voters), at least one."""
+    first = len(weights) // 3
+    return weights[first:max(first + 1, 5 * len(weights) // 6)]
 
 
 def reference(engine, plugin, p: dict, in_context: set[int], generated: list[int],

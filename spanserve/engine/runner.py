@@ -21,6 +21,14 @@ from spanserve.threads import step_threads, use_pool_for_matmuls
 FOCUS_ROWS = 8  # focus_select: the question's last tokens whose attention scores the spans
 
 
+def focus_voters(num_layers: int) -> tuple[int, int]:
+    """The layers whose attention the focus probe reads: [first, stop). On Qwen2.5-0.5B (24
+    layers, N=16, 48 probes of the generated and real tasks, seed 12) the answer's block
+    scored highest in 96% of probes with layers 8-23 voting and in 98% with 8-19; layer 8 alone
+    4-8%, 8-9 83-100%. Stopping at five sixths saves the probe a sixth of the model."""
+    return num_layers // 3, max(num_layers // 3 + 1, 5 * num_layers // 6)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, graph_batch: int = 0, max_model_len: int = 0,
@@ -260,7 +268,7 @@ class ModelRunner:
         spans (focus_spans) or the blocks around the highest-scoring ones (focus_tokens, a
         budget; pic/focus.py).
 
-        Only layers from the first third on vote. Measured on Qwen2.5-0.5B (16 documents, one
+        Only layers from a third to five sixths of the model vote (focus_voters). On Qwen2.5-0.5B (16 documents, one
         holds the answer): the earlier layers read by position, not content (each picks the last
         span for any question), and their sum drowned the later ones: the document with the
         answer came first 33% of the time with every layer voting, 88% with the last two thirds."""
@@ -286,25 +294,24 @@ class ModelRunner:
     @torch.inference_mode()
     def focus_weights(self, req) -> torch.Tensor:
         """The focus probe: [voting layers, watched rows, keys], the attention weight each key of
-        the prompt gets in each layer from the first third on (summed over heads).
+        the prompt gets in each voting layer (focus_voters; summed over heads).
 
         Once its spans and the text before them are computed, the request's in-context tokens
-        after its first span (text between spans, the question) run through every layer as a
+        after its first span (text between spans, the question) run through the layers as a
         probe over the cached span KV (their own KV is scratch, recomputed after the relink). At
         each layer the last FOCUS_ROWS of them weigh every key, summed over heads."""
         layout = req.layout
         n = req.num_prompt_tokens
         rows = np.asarray(layout.in_context(layout.spans[0].start, n), dtype=np.int64)
         watched = self._tensor(rows[-FOCUS_ROWS:].tolist())
-        num_layers = len(self.model.layers)
-        first_voter = num_layers // 3
-        weights = torch.zeros(num_layers - first_voter, len(watched), n, device=self.device)
+        first_voter, stop = focus_voters(len(self.model.layers))
+        weights = torch.zeros(stop - first_voter, len(watched), n, device=self.device)
         hidden = self.model.embed_tokens(self._tensor([req.token_ids[t] for t in rows]))
         bs, own = self.block_size, [b.block_id for b in req.block_table]
         slots = self._tensor([own[t // bs] * bs + t % bs for t in range(n)])  # the same in every layer
         deltas = layout.key_deltas()
         rotation = self._key_rotation(deltas) if deltas is not None and deltas.any() else None
-        for layer in range(num_layers):
+        for layer in range(stop):  # no later layer votes: the probe stops there
             queries = hidden[-len(watched):]
             with self._reading(req, len(rows)):  # (this layer's keys land in the request's blocks)
                 hidden = self._probe_layer(req, layer, rows, rows[:0], hidden, n)
