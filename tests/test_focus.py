@@ -206,6 +206,11 @@ def test_an_engine_default_focus_applies_to_none_and_comb_only(tiny_llama_path):
     assert llm.engine.link_policy(SamplingParams(link_policy="gap")).focus_spans == 0
     assert llm.engine.link_policy(SamplingParams(focus_spans=0)).focus_spans == 0
     assert llm.generate(prompt([0, 1]), greedy(2, link_policy="gap"))[0].outputs[0].token_ids
+    by_tokens = make_llm(tiny_llama_path, focus_tokens=48).engine
+    assert by_tokens.link_policy(SamplingParams()).focus_tokens == 48
+    # a request's own focus sizes the pick: its focus_spans replaces the engine's focus_tokens
+    mine = by_tokens.link_policy(SamplingParams(focus_spans=1))
+    assert (mine.focus_spans, mine.focus_tokens) == (1, 0)
 
 
 @pytest.mark.parametrize("fields", [{"focus_spans": -1}, {"focus_spans": True}, {"focus_spans": 1.5},

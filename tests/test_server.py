@@ -358,7 +358,8 @@ def test_completion_prompt_parts_match_offline_and_reuse_reordered_documents(tin
 @pytest.mark.parametrize("policy", [{"link_policy": "gap", "gap_length": 16},
                                     {"link_policy": "ape", "ape_temperature": 0.5, "ape_scale": 0.7},
                                     {"link_policy": "blend", "blend_ratio": 0.3, "blend_layers": 2},
-                                    {"link_policy": "none", "focus_spans": 1}])
+                                    {"link_policy": "none", "focus_spans": 1},
+                                    {"link_policy": "none", "focus_tokens": 32}])
 def test_token_prompt_spans_and_link_policy_match_offline(client, model_name, offline, policy):
     tokens = [7 + i % 50 for i in range(80)]
     extra = {"spans": [[16, 64]], **policy, "ignore_eos": True}
@@ -447,6 +448,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {**OK, "blend_layers": 0}, 400, "blend_layers", "blend_layers"),
     ("/v1/completions", {**OK, "focus_spans": -1}, 400, "focus_spans", "focus_spans"),
     ("/v1/completions", {**OK, "link_policy": "gap", "focus_spans": 1}, 400, "focus_spans", None),
+    ("/v1/completions", {**OK, "focus_tokens": -16}, 400, "focus_tokens", "focus_tokens"),
+    ("/v1/completions", {**OK, "focus_spans": 1, "focus_tokens": 32}, 400, "focus_spans and focus_tokens", None),
     ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "doc", "span": 1}]}]}, 400, "span", None),
 ]

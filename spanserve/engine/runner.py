@@ -268,10 +268,11 @@ class ModelRunner:
         spans (focus_spans) or the blocks around the highest-scoring ones (focus_tokens, a
         budget; pic/focus.py).
 
-        Only layers from a third to five sixths of the model vote (focus_voters). On Qwen2.5-0.5B (16 documents, one
-        holds the answer): the earlier layers read by position, not content (each picks the last
-        span for any question), and their sum drowned the later ones: the document with the
-        answer came first 33% of the time with every layer voting, 88% with the last two thirds."""
+        Only layers from a third to five sixths of the model vote (focus_voters). On Qwen2.5-0.5B
+        (16 documents, one holds the answer) the earlier layers read by position, not content
+        (each picks the last span for any question), and their sum drowned the later ones: the
+        document with the answer came first 33% of the time with every layer voting, 88% with
+        the last two thirds."""
         layout = req.layout
         n = req.num_prompt_tokens
         span_keys = torch.from_numpy(layout.independent[:n])
