@@ -19,8 +19,8 @@ With none or comb, `focus_spans` k > 0 adds a query-aware relink: a probe runs t
 the first span (the question) over the cached spans and recomputes in context the k spans its
 last tokens attend to most (engine/runner.py focus_select). Recomputing a random span brings
 nothing back; recomputing the one holding the answer brings back most of what reuse lost.
-`focus_tokens` t > 0 sizes the same pick in tokens instead: the ceil(t / 16) span blocks the
-question attends to most, wherever they lie, so that long documents cost no more than short ones.
+`focus_tokens` t > 0 sizes the pick in tokens instead: ceil(t / 16) span blocks around the ones
+the question attends to most (pic/focus.py), so that long documents cost no more than short ones.
 Recomputed tokens land in blocks private to the request; the shared span blocks are never
 written.
 """
