@@ -31,6 +31,13 @@ class InvalidSpanError(InvalidRequestError):
     code = "invalid_span"
 
 
+class InvalidLinkPolicyError(InvalidRequestError):
+    """Link policy settings that are each valid but do not go together (focus_spans with gap,
+    focus_spans with focus_tokens): no schema of single fields can say so."""
+
+    code = "invalid_link_policy"
+
+
 class ModelNotFoundError(SpanserveError, FileNotFoundError):
     """The model path or name does not point to a loadable model."""
 

@@ -468,6 +468,8 @@ def test_bad_request(tiny_server, path, body, status, message, param):
         assert error["param"] == param
     if status == 404:
         assert error["code"] == "model_not_found"
+    if isinstance(body, dict) and "focus_spans" in body and ("focus_tokens" in body or "link_policy" in body):
+        assert error["code"] == "invalid_link_policy"  # settings valid alone, not together
     if "maximum context length" in message or "for the completion" in message or "in the prompt" in message:
         assert error["code"] == "context_length_exceeded"
 
@@ -659,7 +661,7 @@ def test_schemathesis(case, body_validators):
         assert response.status_code < 300 or (response.status_code, error.get("code")) in {
             (400, "context_length_exceeded"), (404, "model_not_found"), (400, "invalid_span"),
             (400, "invalid_query"), (400, "plugin_not_loaded"), (404, "session_not_found"),
-            (400, "invalid_session"), (400, "invalid_sparse"), (400, "cache_full")}, (
+            (400, "invalid_session"), (400, "invalid_sparse"), (400, "cache_full"), (400, "invalid_link_policy")}, (
             response.status_code, response.text)
 
 

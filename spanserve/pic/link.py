@@ -28,7 +28,7 @@ written.
 import math
 from dataclasses import dataclass
 
-from spanserve.errors import InvalidRequestError
+from spanserve.errors import InvalidLinkPolicyError, InvalidRequestError
 
 POLICIES = ("none", "gap", "blend", "full", "comb", "ape")
 # blend: check layers of the probe. The released CacheBlend code checks once (the second layer);
@@ -68,10 +68,10 @@ class LinkPolicy:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidRequestError(f"{field} must be an integer >= 0, got {value!r}")
             if value and self.name not in FOCUSABLE:
-                raise InvalidRequestError(f"{field} applies to link policies {' and '.join(FOCUSABLE)}, "
+                raise InvalidLinkPolicyError(f"{field} applies to link policies {' and '.join(FOCUSABLE)}, "
                                           f"not {self.name!r}")
         if self.focus_spans and self.focus_tokens:
-            raise InvalidRequestError("focus_spans and focus_tokens are two ways to size one probe's pick: "
+            raise InvalidLinkPolicyError("focus_spans and focus_tokens are two ways to size one probe's pick: "
                                       "set one of them")
         for field, value in (("ape_temperature", self.ape_temperature), ("ape_scale", self.ape_scale)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
