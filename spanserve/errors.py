@@ -31,6 +31,16 @@ class InvalidSpanError(InvalidRequestError):
     code = "invalid_span"
 
 
+class EmptyPromptError(InvalidRequestError):
+    """A prompt with no tokens: empty, or text the tokenizer turns into none (a lone control
+    character, for one)."""
+
+    code = "empty_prompt"
+
+    def __init__(self):
+        super().__init__("prompt is empty: it has no tokens")
+
+
 class InvalidLinkPolicyError(InvalidRequestError):
     """Link policy settings that are each valid but do not go together (focus_spans with gap,
     focus_spans with focus_tokens): no schema of single fields can say so."""

@@ -449,6 +449,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {**OK, "focus_spans": -1}, 400, "focus_spans", "focus_spans"),
     ("/v1/completions", {**OK, "link_policy": "gap", "focus_spans": 1}, 400, "focus_spans", None),
     ("/v1/completions", {**OK, "focus_tokens": -16}, 400, "focus_tokens", "focus_tokens"),
+    ("/v1/completions", {**OK, "prompt": "\x16"}, 400, "no tokens", None),  # text the tokenizer drops
     ("/v1/completions", {**OK, "focus_spans": 1, "focus_tokens": 32}, 400, "focus_spans and focus_tokens", None),
     ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "doc", "span": 1}]}]}, 400, "span", None),
@@ -470,6 +471,8 @@ def test_bad_request(tiny_server, path, body, status, message, param):
         assert error["code"] == "model_not_found"
     if isinstance(body, dict) and "focus_spans" in body and ("focus_tokens" in body or "link_policy" in body):
         assert error["code"] == "invalid_link_policy"  # settings valid alone, not together
+    if "no tokens" in message:
+        assert error["code"] == "empty_prompt"
     if "maximum context length" in message or "for the completion" in message or "in the prompt" in message:
         assert error["code"] == "context_length_exceeded"
 
@@ -651,6 +654,7 @@ def test_schemathesis(case, body_validators):
     # max_tokens <= max_model_len), on which model name is served, whether its spans fit its prompt, and
     # whether a span query is well formed (its tree is free JSON), whether link policy comb has its plug-in,
     # whether a session exists and its retention fits its instructions, whether a sparse flow exists,
+    # whether its text makes any token at all, whether its link policy settings go together,
     # and no JSON schema can say any of these;
     # the same check, minus those answers, follows.
     response = case.call_and_validate(excluded_checks=[positive_data_acceptance], timeout=60)
@@ -661,7 +665,8 @@ def test_schemathesis(case, body_validators):
         assert response.status_code < 300 or (response.status_code, error.get("code")) in {
             (400, "context_length_exceeded"), (404, "model_not_found"), (400, "invalid_span"),
             (400, "invalid_query"), (400, "plugin_not_loaded"), (404, "session_not_found"),
-            (400, "invalid_session"), (400, "invalid_sparse"), (400, "cache_full"), (400, "invalid_link_policy")}, (
+            (400, "invalid_session"), (400, "invalid_sparse"), (400, "cache_full"), (400, "invalid_link_policy"),
+            (400, "empty_prompt")}, (
             response.status_code, response.text)
 
 

@@ -17,6 +17,7 @@ from spanserve.engine.sampler import Sample
 from spanserve.engine.scheduler import Scheduler
 from spanserve.errors import (
     CacheFullError,
+    EmptyPromptError,
     InvalidRequestError,
     InvalidSpanError,
     InvalidSparseError,
@@ -293,7 +294,7 @@ class LLMEngine:
 
     def _validate_tokens(self, token_ids: list[int], params: SamplingParams, reserved_blocks: int = 0) -> None:
         if not token_ids:
-            raise InvalidRequestError("prompt is empty")
+            raise EmptyPromptError()
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab})")
