@@ -242,11 +242,11 @@ class LLMEngine:
             raise PluginNotLoadedError(_NO_COMB)
         rest = {f: getattr(params, f) if getattr(params, f) is not None else getattr(self.config, f)
                 for f in ("blend_layers", "ape_temperature", "ape_scale")}
-        # the engine's default focus goes to the policies it applies to; a request's own, to any (checked)
-        focus = {f: getattr(params, f) if getattr(params, f) is not None else (
-            getattr(self.config, f) if name in FOCUSABLE else 0) for f in ("focus_spans", "focus_tokens")}
-        if params.focus_spans is not None or params.focus_tokens is not None:  # a request's own sizes the pick
-            focus = {f: getattr(params, f) or 0 for f in focus}
+        sizes = ("focus_spans", "focus_tokens")
+        if any(getattr(params, f) is not None for f in sizes):  # a request's own sizes the pick (checked)
+            focus = {f: getattr(params, f) or 0 for f in sizes}
+        else:  # the engine's default goes to the policies it applies to
+            focus = {f: getattr(self.config, f) if name in FOCUSABLE else 0 for f in sizes}
         return LinkPolicy(name, gap, ratio, plugin=self.comb.signature if name == "comb" else "",
                           **focus, **rest)
 

@@ -69,10 +69,10 @@ class LinkPolicy:
                 raise InvalidRequestError(f"{field} must be an integer >= 0, got {value!r}")
             if value and self.name not in FOCUSABLE:
                 raise InvalidLinkPolicyError(f"{field} applies to link policies {' and '.join(FOCUSABLE)}, "
-                                          f"not {self.name!r}")
+                                             f"not {self.name!r}")
         if self.focus_spans and self.focus_tokens:
             raise InvalidLinkPolicyError("focus_spans and focus_tokens are two ways to size one probe's pick: "
-                                      "set one of them")
+                                         "set one of them")
         for field, value in (("ape_temperature", self.ape_temperature), ("ape_scale", self.ape_scale)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise InvalidRequestError(f"{field} must be in (0, 1], got {value!r}")
