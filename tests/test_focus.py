@@ -191,6 +191,39 @@ def test_focus_leaves_the_shared_span_blocks_as_cached(tiny_llama_path, plugin_f
     torch.testing.assert_close(logprobs(after, tokens), logprobs(fresh, tokens), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("focus", [{"focus_tokens": 48}, {"focus_spans": 2}])
+def test_a_focus_probe_reads_the_shared_span_blocks_and_copies_only_what_it_links(tiny_llama_path, plugin_file,
+                                                                                 focus):
+    """Before its probe a focus request holds no copy of its spans (a copy of every span block
+    per request evicted the other cached documents of a batch); it holds spares for the blocks
+    its budget can link, and the relink turns exactly the linked blocks into private copies."""
+    llm = make_llm(tiny_llama_path, comb_plugin=str(plugin_file), link_policy="comb")
+    engine, p = llm.engine, prompt([0, 2, 1], LONG_DOCS)
+    run(llm, p)  # the spans are cached
+    pool, free = engine.kv.pool, engine.kv.pool.num_free
+    engine.add_request(p, greedy(2, **focus))
+    relinked, relink = [], engine.kv.relink
+    engine.kv.relink = lambda req, linked: relinked.append((req, linked, relink(req, linked))) or relinked[-1][2]
+    engine.step()  # admitted: its spans are hits, the question is computed; the probe is next step
+    (req,) = engine.scheduler.running
+    span_blocks = [i for start, end in p["spans"] for i in range(start // 16, end // 16)]
+    assert req.shadows == {} and not relinked
+    assert all(req.block_table[i] is pool.lookup(req.local_hashes[i]) for i in span_blocks)
+    spares = 3 if "focus_tokens" in focus else 8  # 48 tokens: 3 blocks; the two longest spans: 2 x 4 blocks
+    assert len(req.spare_blocks) == spares
+    assert free - pool.num_free == len(req.block_table) + spares  # its view (hits revived, the question) and spares
+    engine.step()
+    (_, linked, copies), = relinked
+    linked_blocks = sorted({t // 16 for t in linked})
+    assert sorted(req.shadows) == linked_blocks and len(copies) == len(linked_blocks) > 0
+    assert all(req.shadows[i] is pool.lookup(req.local_hashes[i]) for i in linked_blocks)
+    assert req.spare_blocks == [] and all(req.block_table[i].ref_cnt == 1 for i in linked_blocks)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert pool.num_free == free
+    assert_engine_idle(llm)
+
+
 def test_focus_on_every_span_is_the_full_context(tiny_llama_path):
     llm = make_llm(tiny_llama_path)
     p = prompt([1, 2, 0])

@@ -79,6 +79,7 @@ class Request:
         self.span_hashed: list[int] = [0] * len(self.layout.spans)
         self.span_cached_until: list[int] = list(self.span_done)  # progress found in the cache
         self.shadows: dict[int, Block] = {}
+        self.spare_blocks: list[Block] = []  # held for the private copies a focus probe's relink makes
         self.anchor_blocks: list[Block] = []  # the engine's pinned anchor (pic/layout.py), if any
         self.num_cached_tokens: int | None = None  # prefix hits at first admission
         self.status = RequestStatus.WAITING

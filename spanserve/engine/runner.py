@@ -346,9 +346,11 @@ class ModelRunner:
 
     def _probe_layer(self, req, layer: int, rows: np.ndarray, fresh: np.ndarray, hidden: torch.Tensor,
                      ctx_len: int) -> torch.Tensor:
-        """Run model layer `layer` for the probe's `rows`. The request's own span blocks are
-        its scratch pad until relinked: they get this layer's cached span KV, then the rows'
-        fresh KV over it; only the `fresh` span keys are not rotated (computed where they are)."""
+        """Run model layer `layer` for the probe's `rows`. Under CacheBlend the request's own
+        span blocks are its scratch pad until relinked: they get this layer's cached span KV, then
+        the rows' fresh KV over it (a focus probe's rows are all in context: it reads the shared
+        span blocks and has no shadows); only the `fresh` span keys are not rotated (computed
+        where they are)."""
         bs, to = self.block_size, self._tensor
         pairs = [(shadow.block_id, req.block_table[i].block_id) for i, shadow in req.shadows.items()]
         if pairs:

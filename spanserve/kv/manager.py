@@ -45,11 +45,13 @@ class KVCacheManager:
                            for i in layout.shadow_blocks(s) if i not in shadows]
         hits = [b for b in table if b is not None] + list(shadows.values())
         revived = len({b.block_id for b in hits if b.ref_cnt == 0})
-        if table.count(None) + len(missing_shadows) + revived > self.pool.num_free:
+        spares = layout.max_focus_links()
+        if table.count(None) + len(missing_shadows) + spares + revived > self.pool.num_free:
             return False
         self.pool.touch(hits)
         req.block_table = [b if b is not None else self.pool.allocate(1)[0] for b in table]
         shadows.update(zip(missing_shadows, self.pool.allocate(len(missing_shadows))))
+        req.spare_blocks = self.pool.allocate(spares)
         req.shadows, req.span_done, req.span_cached_until = shadows, span_done, list(span_done)
         req.anchor_blocks = self.anchor_blocks if layout.anchor else []
         req.span_hashed = [d // self.block_size for d in span_done]
@@ -157,6 +159,11 @@ class KVCacheManager:
             else:
                 self.pool.release([req.block_table[i]])
                 req.block_table[i] = req.shadows.pop(i)
+        for i in sorted(keep - req.shadows.keys()):  # a focus probe read the shared block: copy it now
+            req.shadows[i], req.block_table[i] = req.block_table[i], req.spare_blocks.pop()
+            copies.append((req.shadows[i].block_id, req.block_table[i].block_id))
+        self.pool.release(req.spare_blocks)
+        req.spare_blocks = []
         # Linked tokens whose span KV was a cache hit at admission were counted as cached.
         spans = req.layout.spans
         was_cached = sum(1 for t in linked for s, span in enumerate(spans)
@@ -208,7 +215,8 @@ class KVCacheManager:
     def free(self, req) -> None:
         self.pool.release(reversed(req.block_table))
         self.pool.release(req.shadows.values())
-        req.block_table, req.shadows = [], {}
+        self.pool.release(req.spare_blocks)
+        req.block_table, req.shadows, req.spare_blocks = [], {}, []
         req.num_hashed_blocks = 0
         # Rotated private copies of span keys (ModelRunner.settle_keys) went with the blocks: a
         # preempted request that comes back reads shared keys again, even if it gets the same ids.

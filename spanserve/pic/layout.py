@@ -105,15 +105,27 @@ class PromptLayout:
 
     def shadow_blocks(self, s: int) -> list[int]:
         """Full blocks of span s that have linked tokens: their span-local version lives apart
-        from the request's private one. Before a selecting policy's probe: all of them, and a
-        partial last block too, since the probe writes scratch KV into the request's own
-        version of every block it reads (engine/runner.py); after it, the partial block's
-        span-local version becomes the request's (nothing else reads it)."""
+        from the request's private one. Before CacheBlend's probe: all of them, and a partial
+        last block too, since that probe writes scratch KV of span tokens into the request's
+        own version of every block it reads (engine/runner.py); after it, the partial block's
+        span-local version becomes the request's (nothing else reads it). A focus probe writes
+        only in-context rows, so before it the request reads the shared blocks themselves."""
         span, bs = self.spans[s], self.block_size
-        if self.awaiting_selection:
+        if self.awaiting_selection and not self.link.focuses:
             return list(range(span.start // bs, -(-span.sub_end // bs)))
         blocks = range(span.start // bs, span.sub_end // bs)
         return [i for i in blocks if not self.independent[i * bs:(i + 1) * bs].all()]
+
+    def max_focus_links(self) -> int:
+        """Before a focus probe: at most how many full span blocks it can link (each will need
+        a private copy), 0 for any other layout."""
+        if not (self.awaiting_selection and self.link.focuses):
+            return 0
+        bs = self.block_size
+        sizes = sorted((span.sub_end // bs - span.start // bs for span in self.spans), reverse=True)
+        if self.link.focus_spans:
+            return sum(sizes[:self.link.focus_spans])
+        return min(sum(sizes), -(-self.link.focus_tokens // bs))
 
     def in_context(self, start: int, end: int) -> list[int]:
         """Token indices in [start, end) that are computed in context (not alone in a span)."""
