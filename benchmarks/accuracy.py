@@ -256,6 +256,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--comb-plugin", default=None,
                         help="COMB encoder plug-in file for link policy comb (default: the one shipped for the model)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--kv-cache-gb", type=float, default=None,
+                        help="KV pool size (default: the engine's); a batch's documents (question sets x N) "
+                             "should fit, or the later depths recompute what the earlier ones cached")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: N=3, 2 question sets, short documents, 2 TTFT repeats")
     parser.add_argument("--seed", type=int, default=0)
@@ -284,7 +287,8 @@ def run(args: argparse.Namespace) -> dict:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
     model_name = Path(args.model).name if args.model else DEFAULT_MODEL
-    llm = LLM(model=args.model, dtype=args.dtype, comb_plugin=args.comb_plugin)
+    pool = {"kv_cache_memory_gb": args.kv_cache_gb} if args.kv_cache_gb else {}
+    llm = LLM(model=args.model, dtype=args.dtype, comb_plugin=args.comb_plugin, **pool)
     if args.styles:
         styles = list(STYLES) if args.styles == "all" else args.styles.split(",")
         conditions, skipped = ["spans_off"], {}
