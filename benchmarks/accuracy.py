@@ -28,7 +28,9 @@ padded to whole KV blocks):
 The cache is reset before each condition. Greedy decoding, --max-tokens; exact match when the first number
 in the output is the code (the answer prefix of the default style makes the number come first).
 First-token agreement: the fraction of questions whose first generated token equals full's. Prompts go to
-the engine in one batch per (condition, N, depth).
+the engine in one batch per (condition, N, depth). Under a focus probe (+focusK, +focusKt): answer linked,
+the fraction of questions whose probe recomputed in context every token of the answer's code, and the
+exact match among those (a miss is then the probe's, or the recompute's).
 
 Warm-shuffled TTFT, right after each condition's accuracy pass, at N=--ttft-docs (default the largest N),
 --ttft-repeats times: a question set's documents are sent once in an order the pass used (untimed; it
@@ -49,6 +51,7 @@ import re
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -100,12 +103,15 @@ def evaluate(llm, items: list[dict], conditions: list[str], max_tokens: int, log
         records: list[dict | None] = [None] * len(items)
         started = time.perf_counter()
         for indices in groups.values():  # one batch per (N, depth): the depths reuse earlier spans
-            outs = llm.generate([condition_prompt(items[k]["prompt"], condition) for k in indices], params)
+            with recording_links(llm) as linked:
+                outs = llm.generate([condition_prompt(items[k]["prompt"], condition) for k in indices], params)
             for k, out in zip(indices, outs):
                 text = out.outputs[0].text
+                prompt, chosen = items[k]["prompt"], linked.get(tuple(items[k]["prompt"]["ids"]))
                 records[k] = {"text": text, "token_ids": out.outputs[0].token_ids,
                               "correct": first_number(text) == items[k]["answer"],
-                              "cached_tokens": out.num_cached_tokens}
+                              "cached_tokens": out.num_cached_tokens,
+                              "answer_linked": None if chosen is None else chosen >= set(prompt["answer_tokens"])}
         results[condition] = records
         acc = sum(r["correct"] for r in records) / len(records)
         note = ""
@@ -115,6 +121,25 @@ def evaluate(llm, items: list[dict], conditions: list[str], max_tokens: int, log
         log(f"  {condition}: accuracy {acc:.3f}{note} ({time.perf_counter() - started:.0f} s, "
             f"load average {os.getloadavg()[0]:.2f})")
     return results, timings
+
+
+@contextmanager
+def recording_links(llm):
+    """{prompt token ids: the span tokens its focus probe linked} for the requests run inside: did
+    the probe take the answer? (a diagnostic of focus_spans / focus_tokens conditions)."""
+    runner, linked = llm.engine.runner, {}
+    select = runner.focus_select
+
+    def record(req, link):
+        chosen = select(req, link)
+        linked[tuple(req.prompt_token_ids)] = set(chosen)
+        return chosen
+
+    runner.focus_select = record
+    try:
+        yield linked
+    finally:
+        del runner.focus_select  # the class's method again
 
 
 # ---- warm-shuffled TTFT ----------------------------------------------------------------------
@@ -191,6 +216,11 @@ def summarize(items: list[dict], results: dict) -> dict:
         for condition, records in results.items():
             rs = [records[k] for k in indices]
             row = {"accuracy": sum(r["correct"] for r in rs) / len(rs), "questions": len(rs)}
+            probed = [r for r in rs if r.get("answer_linked") is not None]
+            if probed:  # a focus probe ran: how often it linked the answer, and what that was worth
+                took = [r for r in probed if r["answer_linked"]]
+                row["answer_linked"] = len(took) / len(probed)
+                row["accuracy_answer_linked"] = sum(r["correct"] for r in took) / len(took) if took else None
             if reference:
                 row["first_token_agreement"] = agree(rs, indices, lambda a, b: a["token_ids"][:1] == b["token_ids"][:1])
                 row["answer_agreement"] = agree(rs, indices, same_number)
@@ -372,14 +402,15 @@ def print_tables(task: str, style: str, summary: dict, ttft: dict, conditions: l
     overall, per_n = summary["overall"], summary["per_n"]
     base = overall.get("spans_off", {}).get("accuracy")
     headers = ["condition", *(f"exact % {n}" for n in per_n), "exact % all", "vs spans off (points)",
-               "first token = full %", "number = full %"]
+               "first token = full %", "number = full %", "answer linked %", "exact % if linked"]
     if ttft:
         headers += [f"TTFT ms N={ttft_n} warm shuffled", "x faster than spans off"]
     rows = []
     for c in conditions:
         row = [c, *(pct(per_n[n][c]["accuracy"]) for n in per_n), pct(overall[c]["accuracy"]),
                None if base is None else f"{100 * (overall[c]['accuracy'] - base):+.1f}",
-               pct(overall[c].get("first_token_agreement")), pct(overall[c].get("answer_agreement"))]
+               pct(overall[c].get("first_token_agreement")), pct(overall[c].get("answer_agreement")),
+               pct(overall[c].get("answer_linked")), pct(overall[c].get("accuracy_answer_linked"))]
         if ttft:
             t = ttft[c]
             row += [t["median_ttft_s"] * 1000, None if t["speedup_vs_spans_off"] is None
@@ -401,8 +432,10 @@ def _records(items: list[dict], results: dict) -> list[dict]:
         out.append({
             "n": item["n"], "depth": item["depth"], "set": item["set"], "name": item["name"], "answer": item["answer"],
             "prompt_tokens": len(item["prompt"]["ids"]), "spans": item["prompt"]["spans"],
+            "answer_tokens": item["prompt"]["answer_tokens"],
             **{c: {"text": r[k]["text"], "correct": r[k]["correct"], "cached_tokens": r[k]["cached_tokens"],
-                   "first_token": r[k]["token_ids"][:1]} for c, r in results.items()},
+                   "first_token": r[k]["token_ids"][:1], "answer_linked": r[k]["answer_linked"]}
+               for c, r in results.items()},
         })
     return out
 

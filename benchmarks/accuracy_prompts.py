@@ -63,8 +63,24 @@ def build_prompts(llm, q: dict, order: list[int], style: str) -> dict:
     tok = llm.get_tokenizer()
     tail = tok.encode(prefix.format(name=name), add_special_tokens=False) if prefix else []
     spanned = llm.engine.chat_prompt(span_msgs)
-    return {"ids": spanned["prompt_token_ids"] + tail, "spans": [list(s) for s in spanned["spans"]],
-            "text_ids": llm.apply_chat_template(text_msgs) + tail}
+    ids, spans = spanned["prompt_token_ids"] + tail, [list(s) for s in spanned["spans"]]
+    holder = next(i for i in order if name in q["docs"][i]["facts"])  # (a timed prompt asks another document)
+    start, end = spans[order.index(holder)]
+    doc = q["docs"][holder]
+    return {"ids": ids, "spans": spans, "text_ids": llm.apply_chat_template(text_msgs) + tail,
+            "answer_tokens": answer_tokens(tok, ids[start:end], doc["text"], name, doc["facts"][name], start)}
+
+
+def answer_tokens(tok, span_ids: list[int], text: str, name: str, code: str, start: int) -> list[int]:
+    """Prompt indices of the tokens that spell `name`'s code in its document's span (which begins
+    with the document's text): the tokens a link policy must recompute in context to hold the
+    answer's KV as spans off computes it."""
+    first = text.index(f"{name} is {code}") + len(name) + 4
+    last = first + len(code)
+    decoded = [len(tok.decode(span_ids[:k])) for k in range(1, len(span_ids) + 1)]  # text length after k tokens
+    lo = next(k for k, n in enumerate(decoded) if n > first)  # the token holding the code's first character
+    hi = next(k for k, n in enumerate(decoded) if n >= last)
+    return list(range(start + lo, start + hi + 1))
 
 
 DIAGNOSTICS = {"first_in_context": slice(1, None), "first_span_only": slice(0, 1)}  # which spans stay

@@ -8,6 +8,7 @@ import pytest
 from helpers import bench_args
 
 from benchmarks import accuracy, fact_docs
+from benchmarks.accuracy_prompts import answer_tokens
 from spanserve import LLM
 from spanserve.corpus import paragraphs
 from spanserve.errors import InvalidRequestError
@@ -59,6 +60,36 @@ def test_a_run_stopped_in_its_second_task_keeps_the_first_on_disk(tiny_llama_pat
     kept = json.loads(out.read_text())
     assert kept["complete"] is False and list(kept["tasks"]) == ["generated"]
     assert kept["tasks"]["generated"]["summary"]["prefix"]["overall"]["none"]["questions"] == len(accuracy.DEPTHS)
+
+
+def test_focus_conditions_report_whether_the_probe_linked_the_answer(tiny_llama_path, tmp_path):
+    """A budget covering every span links every answer; one block links some answers at most; the
+    answer tokens spell the code inside its document's span; conditions without a probe report none."""
+    args = bench_args(accuracy, [
+        "--model", str(tiny_llama_path), "--dtype", "float32", "--tasks", "real", "--docs", "3",
+        "--real-doc-tokens", "64", "--questions", "2", "--max-tokens", "2", "--ttft-repeats", "0",
+        "--conditions", "spans_off,none+focus16t,none+focus4096t", "--out", str(tmp_path / "a.json")])
+    data = accuracy.run(args)
+    overall = data["tasks"]["real"]["summary"]["prefix"]["overall"]
+    assert overall["none+focus4096t"]["answer_linked"] == 1.0
+    assert 0.0 <= overall["none+focus16t"]["answer_linked"] <= 1.0 and "answer_linked" not in overall["spans_off"]
+    records = data["tasks"]["real"]["questions"]["prefix"]
+    assert len(records) == 6
+    for record in records:
+        assert record["spans_off"]["answer_linked"] is None
+        first, last = record["answer_tokens"][0], record["answer_tokens"][-1]
+        assert any(start <= first and last < end for start, end in record["spans"])
+
+
+def test_answer_tokens_are_the_tokens_spelling_the_code(tiny_llama_path):
+    tok = load_tokenizer(tiny_llama_path)
+    text = "It rained. The access code of Ada Byron is 40712. Then it stopped.\n\n"
+    ids = tok.encode(text, add_special_tokens=False)
+    found = answer_tokens(tok, ids, text, "Ada Byron", "40712", start=32)
+    spelled = tok.decode(ids[found[0] - 32:found[-1] - 32 + 1])
+    assert "40712" in spelled and found == list(range(found[0], found[-1] + 1))
+    assert "40712" not in tok.decode(ids[found[0] - 32 + 1:found[-1] - 32 + 1])  # no token to spare at either end
+    assert "40712" not in tok.decode(ids[found[0] - 32:found[-1] - 32])
 
 
 def test_real_task_documents_stay_within_their_limit(accuracy_result):
