@@ -187,6 +187,24 @@ def test_request_filling_the_pool_exactly_is_served(tiny_llama_path):
     assert len(out[0].outputs[0].token_ids) == 24
 
 
+@pytest.mark.parametrize("policy, max_tokens, fits", [
+    ({"link_policy": "blend"}, 32, True),  # 6 blocks of its own, 2 scratch copies of its span: 8
+    ({"link_policy": "blend"}, 48, False),  # 7 + 2
+    ({"link_policy": "none", "focus_tokens": 16}, 48, True),  # 7 + 1 spare for the block it links
+    ({"link_policy": "none"}, 48, True)])
+def test_a_link_probes_blocks_count_toward_what_a_request_needs(tiny_llama_path, policy, max_tokens, fits):
+    """A request that could never be admitted beside its probe's blocks is refused at once, not
+    left waiting forever; one that fits exactly is served."""
+    llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=8, span_anchor=False)
+    p = {"prompt_token_ids": random_prompt(64, seed=8), "spans": [[16, 48]]}
+    if fits:
+        assert len(llm.generate(p, greedy(max_tokens, **policy))[0].outputs[0].token_ids) == max_tokens
+    else:
+        with pytest.raises(CacheFullError, match="needs 9 KV blocks \\(of which 2 for its link policy's probe\\)"):
+            llm.generate(p, greedy(max_tokens, **policy))
+    assert_engine_idle(llm)
+
+
 def test_cache_full_error_is_an_invalid_request_error():
     assert issubclass(CacheFullError, InvalidRequestError)
     assert issubclass(PromptTooLongError, InvalidRequestError)

@@ -261,7 +261,9 @@ class LLMEngine:
         token_ids = tp.token_ids
         link = self.link_policy(params)
         anchored = self.anchor is not None and link.uses_spans and any(start > 0 for start, _ in tp.spans)
-        self._validate_tokens(token_ids, params, self.anchor.num_tokens // self.config.block_size if anchored else 0)
+        layout = PromptLayout(len(token_ids), tp.spans, link, self.config.block_size, self.anchor)
+        anchor_blocks = self.anchor.num_tokens // self.config.block_size if anchored else 0
+        self._validate_tokens(token_ids, params, anchor_blocks, layout.probe_blocks())
         request_id = request_id or f"req-{next(self._ids)}"
         flow = self._sparse_flow(params)
         children = []
@@ -292,7 +294,10 @@ class LLMEngine:
         flow.check_budget(params.sparse_budget, self.config.block_size)
         return flow
 
-    def _validate_tokens(self, token_ids: list[int], params: SamplingParams, reserved_blocks: int = 0) -> None:
+    def _validate_tokens(self, token_ids: list[int], params: SamplingParams, reserved_blocks: int = 0,
+                         probe_blocks: int = 0) -> None:
+        """A clear error now for a request that could never run; `reserved_blocks` are pinned for
+        good, `probe_blocks` the request holds beside its own until its link probe (pic/layout.py)."""
         if not token_ids:
             raise EmptyPromptError()
         vocab = self.model_config.vocab_size
@@ -302,11 +307,12 @@ class LLMEngine:
             raise InvalidRequestError(f"stop_token_ids must be integers in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(token_ids), self.max_model_len)
-        needed = self.kv.blocks_needed(min(len(token_ids) + params.max_tokens, self.max_model_len))
+        needed = self.kv.blocks_needed(min(len(token_ids) + params.max_tokens, self.max_model_len)) + probe_blocks
         usable = self.kv.pool.num_blocks - reserved_blocks
         if needed > usable:
+            probe = f" (of which {probe_blocks} for its link policy's probe)" if probe_blocks else ""
             raise CacheFullError(
-                f"request needs {needed} KV blocks but the pool has {usable}; "
+                f"request needs {needed} KV blocks{probe} but the pool has {usable}; "
                 f"lower max_tokens or raise num_blocks / kv_cache_memory_gb")
 
     def add_group(self, group: RequestGroup) -> None:

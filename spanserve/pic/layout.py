@@ -116,6 +116,15 @@ class PromptLayout:
         blocks = range(span.start // bs, span.sub_end // bs)
         return [i for i in blocks if not self.independent[i * bs:(i + 1) * bs].all()]
 
+    def probe_blocks(self) -> int:
+        """Blocks a request holds beside its context view until its selecting policy's probe has
+        run: CacheBlend's scratch copies of its span blocks, or a focus probe's spares."""
+        if not self.awaiting_selection:
+            return 0
+        if self.link.focuses:
+            return self.max_focus_links()
+        return sum(len(self.shadow_blocks(s)) for s in range(len(self.spans)))
+
     def max_focus_links(self) -> int:
         """Before a focus probe: at most how many full span blocks it can link (each will need
         a private copy), 0 for any other layout."""
