@@ -17,7 +17,10 @@ Latency is the time to a one-token answer (the paper's classification questions)
 background throughput, from append to visible. The rolling-window check runs a second session
 whose retention keeps half the feed: questions about the latest alerts (in its window; the feed
 has one every 12 bars, with a code) must get the answers the full-context session gets, and both
-are checked against the data.
+are checked against the data. The speculative-exit check runs a third session whose instructions
+pose the trend question and that exits at its ready position (sessions/ready.py, --exit-threshold):
+at each step the trend question is asked of it; reported are whether it exited, its latency, and its
+answer against the computed one (the same tokens as a plain request) and against the bars.
 
     spanserve bench session [--model M] [--max-context 7600] [--steps 15] [--llama-cpp]
 """
@@ -36,6 +39,9 @@ QUESTIONS = ("Is the trend of the last ten bars UP or DOWN? Answer UP or DOWN.",
              "Did the last bar close above its open? Answer YES or NO.",
              "Was the last bar's volume above 20000? Answer YES or NO.")
 SYSTEM = "You analyse hourly price bars of one stock. Answer briefly."
+STANDING = ("You analyse hourly price bars of one stock. Reply UP if the last bar closed above the bar ten "
+            "bars before it, else DOWN.")
+TREND = QUESTIONS[0]  # the standing session's question
 ALERT_EVERY = 12
 
 
@@ -49,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--background-chunk-tokens", type=int, default=None,
                         help="ingest tokens per background step (default: the engine's)")
     parser.add_argument("--window-questions", type=int, default=4, help="rolling-window questions per step")
+    parser.add_argument("--exit-threshold", type=float, default=2.0,
+                        help="speculative exit check: the logit lead the ready position's answer needs")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/session-<model>.json)")
 
 
@@ -88,10 +96,10 @@ def run(args: argparse.Namespace) -> dict:
 
     full = llm.create_session(SYSTEM, flash=list(QUESTIONS), flash_max_tokens=1)
     window = llm.create_session(SYSTEM, retention_tokens=int(args.max_context * 0.5) + 64)
-    full.append("".join(feed[:start_rows]))
-    window.append("".join(feed[:start_rows]))
-    full.wait()
-    window.wait()
+    standing = llm.create_session(STANDING, exit_answers=["UP", "DOWN"], exit_threshold=args.exit_threshold)
+    for session in (full, window, standing):
+        session.append("".join(feed[:start_rows]))
+        session.wait()
     _warm(llm, full, one)
     steps, shown, fed = [], 0, start_rows
     for step in range(args.steps + 1):
@@ -100,10 +108,12 @@ def run(args: argparse.Namespace) -> dict:
             new = "".join(feed[fed:fed + step_rows])
             fed += step_rows
             row.update(_ingest(llm, full, new, QUESTIONS[step % len(QUESTIONS)], one))
-            window.append(new)
-            window.wait()
+            for session in (window, standing):
+                session.append(new)
+                session.wait()
         row.update(_measure(llm, full, one, peers, step), rows=fed)
         row.update(_window_check(full, window, feed[:fed], args.window_questions))
+        row.update(_exit_check(llm, standing, feed[:fed], one))
         steps.append(row)
         shown = _print_progress(steps, shown)
     result = _summary(args, steps, [p.name for p in peers])
@@ -197,6 +207,33 @@ def _window_check(full, window, fed: list[str], count: int) -> dict:
             **{f"window_{k}": v / max(1, len(alerts)) for k, v in right.items()}}
 
 
+def _exit_check(llm, standing, fed: list[str], params) -> dict:
+    """The trend question to the session that may exit at its ready position: did it, how fast, and
+    is its answer the computed one (the same tokens as a plain request) and the bars' trend?"""
+    start = time.perf_counter()
+    answer = standing.query(TREND, params)
+    seconds = time.perf_counter() - start
+    prompt = standing._session.prompt(llm.engine.sessions.format.question(TREND))
+    computed = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].text.strip()
+    closes = [float(row.split(" C ")[1].split()[0]) for row in fed if " C " in row]
+    return {"exit": answer.speculative, "exit_ms": seconds * 1000 if answer.speculative else None,
+            "exit_gap": standing._session.ready_exit.gap, "exit_answer": answer.text.strip(),
+            "computed_answer": computed, "trend": "UP" if closes[-1] > closes[-min(11, len(closes))] else "DOWN"}
+
+
+def _exit_summary(steps: list[dict]) -> dict:
+    exits = [r for r in steps if r["exit"]]
+
+    def share(rows, same) -> float | None:
+        return sum(map(same, rows)) / len(rows) if rows else None
+
+    return {"speculative exit rate": len(exits) / len(steps),
+            "exit answer = computed answer": share(exits, lambda r: r["exit_answer"] == r["computed_answer"]),
+            "exit answer = trend of the bars": share(exits, lambda r: r["exit_answer"] == r["trend"]),
+            "computed answer = trend of the bars": share(steps, lambda r: r["computed_answer"] == r["trend"]),
+            "exit latency, worst (ms)": max((r["exit_ms"] for r in exits), default=None)}
+
+
 def _print_progress(steps: list[dict], shown: int) -> int:
     for row in steps[shown:]:
         print(f"step {row['step']:2d}: {row['context_tokens']:6d} tokens, session {row['session_ms']:.0f} ms, "
@@ -219,6 +256,7 @@ def _summary(args, steps: list[dict], peers: list[str]) -> dict:
         "window accuracy (recent bars)": statistics.mean(r["window_window"] for r in steps),
         "full-context accuracy (recent bars)": statistics.mean(r["window_full"] for r in steps),
         "window agrees with full context": statistics.mean(r["window_agree"] for r in steps),
+        **_exit_summary(steps),
     }
     for peer in peers:
         summary[f"{peer} cached / session at the end"] = last[f"{peer}_cached_ms"] / last["session_ms"]

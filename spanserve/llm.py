@@ -9,6 +9,7 @@ from spanserve.outputs import RequestOutput
 from spanserve.pic.prompt import is_parts_prompt
 from spanserve.sampling import SamplingParams
 from spanserve.sessions import persist
+from spanserve.sessions.ready import DEFAULT_THRESHOLD
 from spanserve.sessions.session import Answer, Session
 
 
@@ -73,11 +74,17 @@ class LLM:
         return self.engine.chat_prompt(messages)["prompt_token_ids"]
 
     def create_session(self, system: str = "You are a helpful assistant.", retention_tokens: int | None = None,
-                       flash: Sequence[str] = (), flash_max_tokens: int = 64) -> "LLMSession":
+                       flash: Sequence[str] = (), flash_max_tokens: int = 64, exit_answers: Sequence[str] = (),
+                       exit_threshold: float = DEFAULT_THRESHOLD) -> "LLMSession":
         """A streaming session (sessions/session.py): append data as it arrives, ask questions that
-        cost only their own tokens. `flash` questions are answered again after each ingest."""
+        cost only their own tokens. `flash` questions are answered again after each ingest.
+        `exit_answers` turns on ready-position speculative exit (sessions/ready.py): a question is
+        answered, unread, with one of them when the model's assessment of the data alone is that
+        confident (its top token leads by more than `exit_threshold` logits)."""
         return LLMSession(self, self.engine.sessions.create(system, retention_tokens, list(flash),
-                                                            flash_max_tokens=flash_max_tokens))
+                                                            flash_max_tokens=flash_max_tokens,
+                                                            exit_answers=exit_answers,
+                                                            exit_threshold=exit_threshold))
 
     def restore_session(self, path: str) -> "LLMSession":
         """Open a session saved by LLMSession.save (same model and setup)."""

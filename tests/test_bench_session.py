@@ -21,3 +21,7 @@ def test_session_bench_measures_every_path(tiny_llama_path, tmp_path):
     assert steps[2]["while_ingesting_ms"] > 0 and steps[2]["ingest_tok_s"] > 0
     assert steps[2]["window_evicted"] > 0  # the rolling window dropped data
     assert result["summary"]["stateless / session at the end"] > 0
+    for s in steps:  # the speculative-exit check: an exit is a kept token, else a computed answer
+        assert s["trend"] in ("UP", "DOWN") and s["exit"] == (s["exit_ms"] is not None)
+        assert not s["exit"] or s["exit_answer"] in ("UP", "DOWN")
+    assert 0 <= result["summary"]["speculative exit rate"] <= 1

@@ -107,6 +107,35 @@ def test_flash_answers_are_pushed(server):
     assert hit["flash_hit"] and hit["text"] == event["answer"]
 
 
+def _assessed(server, sid):
+    """Wait until the ready position of the latest data is assessed (speculative exit)."""
+    for _ in range(600):
+        info = ingested(server, "alice", sid)
+        if info["ready_exit"]["version"] == info["version"]:
+            return info["ready_exit"]
+        time.sleep(0.05)
+    raise AssertionError(info)
+
+
+def test_ready_exit_answers_unread_when_confident(server):
+    body = {"system": "Log.", "exit_answers": ["none-of-these"], "exit_threshold": 0}
+    sid = request(server, "alice", "POST", "/v1/sessions", body).json()["id"]
+    request(server, "alice", "POST", f"/v1/sessions/{sid}/data", {"text": ROWS})
+    token = _assessed(server, sid)["token"]
+    assert not request(server, "alice", "POST", f"/v1/sessions/{sid}/query", QUESTION).json()["speculative"]
+    sid = request(server, "alice", "POST", "/v1/sessions", {**body, "exit_answers": [token]}).json()["id"]
+    request(server, "alice", "POST", f"/v1/sessions/{sid}/data", {"text": ROWS})
+    assert _assessed(server, sid)["token"] == token
+    answer = request(server, "alice", "POST", f"/v1/sessions/{sid}/query", QUESTION).json()
+    assert answer["speculative"] and answer["text"] == token and not answer["flash_hit"] and answer["usage"] is None
+    with httpx.stream("POST", f"{server.url}/v1/sessions/{sid}/query", json={**QUESTION, "stream": True},
+                      headers={"Authorization": f"Bearer {KEYS['alice']}"}, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [(c["speculative"], c["choices"][0]["text"]) for c in chunks] == [(True, token)]
+    for bad in ({"exit_threshold": -1}, {"exit_answers": [""]}, {"exit_answers": "Yes"}):
+        assert_openai_error(request(server, "alice", "POST", "/v1/sessions", {**body, **bad}), 400)
+
+
 def test_a_client_leaving_a_streamed_answer_leaves_nothing_running(server):
     from server_utils import wait_for_metrics
 

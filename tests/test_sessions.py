@@ -271,7 +271,7 @@ def test_cli_streams_a_csv_into_a_session(tiny_llama_path, tmp_path, capsys):
     table.write_text("time,sensor,value\n" + "".join(f"{i},{'ABC'[i % 3]},{i * 7 % 13}\n" for i in range(30)))
     main(["session", str(table), "--model", str(tiny_llama_path), "--dtype", "float32", "--num-blocks", "128",
           "--question", "Which sensor is last?", "--flash", "What is the last value?", "--every", "10",
-          "--rows-per-append", "4", "--max-tokens", "3", "--temperature", "0"])
+          "--rows-per-append", "4", "--max-tokens", "3", "--temperature", "0", "--exit-answers", "UP,DOWN"])
     out = capsys.readouterr().out
     assert out.count("Which sensor is last?") == 4  # after 10, 20 and 30 rows, and at the end (31 lines)
     assert "[10 rows, v3]" in out and "[flash v" in out and "31 rows:" in out
@@ -283,5 +283,91 @@ def test_an_append_past_the_backlog_is_refused(llm):
     with pytest.raises(CacheFullError, match="retry once they are"):
         s._session.append_tokens(list(range(100, 100 + 801)))
     assert s.info() == before  # nothing queued
+    s.close()
+    assert_engine_idle(llm)
+
+
+# ---- ready-position speculative exit (sessions/ready.py) ------------------------------------
+
+
+def _assessment(llm, session):
+    """The stateless reference of the ready position: the data, then the answer opened, one greedy
+    token with its two best logprobs."""
+    st = session._session.state
+    prompt = st.tokens + llm.engine.sessions.format.answer_opening
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1, logprobs=2))[0]
+    top = sorted(out.outputs[0].logprobs[0].values(), reverse=True)
+    return out.outputs[0].text.strip(), top[0] - top[1]
+
+
+def test_ready_exit_answers_from_the_data_alone_when_confident(llm):
+    """After each ingest the session assesses its data with no question (as a stateless run of the
+    same tokens does); a question is then answered with that token, with no forward pass, when it is
+    one of the fast answers and leads by more than the threshold; otherwise it is computed."""
+    probe = llm.create_session(system="Log.")
+    _feed(probe, ROWS[:12])
+    token, gap = _assessment(llm, probe)
+    probe.close()
+    assert token and gap > 0  # (the tiny model's top token here is a word, not spaces)
+    for threshold, answers, exits in [(gap - 1e-3, [token, "OK"], True), (gap + 1e-3, [token], False),
+                                      (0.0, ["not-" + token], False)]:
+        s = llm.create_session(system="Log.", exit_answers=answers, exit_threshold=threshold)
+        _feed(s, ROWS[:12])
+        ready = s._session.ready_exit
+        assert (ready.version, ready.token) == (s.version, token) and ready.gap == pytest.approx(gap, abs=1e-4)
+        answer = s.query("Any alert?", GREEDY)
+        assert answer.speculative == exits and answer.version == s.version
+        if exits:
+            assert answer.text == token and answer.output is None and not llm.engine.has_unfinished_requests()
+        else:
+            assert answer.output is not None and not answer.flash_hit
+        s.append(ROWS[12])  # a new version: assessed again before a question may exit on it
+        while s.version < s._session.state.version:  # until questions see it
+            llm.engine.step()
+        assert s.query("Any alert?", GREEDY).speculative is False  # (the new version's assessment is running)
+        s.wait()
+        assert s._session.ready_exit.version == s.version
+        s.close()
+    assert_engine_idle(llm)
+
+
+def test_ready_exit_survives_save_and_restore(llm, tmp_path):
+    s = llm.create_session(system="Log.", exit_answers=["A", "B"], exit_threshold=0.5)
+    _feed(s, ROWS[:6])
+    kept = s.info()["ready_exit"]
+    path = tmp_path / "ready.safetensors"
+    s.save(str(path))
+    s.close()
+    restored = llm.restore_session(str(path))
+    assert restored.info()["ready_exit"] == kept and kept["version"] == restored.version
+    restored.close()
+    assert_engine_idle(llm)
+
+
+@pytest.mark.parametrize("answers, threshold", [("Yes", 2.0), ([""], 2.0), (["Yes", 3], 2.0), (["Yes"], -1.0),
+                                                (["Yes"], "2"), (["Yes"], True), (["Yes"], float("nan"))])
+def test_bad_ready_exit_settings_are_refused(llm, answers, threshold):
+    with pytest.raises(InvalidRequestError, match="exit_"):
+        llm.create_session(system="Log.", exit_answers=answers, exit_threshold=threshold)
+    assert not llm.engine.sessions.sessions
+
+
+def test_a_full_pool_delays_the_sessions_own_questions(llm, monkeypatch):
+    """A flash question or ready position the pool has no room for is asked again after the next
+    step, rather than failing the step that found the pool full."""
+    s = llm.create_session(system="Log.", flash=["Which sensor?"], flash_max_tokens=2, exit_answers=["UP"])
+    refused, ask = [], s._session._ask
+
+    def full_at_first(suffix, params, priority, request_id=None, after_header=True):
+        if len(refused) < 2:
+            refused.append(after_header)
+            raise CacheFullError("the KV pool is full")
+        return ask(suffix, params, priority, request_id, after_header)
+
+    monkeypatch.setattr(s._session, "_ask", full_at_first)
+    _feed(s, ROWS[:4])
+    # refused twice, the ready position at least (the flash question may be running since the start)
+    assert len(refused) == 2 and False in refused
+    assert s.flash_answers()["Which sensor?"][0] == s.version == s._session.ready_exit.version
     s.close()
     assert_engine_idle(llm)

@@ -316,6 +316,9 @@ class SessionCreateRequest(_Request):
     retention_tokens: _int(ge=1, le=_SAFE) | None = None
     flash: list[NonEmptyStr] = Field(default_factory=list, max_length=64)
     flash_max_tokens: _int(ge=1, le=4096) = 64
+    # ready-position speculative exit (sessions/ready.py): off without answers
+    exit_answers: list[NonEmptyStr] = Field(default_factory=list, max_length=64)
+    exit_threshold: float = Field(2.0, ge=0, le=1e6)
 
 
 class SessionDataRequest(_Request):
@@ -340,6 +343,7 @@ class SessionInfo(BaseModel):
     retention_tokens: int
     flash: list[str]
     closed: bool
+    ready_exit: dict | None = None
 
 
 class SessionAnswer(BaseModel):
@@ -348,6 +352,7 @@ class SessionAnswer(BaseModel):
     session_id: str
     version: int
     flash_hit: bool
+    speculative: bool = False
     text: str
     finish_reason: str | None
     usage: Usage | None

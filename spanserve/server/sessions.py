@@ -86,7 +86,8 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
         server.check_model(body.model)
         tenant = _tenant(http)
         return await llm.call(lambda: store.create(body.system, body.retention_tokens, body.flash, tenant,
-                                                   body.flash_max_tokens).info())
+                                                   body.flash_max_tokens, body.exit_answers,
+                                                   body.exit_threshold).info())
 
     # One route for both methods: a 405 on this path then lists them both in its Allow header.
     @app.api_route("/v1/sessions/{session_id}", methods=["GET", "DELETE"], responses=errors)
@@ -126,19 +127,20 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
         if body.stream:
             return sse(_answer_chunks(first, run, seen, session_id, request_id))
         if isinstance(first, Answer):
-            return _answer_body(request_id, session_id, first.version, True, first.text, "stop", None)
+            return _answer_body(request_id, session_id, first, "stop", None)
         final = first if first.finished else await final_output(run, http)
         c = final.outputs[0]
-        return _answer_body(request_id, session_id, seen["version"], False, c.text, c.finish_reason,
+        return _answer_body(request_id, session_id, Answer(c.text, seen["version"]), c.finish_reason,
                             fmt.usage([final]))
 
     async def _answer_chunks(first, run, seen: dict, session_id: str, request_id: str):
-        def chunk(text, finish_reason, version, flash_hit=False):
+        def chunk(text, finish_reason, version, kept: Answer | None = None):
             return {"id": request_id, "object": "session.answer.chunk", "created": int(time.time()),
-                    "session_id": session_id, "version": version, "flash_hit": flash_hit,
+                    "session_id": session_id, "version": version, "flash_hit": bool(kept and kept.flash_hit),
+                    "speculative": bool(kept and kept.speculative),
                     "choices": [{"index": 0, "text": text, "finish_reason": finish_reason}]}
         if isinstance(first, Answer):
-            yield chunk(first.text, "stop", first.version, True)
+            yield chunk(first.text, "stop", first.version, first)
             return
         sent, out = 0, first
         try:
@@ -188,6 +190,7 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
 
 
 
-def _answer_body(request_id, session_id, version, flash_hit, text, finish_reason, usage) -> dict:
-    return SessionAnswer(id=request_id, session_id=session_id, version=version, flash_hit=flash_hit, text=text,
-                         finish_reason=finish_reason, usage=usage).model_dump()
+def _answer_body(request_id, session_id, answer: Answer, finish_reason, usage) -> dict:
+    return SessionAnswer(id=request_id, session_id=session_id, version=answer.version, flash_hit=answer.flash_hit,
+                         speculative=answer.speculative, text=answer.text, finish_reason=finish_reason,
+                         usage=usage).model_dump()

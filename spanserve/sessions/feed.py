@@ -6,6 +6,9 @@ Rows are appended as text lines (the header first, so the model knows the column
 time, as a feed would deliver them; every --every rows the questions are asked over the data
 ingested by then, each answer printed with its data version and latency. Registered (--flash)
 questions are answered by the engine after each ingest: their answers print when they change.
+With --exit-answers (say ALERT,OK, with instructions that pose one standing question), a question
+is answered from the model's assessment of the data alone when that is confident enough
+(sessions/ready.py); such answers print as speculative.
 """
 
 import argparse
@@ -14,6 +17,7 @@ import time
 from pathlib import Path
 
 from spanserve.errors import InvalidRequestError
+from spanserve.sessions.ready import DEFAULT_THRESHOLD
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "less room for a question); older rows are dropped")
     p.add_argument("--session-system", default="You answer questions about the data rows below, briefly.",
                    help="the session's instructions")
+    p.add_argument("--exit-answers", default="", help="comma-separated fast answers of ready-position "
+                   "speculative exit (default: off)")
+    p.add_argument("--exit-threshold", type=float, default=DEFAULT_THRESHOLD,
+                   help="the logit lead the top answer needs to exit (default %(default)s)")
 
 
 def rows(path: str):
@@ -40,7 +48,9 @@ def rows(path: str):
 def run(args, llm, params) -> None:
     if args.every < 1 or args.rows_per_append < 1:
         raise InvalidRequestError("--every and --rows-per-append must be >= 1")
-    session = llm.create_session(args.session_system, args.retention_tokens, args.flash)
+    answers = [a for a in args.exit_answers.split(",") if a.strip()]
+    session = llm.create_session(args.session_system, args.retention_tokens, args.flash,
+                                 exit_answers=answers, exit_threshold=args.exit_threshold)
     shown: dict[str, int] = {}
     batch, count = [], 0
     for line in rows(args.csv):
@@ -73,8 +83,9 @@ def _ask(session, questions: list[str], params, count: int) -> None:
         answer = session.query(question, params)
         seconds = time.perf_counter() - start
         ttft = answer.output.metrics.ttft_s if answer.output else 0.0
+        how = "speculative, " if answer.speculative else "flash, " if answer.flash_hit else ""
         print(f"[{count} rows, v{answer.version}] {question}\n    {answer.text.strip()}   "
-              f"(first token {ttft * 1000:.0f} ms, answer {seconds * 1000:.0f} ms)", flush=True)
+              f"({how}first token {ttft * 1000:.0f} ms, answer {seconds * 1000:.0f} ms)", flush=True)
 
 
 def _show_flash(session, shown: dict[str, int]) -> None:

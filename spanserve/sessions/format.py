@@ -35,6 +35,14 @@ class SessionFormat:
         """What every question starts with, computed after the data by each ingest."""
         return self.text("\n\nQuestion:")
 
+    @cached_property
+    def answer_opening(self) -> list[int]:
+        """The ready position (sessions/ready.py): the data closed as a user turn that asks
+        nothing, and the answer opened."""
+        if self.chat:
+            return self.chat.footer("user") + self.chat.generation_prompt
+        return self.text("\nAnswer:")
+
     def question(self, text: str) -> list[int]:
         """The rest of region 2's prompt: the question closes the user turn and opens the answer."""
         if self.chat:

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from spanserve.comb.plugin import model_fingerprint
 from spanserve.errors import CacheFullError, InvalidRequestError
 from spanserve.sampling import SamplingParams
+from spanserve.sessions.ready import ReadyExit
 from spanserve.sessions.session import SESSION_ID, Session, SessionState
 
 FORMAT = "spanserve-session-1"
@@ -41,7 +42,8 @@ def save(session: Session, path: str | Path) -> Path:
     state = dataclasses.asdict(session.state) | {"version_ends": list(session.state.version_ends)}
     meta = {"format": FORMAT, **kv_identity(engine), "id": session.id, "tenant": session.tenant, "state": state,
             "flash": [[f.question, f.version, f.answer] for f in session.flash.values()],
-            "flash_max_tokens": session.flash_params.max_tokens}
+            "flash_max_tokens": session.flash_params.max_tokens,
+            "ready_exit": session.ready_exit.info() if session.ready_exit else None}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_file({"kv": kv}, str(tmp), metadata={"session": json.dumps(meta)})
@@ -61,11 +63,12 @@ def load(engine, path: str | Path) -> tuple[Session, torch.Tensor]:
         state = SessionState(**{**meta["state"], "version_ends": deque(map(tuple, meta["state"]["version_ends"]))})
         flash = meta["flash"]
         params = SamplingParams(temperature=0.0, max_tokens=int(meta["flash_max_tokens"]))
-    except (KeyError, TypeError, ValueError) as exc:
+        ready_exit = _ready_exit(meta.get("ready_exit"))
+    except (KeyError, TypeError, ValueError, InvalidRequestError) as exc:
         raise InvalidRequestError(f"{path} is not a valid session file ({exc})") from exc
     if not isinstance(meta.get("id"), str) or not SESSION_ID.fullmatch(meta["id"]):
         raise InvalidRequestError(f"{path} is not a valid session file (its session id)")
-    session = Session(engine, state, meta.get("tenant"), meta["id"], flash_params=params)
+    session = Session(engine, state, meta.get("tenant"), meta["id"], flash_params=params, ready_exit=ready_exit)
     cache = engine.runner.kv_cache
     expected = (*cache.shape[:2], session.num_blocks_held(), *cache.shape[3:])
     if tuple(kv.shape) != expected or kv.dtype != cache.dtype:
@@ -74,6 +77,15 @@ def load(engine, path: str | Path) -> tuple[Session, torch.Tensor]:
         session.register(question)
         session.flash[question].version, session.flash[question].answer = version, answer
     return session, kv
+
+
+def _ready_exit(saved: dict | None) -> ReadyExit | None:
+    """A saved session's speculative exit, with the assessment it had kept."""
+    if saved is None:
+        return None
+    ready = ReadyExit.make(saved["answers"], saved["threshold"])
+    ready.version, ready.token, ready.gap = int(saved["version"]), saved["token"], float(saved["gap"])
+    return ready
 
 
 def tenant_of(path: str | Path) -> str | None:

@@ -21,7 +21,8 @@ copies (one or two blocks), and an ingest writes into copies too, which replace 
 when it finishes: the session's state changes at once, between two steps.
 
 Registered ("flash") questions are answered again after each ingest, at the most urgent
-priority; their answers are kept per data version and pushed to subscribers.
+priority; their answers are kept per data version and pushed to subscribers. So is the
+ready-position assessment of a session that asks for speculative exit (ready.py).
 
 Everything here runs on the engine's thread.
 """
@@ -36,6 +37,8 @@ from spanserve.engine.request import HeldContext, Priority, Request
 from spanserve.errors import CacheFullError, InvalidRequestError, SessionClosedError, SessionFullError
 from spanserve.kv.block_pool import Block
 from spanserve.sampling import SamplingParams
+from spanserve.sessions.ready import PARAMS as READY_PARAMS
+from spanserve.sessions.ready import ReadyExit
 
 INGEST_TOKENS = 1024  # data one ingest request computes (the scheduler splits it into chunks)
 # An eviction drops this much of the data window beyond what it must, so that a key is moved
@@ -64,6 +67,7 @@ class Answer:
     text: str
     version: int  # the data version it saw: every append up to this one
     flash_hit: bool = False  # a registered question's kept answer: no forward pass
+    speculative: bool = False  # the ready position's assessment (ready.py): no forward pass, question unread
     output: object | None = None  # the RequestOutput, when it was computed
 
 
@@ -93,8 +97,10 @@ class SessionState:
 
 class Session:
     def __init__(self, engine, state: SessionState, tenant: str | None = None, session_id: str | None = None,
-                 flash: list[str] = (), flash_params: SamplingParams | None = None):
+                 flash: list[str] = (), flash_params: SamplingParams | None = None,
+                 ready_exit: ReadyExit | None = None):
         self.engine, self.state, self.tenant = engine, state, tenant
+        self.ready_exit = ready_exit
         self.id = session_id or f"sess-{uuid.uuid4().hex}"
         self.blocks: list[Block] = []
         self.closed = False
@@ -148,7 +154,9 @@ class Session:
         """Whether data `version` (default: all appended) is visible to questions and no registered
         question is being answered again."""
         target = self.state.version if version is None else version
-        return self.state.visible_version >= target and not any(f.running for f in self.flash.values())
+        ready = self.ready_exit
+        return self.state.visible_version >= target and not any(f.running for f in self.flash.values()) \
+            and not (ready and (ready.running or ready.version < target))
 
     def service(self) -> None:
         """Background work, after each engine step: drop old data, start the next ingest, ask
@@ -159,8 +167,21 @@ class Session:
             self._start_ingest()
         for flash in self.flash.values():
             if flash.running is None and flash.version < self.state.visible_version:
-                asked = self._ask(flash.tokens, self.flash_params, Priority.FLASH)
-                flash.running, flash.asking = asked.group, asked.version
+                if (asked := self._ask_in_background(flash.tokens, self.flash_params)) is not None:
+                    flash.running, flash.asking = asked.group, asked.version
+        ready = self.ready_exit
+        if ready and ready.running is None and ready.version < self.state.visible_version and self.state.ready:
+            opening = self.engine.sessions.format.answer_opening
+            if (asked := self._ask_in_background(opening, READY_PARAMS, after_header=False)) is not None:
+                ready.running, ready.asking = asked.group, asked.version
+
+    def _ask_in_background(self, suffix: list[int], params: SamplingParams, after_header: bool = True):
+        """A flash question or the ready position, asked by the session itself: None if the pool has
+        no room now (it is asked again after the next step)."""
+        try:
+            return self._ask(suffix, params, Priority.FLASH, after_header=after_header)
+        except CacheFullError:
+            return None
 
     def _start_ingest(self) -> None:
         """Compute pending data and the question header after it, after making room for them."""
@@ -251,9 +272,11 @@ class Session:
             raise InvalidRequestError("question must be a non-empty string")
         if params.n != 1:
             raise InvalidRequestError("a question to a session takes n=1")
-        flash = self.flash.get(question)
-        if flash and flash.answer is not None and flash.version == self.state.visible_version:
+        flash, version = self.flash.get(question), self.state.visible_version
+        if flash and flash.answer is not None and flash.version == version:
             return Answer(flash.answer, flash.version, flash_hit=True)
+        if self.ready_exit and (guess := self.ready_exit.answer(version)) is not None:
+            return Answer(guess, version, speculative=True)
         return self._ask(self.engine.sessions.format.question(question), params, Priority.SESSION, request_id)
 
     def prompt(self, question: list[int]) -> list[int]:
@@ -263,13 +286,15 @@ class Session:
         return st.tokens + st.pending[:max(0, st.num_frozen - len(st.tokens))] + self.header + question
 
     def _ask(self, suffix: list[int], params: SamplingParams, priority: Priority,
-             request_id: str | None = None) -> Question:
-        prompt = self.prompt(suffix)
+             request_id: str | None = None, after_header: bool = True) -> Question:
+        """Start computing `suffix` after the data: after the question header (a question), or
+        right after the data (the ready position, ready.py)."""
+        prompt = self.prompt(suffix) if after_header else self.state.tokens + suffix
         room = self.engine.max_model_len - (len(prompt) - len(suffix))
         if len(suffix) + params.max_tokens > room:
             raise SessionFullError(f"the question ({len(suffix)} tokens) and its max_tokens ({params.max_tokens}) "
                                    f"need more room than the session leaves ({room} positions)")
-        held = self._held()
+        held = self._held(with_header=after_header)
         if held is None:
             raise CacheFullError("the KV pool is full: no room for the question; retry shortly")
         return Question(self._request(prompt, held, params, priority, request_id=request_id),
@@ -300,6 +325,11 @@ class Session:
             if req.finish_reason != "abort" and flash.asking > flash.version:
                 flash.version, flash.answer = flash.asking, group.to_output().outputs[0].text
                 self._publish(flash)
+        ready = self.ready_exit
+        if ready and ready.running and req is ready.running.children[0]:
+            group, ready.running = ready.running, None
+            if req.finish_reason != "abort" and ready.asking > ready.version:
+                ready.record(group.to_output())
 
     # ---- flash questions --------------------------------------------------------------------
 
@@ -333,6 +363,7 @@ class Session:
             return
         self.closed = True
         running = [self._ingest] + [f.running for f in self.flash.values()]
+        running += [self.ready_exit.running] if self.ready_exit else []
         for group in running:
             if group is not None:
                 self.engine.abort_request(group.request_id)
@@ -351,7 +382,8 @@ class Session:
         return {"id": self.id, "object": "session", "version": st.version, "visible_version": st.visible_version,
                 "num_tokens": len(st.tokens), "frozen_tokens": st.num_frozen, "pending_tokens": len(st.pending),
                 "evicted_tokens": st.evicted, "retention_tokens": st.retention_tokens,
-                "flash": list(self.flash), "closed": self.closed}
+                "flash": list(self.flash), "closed": self.closed,
+                "ready_exit": self.ready_exit.info() if self.ready_exit else None}
 
 
 def _event(flash: Flash) -> dict:

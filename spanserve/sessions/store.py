@@ -6,6 +6,7 @@ from spanserve.errors import CacheFullError, InvalidRequestError, InvalidSession
 from spanserve.sampling import SamplingParams
 from spanserve.sessions import persist
 from spanserve.sessions.format import SessionFormat
+from spanserve.sessions.ready import DEFAULT_THRESHOLD, ReadyExit
 from spanserve.sessions.session import Session, SessionState
 
 QUESTION_ROOM = 512  # positions a session leaves by default for a question and its answer
@@ -22,11 +23,14 @@ class SessionStore:
         return SessionFormat(self.engine.tokenizer, self.engine.config.block_size, self.engine.pad_token_id)
 
     def create(self, system: str = "You are a helpful assistant.", retention_tokens: int | None = None,
-               flash: list[str] = (), tenant: str | None = None, flash_max_tokens: int = 64) -> Session:
+               flash: list[str] = (), tenant: str | None = None, flash_max_tokens: int = 64,
+               exit_answers: list[str] = (), exit_threshold: float = DEFAULT_THRESHOLD) -> Session:
         """A new session whose regions 0-1 keep at most `retention_tokens` tokens (default: the
-        model's length less QUESTION_ROOM, or a quarter of it). Its instructions are computed in the background."""
+        model's length less QUESTION_ROOM, or a quarter of it). Its instructions are computed in the background.
+        `exit_answers`: the fast answers of ready-position speculative exit (ready.py; none: off)."""
         if not isinstance(system, str):
             raise InvalidRequestError("system must be a string")
+        ready_exit = ReadyExit.make(exit_answers, exit_threshold)
         if not isinstance(flash, (list, tuple)) or not all(isinstance(q, str) and q for q in flash):
             raise InvalidRequestError("flash must be a list of non-empty questions")
         frozen = self.format.frozen(system)
@@ -45,7 +49,7 @@ class SessionStore:
         params = SamplingParams(temperature=0.0, max_tokens=flash_max_tokens)
         state = SessionState(tokens=[], num_frozen=len(frozen), pending=list(frozen), retention_tokens=retention,
                              appended=len(frozen))  # the instructions are version 0
-        session = Session(self.engine, state, tenant, flash=list(flash), flash_params=params)
+        session = Session(self.engine, state, tenant, flash=list(flash), flash_params=params, ready_exit=ready_exit)
         self.sessions[session.id] = session
         session.service()
         return session
