@@ -53,8 +53,7 @@ class ReadyExit:
         """Keep the assessment a finished ready-position request computed."""
         completion = output.outputs[0]
         top = sorted(completion.logprobs[0].values(), reverse=True)
-        self.version, self.token = self.asking, completion.text.strip()
-        self.gap = top[0] - top[1] if len(top) > 1 else float("inf")
+        self.version, self.token, self.gap = self.asking, completion.text.strip(), top[0] - top[1]
 
     def info(self) -> dict:
         return {"answers": list(self.answers), "threshold": self.threshold, "version": self.version,
