@@ -11,9 +11,10 @@ from helpers import assert_engine_idle, greedy, random_prompt
 from safetensors.torch import save_file
 from server_utils import ServerProcess, assert_openai_error
 
-from spanserve import LLM, InvalidRequestError
+from spanserve import LLM, InvalidRequestError, SamplingParams
 from spanserve.comb import dense
 from spanserve.comb.plugin import CombPlugin
+from spanserve.pic.link import AUTO_FOCUS_TOKENS
 from spanserve.spans.api import prepare, query_tokenizer
 from spanserve.spans.executor import inner_calls
 from spanserve.spans.ir import cross, g, plus, system, user
@@ -182,13 +183,21 @@ def test_a_plugin_trained_for_another_model_or_a_corrupt_file_is_rejected(tiny_q
         make_llm(tiny_qwen2_path, comb_plugin=str(tmp_path / "missing.safetensors"))
 
 
-def test_the_default_link_policy_is_comb_where_a_plugin_is_loaded_else_none(tiny_llama_path, plugin_file):
-    assert make_llm(tiny_llama_path).engine.default_link == "none"
+def test_the_default_link_policy_is_comb_with_focus_where_a_plugin_is_loaded_else_none(tiny_llama_path, plugin_file):
+    plain = make_llm(tiny_llama_path).engine
+    assert (plain.default_link, plain.link_policy(SamplingParams()).focus_tokens) == ("none", 0)
     llm = make_llm(tiny_llama_path, comb_plugin=str(plugin_file))
-    assert llm.engine.default_link == "comb"
+    engine = llm.engine
+    assert engine.default_link == "comb"
+    assert engine.link_policy(SamplingParams()).focus_tokens == AUTO_FOCUS_TOKENS
+    assert engine.link_policy(SamplingParams(link_policy="comb")).focus_tokens == 0  # a policy named is as named
+    assert engine.link_policy(SamplingParams(focus_spans=1)).focus_tokens == 0
     p = prompt([1, 2])
-    assert run(llm, p)[1] == run(llm, p, link_policy="comb")[1]
+    assert run(llm, p)[1] == run(llm, p, link_policy="comb", focus_tokens=AUTO_FOCUS_TOKENS)[1]
     assert make_llm(tiny_llama_path, comb_plugin=str(plugin_file), link_policy="gap").engine.default_link == "gap"
+    operator = make_llm(tiny_llama_path, comb_plugin=str(plugin_file), focus_spans=1).engine  # set sizes win
+    assert (operator.link_policy(SamplingParams()).focus_spans, operator.link_policy(SamplingParams()).focus_tokens) \
+        == (1, 0)
 
 
 def test_a_judge_reads_generated_candidates_from_the_cache_under_comb(comb_llm):

@@ -31,7 +31,7 @@ from spanserve.models.config import ModelConfig
 from spanserve.models.loader import load_model, load_tokenizer, resolve_model
 from spanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from spanserve.pic.layout import Anchor, PromptLayout, validate_spans
-from spanserve.pic.link import FOCUSABLE, LinkPolicy
+from spanserve.pic.link import AUTO_FOCUS_TOKENS, FOCUSABLE, LinkPolicy
 from spanserve.pic.prompt import chat_parts, is_parts_prompt, tokenize_parts
 from spanserve.sampling import SamplingParams
 from spanserve.sessions.store import SessionStore
@@ -134,6 +134,8 @@ class LLMEngine:
             raise PluginNotLoadedError(_NO_COMB)
         auto = "comb" if self.comb else "none"
         self.default_link = auto if config.link_policy == "auto" else config.link_policy
+        configured = config.focus_spans or config.focus_tokens
+        self.auto_focus = AUTO_FOCUS_TOKENS if config.link_policy == "auto" and self.comb and not configured else 0
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
         self.pad_token_id = self._span_pad_token()
         self.anchor = self._make_anchor() if config.span_anchor else None
@@ -145,7 +147,7 @@ class LLMEngine:
         self._ids = itertools.count()
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, span link policy %s",
                  path.name, self.dtype, self.device, num_blocks, config.block_size, self.max_model_len,
-                 self.default_link)
+                 self.default_link + (f"+focus{self.auto_focus}t" if self.auto_focus else ""))
 
     def _make_anchor(self) -> Anchor | None:
         """The span anchor: a short system message as the chat template renders it (or the
@@ -245,6 +247,8 @@ class LLMEngine:
         sizes = ("focus_spans", "focus_tokens")
         if any(getattr(params, f) is not None for f in sizes):  # a request's own sizes the pick (checked)
             focus = {f: getattr(params, f) or 0 for f in sizes}
+        elif params.link_policy is None and self.auto_focus:  # the auto default: comb with focus
+            focus = {"focus_spans": 0, "focus_tokens": self.auto_focus}
         else:  # the engine's default goes to the policies it applies to
             focus = {f: getattr(self.config, f) if name in FOCUSABLE else 0 for f in sizes}
         return LinkPolicy(name, gap, ratio, plugin=self.comb.signature if name == "comb" else "",
