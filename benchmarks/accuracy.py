@@ -107,7 +107,8 @@ def evaluate(llm, items: list[dict], conditions: list[str], max_tokens: int, log
                 outs = llm.generate([condition_prompt(items[k]["prompt"], condition) for k in indices], params)
             for k, out in zip(indices, outs):
                 text = out.outputs[0].text
-                prompt, chosen = items[k]["prompt"], linked.get(tuple(items[k]["prompt"]["ids"]))
+                prompt = items[k]["prompt"]
+                chosen = linked.get(tuple(prompt["ids"]))
                 records[k] = {"text": text, "token_ids": out.outputs[0].token_ids,
                               "correct": first_number(text) == items[k]["answer"],
                               "cached_tokens": out.num_cached_tokens,

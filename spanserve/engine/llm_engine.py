@@ -265,9 +265,11 @@ class LLMEngine:
         token_ids = tp.token_ids
         link = self.link_policy(params)
         anchored = self.anchor is not None and link.uses_spans and any(start > 0 for start, _ in tp.spans)
-        layout = PromptLayout(len(token_ids), tp.spans, link, self.config.block_size, self.anchor)
+        # a layout each: a selecting link policy changes it
+        layouts = [PromptLayout(len(token_ids), tp.spans, link, self.config.block_size, self.anchor)
+                   for _ in range(params.n)]
         anchor_blocks = self.anchor.num_tokens // self.config.block_size if anchored else 0
-        self._validate_tokens(token_ids, params, anchor_blocks, layout.probe_blocks())
+        self._validate_tokens(token_ids, params, anchor_blocks, layouts[0].probe_blocks())
         request_id = request_id or f"req-{next(self._ids)}"
         flow = self._sparse_flow(params)
         children = []
@@ -277,8 +279,7 @@ class LLMEngine:
                 child_params = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
             children.append(Request(
                 request_id=f"{request_id}-{i}" if params.n > 1 else request_id,
-                group_id=request_id, index=i,  # a layout each: a selecting link policy changes it
-                layout=PromptLayout(len(token_ids), tp.spans, link, self.config.block_size, self.anchor),
+                group_id=request_id, index=i, layout=layouts[i],
                 prompt_token_ids=token_ids, params=child_params, eos_token_ids=self.eos_token_ids,
                 cache_salt=tp.cache_salt, max_total_tokens=self.max_model_len,
                 wait_for=children[0] if children and self.config.enable_prefix_caching else None,
