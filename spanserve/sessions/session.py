@@ -59,6 +59,10 @@ class Flash:
     running: object | None = None  # the RequestGroup answering it now
     asking: int = -1  # the data version it sees
 
+    def record(self, output) -> None:
+        """Keep the answer a finished request computed."""
+        self.version, self.answer = self.asking, output.outputs[0].text
+
 
 @dataclass
 class Answer:
@@ -155,8 +159,8 @@ class Session:
         question is being answered again."""
         target = self.state.version if version is None else version
         ready = self.ready_exit
-        return self.state.visible_version >= target and not any(f.running for f in self.flash.values()) \
-            and not (ready and (ready.running or ready.version < target))
+        return self.state.visible_version >= target and not any(item.running for item in self._standing()) \
+            and not (ready and ready.version < target)
 
     def service(self) -> None:
         """Background work, after each engine step: drop old data, start the next ingest, ask
@@ -319,17 +323,19 @@ class Session:
             if req.finish_reason != "abort":
                 self._ingested(req)
         self.pool.release(req.held.blocks)
-        flash = next((f for f in self.flash.values() if f.running and req is f.running.children[0]), None)
-        if flash is not None:
-            group, flash.running = flash.running, None
-            if req.finish_reason != "abort" and flash.asking > flash.version:
-                flash.version, flash.answer = flash.asking, group.to_output().outputs[0].text
-                self._publish(flash)
-        ready = self.ready_exit
-        if ready and ready.running and req is ready.running.children[0]:
-            group, ready.running = ready.running, None
-            if req.finish_reason != "abort" and ready.asking > ready.version:
-                ready.record(group.to_output())
+        item = next((i for i in self._standing() if i.running and req is i.running.children[0]), None)
+        if item is not None:
+            group, item.running = item.running, None
+            if req.finish_reason != "abort" and item.asking > item.version:
+                item.record(group.to_output())
+                if isinstance(item, Flash):
+                    self._publish(item)
+
+    def _standing(self):
+        """What the session asks again after each ingest: its flash questions and ready position."""
+        yield from self.flash.values()
+        if self.ready_exit:
+            yield self.ready_exit
 
     # ---- flash questions --------------------------------------------------------------------
 
@@ -362,9 +368,7 @@ class Session:
         if self.closed:
             return
         self.closed = True
-        running = [self._ingest] + [f.running for f in self.flash.values()]
-        running += [self.ready_exit.running] if self.ready_exit else []
-        for group in running:
+        for group in [self._ingest] + [item.running for item in self._standing()]:
             if group is not None:
                 self.engine.abort_request(group.request_id)
         self.pool.release(self.blocks)
