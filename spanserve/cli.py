@@ -33,6 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="register a sparse decode flow of your own (repeatable); requests name it")
     g.add_argument("--background-chunk-tokens", type=int, default=32,
                    help="session ingest: tokens per step, in steps no other request needs")
+    g.add_argument("--session-tenant-share", type=float, default=0.9,
+                   help="share of the KV pool one tenant's (API key's) sessions may hold (all sessions: 0.9)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--link-policy", default="auto", choices=["auto", *POLICIES],
                    help="default link policy of requests with position-independent spans (auto: comb where "
@@ -66,6 +68,7 @@ def engine_config(args) -> EngineConfig:
         num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         background_chunk_tokens=args.background_chunk_tokens, sparse_flows=args.sparse_flow,
+        session_tenant_share=args.session_tenant_share,
         enable_prefix_caching=not args.no_prefix_caching,
         link_policy=args.link_policy, gap_length=args.gap_length,
         blend_ratio=args.blend_ratio, comb_plugin=args.comb_plugin, blend_layers=args.blend_layers,

@@ -31,6 +31,9 @@ class EngineConfig:
     # time: a question arriving meanwhile waits for at most one such step. Larger: faster ingest,
     # slower questions during it (bench session, "while ingesting").
     background_chunk_tokens: int = 32
+    # Sessions together may hold 90% of the KV pool; one tenant's (API key's) sessions this share
+    # of it at most, so that one tenant cannot take the room every other tenant's sessions need.
+    session_tenant_share: float = 0.9
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto: the Triton kernel on CUDA (where installed), else torch
@@ -64,6 +67,8 @@ class EngineConfig:
         if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.background_chunk_tokens) < 1:
             raise InvalidRequestError(
                 "block_size, max_num_seqs, max_num_batched_tokens and background_chunk_tokens must be >= 1")
+        if not 0 < self.session_tenant_share <= 1:
+            raise InvalidRequestError(f"session_tenant_share must be in (0, 1], got {self.session_tenant_share}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
         from spanserve.pic.link import LinkPolicy

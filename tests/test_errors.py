@@ -66,6 +66,7 @@ def test_unknown_sampling_keyword_is_rejected_by_name():
     ({"dtype": "float8"}, "unknown dtype 'float8'"),
     ({"num_blocks": 0}, "num_blocks must be >= 1, got 0"),
     ({"block_size": 0}, "block_size, max_num_seqs, max_num_batched_tokens and background_chunk_tokens must be >= 1"),
+    ({"session_tenant_share": 0}, r"session_tenant_share must be in \(0, 1\], got 0"),
 ])
 def test_bad_engine_settings_are_rejected(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):

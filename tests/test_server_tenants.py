@@ -1,6 +1,6 @@
 """Tenants (issue 13): keys name tenants, and no cache entry crosses from one tenant to another:
 not prefix blocks, not span blocks, not a span query's calls; cache_salt splits a tenant further;
-/metrics needs a key unless --metrics-public."""
+/metrics needs a key unless --metrics-public; one tenant's sessions keep to its share of the pool."""
 
 import httpx
 import pytest
@@ -20,7 +20,8 @@ def server(tiny_llama_path, tmp_path_factory):
     keys = root / "keys.txt"
     keys.write_text("# key tenant\n" + "".join(f"{k} {t}\n" for t, k in KEYS.items()))
     server = ServerProcess(["--model", str(tiny_llama_path), "--dtype", "float32", "--num-blocks", "1024",
-                            "--api-keys", str(keys), "--api-key", "shared-key"], root / "server.log")
+                            "--api-keys", str(keys), "--api-key", "shared-key",
+                            "--session-tenant-share", "0.05"], root / "server.log")
     yield server
     server.stop()
 
@@ -72,6 +73,24 @@ def test_span_query_calls_are_not_shared_across_tenants(server):
     again = call(server, "alice", "/v1/spans", {"query": query})["calls"][-1]["cached_tokens"]
     probe = call(server, "bob", "/v1/spans", {"query": query})["calls"][-1]["cached_tokens"]
     assert again >= 64 and probe < again
+
+
+def test_one_tenant_cannot_take_the_room_of_the_others_sessions(server):
+    """--session-tenant-share 0.05 of 1,024 blocks: 51 blocks per tenant, two sessions of the
+    default retention (384 tokens, 24 blocks) each."""
+    def create(tenant: str) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/sessions", json={"system": "Log."}, timeout=60,
+                          headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+
+    alice = [create("alice").json()["id"] for _ in range(2)]
+    error = assert_openai_error(create("alice"), 400, "your sessions may hold 3 more")
+    assert error["code"] == "cache_full"
+    bob = create("bob")
+    assert bob.status_code == 200, bob.text
+    for tenant, ids in (("alice", alice), ("bob", [bob.json()["id"]])):
+        for sid in ids:
+            r = httpx.delete(f"{server.url}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+            assert r.status_code == 200, r.text
 
 
 def test_metrics_need_a_key(server):

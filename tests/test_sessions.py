@@ -235,10 +235,25 @@ def test_bad_input_changes_no_other_session(llm):
 def test_sessions_must_fit_in_the_pool_together(tiny_llama_path):
     small = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=40)
     first = small.create_session(retention_tokens=480)  # 30 of the 36 blocks sessions may hold
-    with pytest.raises(CacheFullError, match="open sessions may hold 6 more"):
+    with pytest.raises(CacheFullError, match="your sessions may hold 6 more"):
         small.create_session(retention_tokens=480)
     first.close()
     small.create_session(retention_tokens=480).close()
+    assert_engine_idle(small)
+
+
+def test_one_tenant_cannot_take_the_room_of_the_others_sessions(tiny_llama_path):
+    small = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=40, session_tenant_share=0.5)
+    store = small.engine.sessions
+    a = [store.create(retention_tokens=160, tenant="a") for _ in range(2)]  # 20 of tenant a's 20 blocks
+    with pytest.raises(CacheFullError, match="your sessions may hold 0 more"):
+        store.create(retention_tokens=160, tenant="a")
+    b = store.create(retention_tokens=160, tenant="b")  # another tenant still has its share
+    with pytest.raises(CacheFullError, match="the sessions' share of the KV pool") as full:
+        store.create(retention_tokens=160, tenant="c")  # 30 + 10 blocks > the 36 of all sessions
+    assert "20" not in str(full.value)  # nothing of the other tenants' use is told
+    for session in [*a, b]:
+        store.close(session.id, tenant=session.tenant)
     assert_engine_idle(small)
 
 

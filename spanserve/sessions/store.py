@@ -11,6 +11,7 @@ from spanserve.sessions.session import Session, SessionState
 
 QUESTION_ROOM = 512  # positions a session leaves by default for a question and its answer
 SESSION_POOL_SHARE = 0.9  # sessions together may hold at most this much of the KV pool
+# (one tenant's sessions: EngineConfig.session_tenant_share of it)
 
 
 class SessionStore:
@@ -45,7 +46,7 @@ class SessionStore:
         if retention + bs > max_len:
             raise InvalidSessionError(f"retention_tokens ({retention}) leaves no room for a question within "
                                       f"max_model_len {max_len}")
-        self._reserve(retention)
+        self._reserve(retention, tenant)
         params = SamplingParams(temperature=0.0, max_tokens=flash_max_tokens)
         state = SessionState(tokens=[], num_frozen=len(frozen), pending=list(frozen), retention_tokens=retention,
                              appended=len(frozen))  # the instructions are version 0
@@ -54,15 +55,23 @@ class SessionStore:
         session.service()
         return session
 
-    def _reserve(self, retention_tokens: int) -> None:
-        """Sessions must fit in the pool together: each may hold its whole retention."""
+    def _reserve(self, retention_tokens: int, tenant: str | None) -> None:
+        """Sessions must fit in the pool together, each with its whole retention, and a tenant's
+        within its share. The message tells a tenant its own sessions' use, not the others'."""
         kv = self.engine.kv
-        held = sum(kv.blocks_needed(s.state.retention_tokens) for s in self.sessions.values())
-        needed, limit = kv.blocks_needed(retention_tokens), int(SESSION_POOL_SHARE * kv.pool.num_blocks)
-        if held + needed > limit:
-            raise CacheFullError(f"a session keeping {retention_tokens} tokens needs {needed} KV blocks; open "
-                                 f"sessions may hold {limit - held} more (lower retention_tokens, close a "
-                                 f"session, or raise kv_cache_memory_gb)")
+        needed = kv.blocks_needed(retention_tokens)
+
+        def room(sessions, share: float) -> int:
+            return int(share * kv.pool.num_blocks) - sum(kv.blocks_needed(s.state.retention_tokens) for s in sessions)
+
+        own = room([s for s in self.sessions.values() if s.tenant == tenant], self.engine.config.session_tenant_share)
+        if needed > own:
+            raise CacheFullError(f"a session keeping {retention_tokens} tokens needs {needed} KV blocks; your "
+                                 f"sessions may hold {max(own, 0)} more (lower retention_tokens or close a session)")
+        if needed > room(self.sessions.values(), SESSION_POOL_SHARE):
+            raise CacheFullError(f"a session keeping {retention_tokens} tokens needs {needed} KV blocks, more than "
+                                 f"the sessions' share of the KV pool has free now; retry later or lower "
+                                 f"retention_tokens")
 
     def restore(self, path, tenant: str | None = None) -> Session:
         """Open a session saved by persist.save (only for the tenant that saved it)."""
@@ -71,7 +80,7 @@ class SessionStore:
             raise SessionNotFoundError(f"no session in {path}")
         if session.id in self.sessions:
             raise InvalidRequestError(f"session {session.id} is already open")
-        self._reserve(session.state.retention_tokens)
+        self._reserve(session.state.retention_tokens, tenant)
         persist.fill(session, kv)
         self.sessions[session.id] = session
         session.service()
