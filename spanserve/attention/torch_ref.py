@@ -61,7 +61,8 @@ class TorchAttention(AttentionBackend):
             return _sdpa(q, k, v, None, scale, causal=True)
         first = meta.contiguous_from[i] if meta.contiguous_from else None
         if (on_cpu and (q_len > 1 or rotation is not None)) or share is not None:  # moved span keys too
-            keys, values = gather_head_major(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
+            rows = None if first is not None else _step_rows(meta, i, k_cache)
+            keys, values = gather_head_major(k_cache, v_cache, meta.block_tables[i], ctx_len, first, rows)
             if rotation is not None:
                 # Elementwise and memory-bound: a second thread's wake-up cost more than it saved.
                 with attention_threads(0):
@@ -120,11 +121,35 @@ def gather_context(k_cache, v_cache, block_table, ctx_len, first_block=None):
             gather_blocks(v_cache, blocks).flatten(0, 1)[:ctx_len])
 
 
-def gather_head_major(k_cache, v_cache, block_table, ctx_len, first_block=None):
+def gather_head_major(k_cache, v_cache, block_table, ctx_len, first_block=None, rows=None):
     """Like gather_context, as contiguous copies in head-major order [kv_heads, ctx_len, D]:
-    what a matmul over each head's keys reads without a copy of its own (one costs 2x more)."""
-    keys, values = gather_context(k_cache, v_cache, block_table, ctx_len, first_block)
-    return _head_major(keys), _head_major(values)
+    what a matmul over each head's keys reads without a copy of its own (one costs 2x more).
+    Scattered blocks are gathered row by row straight into that order (`rows`, from
+    head_major_rows): one copy instead of a gather and a transpose, 2x faster."""
+    if first_block is not None:
+        keys, values = gather_context(k_cache, v_cache, block_table, ctx_len, first_block)
+        return _head_major(keys), _head_major(values)
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    if rows is None:
+        rows = head_major_rows(block_table, ctx_len, k_cache.shape[1], kv_heads)
+    return (torch.index_select(k_cache.view(-1, dim), 0, rows).view(kv_heads, ctx_len, dim),
+            torch.index_select(v_cache.view(-1, dim), 0, rows).view(kv_heads, ctx_len, dim))
+
+
+def _step_rows(meta: AttentionMetadata, i: int, k_cache) -> torch.Tensor:
+    """head_major_rows of sequence i: the same in every layer, so found once per step."""
+    key = ("head_major_rows", i)
+    if key not in meta.derived:
+        meta.derived[key] = head_major_rows(meta.block_tables[i], meta.context_lens[i], *k_cache.shape[1:3])
+    return meta.derived[key]
+
+
+def head_major_rows(block_table, ctx_len: int, block_size: int, kv_heads: int) -> torch.Tensor:
+    """[kv_heads * ctx_len]: where each (kv head, token) of a context is in a layer's cache
+    viewed as one row per (slot, kv head), head by head."""
+    offsets = torch.arange(block_size, device=block_table.device)
+    slots = (block_table[: -(-ctx_len // block_size), None] * block_size + offsets).flatten()[:ctx_len]
+    return (slots[None, :] * kv_heads + torch.arange(kv_heads, device=block_table.device)[:, None]).flatten()
 
 
 def _head_major(x: torch.Tensor) -> torch.Tensor:
