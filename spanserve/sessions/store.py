@@ -67,7 +67,8 @@ class SessionStore:
         own = room([s for s in self.sessions.values() if s.tenant == tenant], self.engine.config.session_tenant_share)
         if needed > own:
             raise CacheFullError(f"a session keeping {retention_tokens} tokens needs {needed} KV blocks; your "
-                                 f"sessions may hold {max(own, 0)} more (lower retention_tokens or close a session)")
+                                 f"sessions may hold {max(own, 0)} more (lower retention_tokens, close a session, or "
+                                 f"raise kv_cache_memory_gb)")
         if needed > room(self.sessions.values(), SESSION_POOL_SHARE):
             raise CacheFullError(f"a session keeping {retention_tokens} tokens needs {needed} KV blocks, more than "
                                  f"the sessions' share of the KV pool has free now; retry later or lower "
