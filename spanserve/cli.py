@@ -1,6 +1,7 @@
 """`spanserve`: generate, chat, demo and bench from the terminal."""
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve shared CPUs
 
 from spanserve.attention import BACKENDS  # noqa: E402
+from spanserve.comb import calibrate as comb_calibrate  # noqa: E402
 from spanserve.comb import train as comb_train  # noqa: E402
 from spanserve.config import LOAD_FORMATS, EngineConfig  # noqa: E402
 from spanserve.errors import SpanserveError  # noqa: E402
@@ -269,7 +271,6 @@ BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu"
 
 
 def cmd_query(args) -> None:
-    import json
     from pathlib import Path
 
     from spanserve.spans.api import as_tree, prepare
@@ -351,6 +352,9 @@ def cmd_session(args) -> None:
 
 
 def cmd_train(args) -> None:
+    if args.plugin == "probe":
+        print(json.dumps(comb_calibrate.calibrate(args), indent=1))
+        return
     logging.getLogger(comb_train.__name__).setLevel(logging.INFO)  # progress, every --log-every steps
     out = comb_train.train(args)
     print(f"COMB plug-in written to {out}; use it with --link-policy comb --comb-plugin {out}")
@@ -419,9 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_sampling_args(p, max_tokens=48)
 
-    p = sub.add_parser("train", help="train a plug-in: `spanserve train comb` (the span encoder of link policy comb)")
+    p = sub.add_parser("train", help="train a plug-in: `spanserve train comb` (the span encoder "
+                       "of link policy comb), `spanserve train probe` (its focus probe's voting heads)")
     kinds = p.add_subparsers(dest="plugin", required=True)
     comb_train.add_arguments(kinds.add_parser("comb", help=comb_train.__doc__.split("\n")[0]))
+    comb_calibrate.add_arguments(kinds.add_parser("probe", help=comb_calibrate.__doc__.split("\n")[0]))
 
     # No -h of its own: `spanserve bench NAME --help` must reach NAME's parser, which owns the options.
     p = sub.add_parser("bench", add_help=False, help="benchmarks; `spanserve bench NAME --help` for options")

@@ -13,6 +13,7 @@ from test_comb import HEAD, QUESTION, make_llm, random_plugin, run
 
 from spanserve import InvalidRequestError, SamplingParams
 from spanserve.comb import dense
+from spanserve.comb.plugin import CombPlugin
 from spanserve.pic.focus import focus_blocks
 
 WATCHED = 8  # the probe's question rows (engine/runner.py FOCUS_ROWS)
@@ -41,9 +42,9 @@ def plugin_file(tiny_llama_path, tmp_path_factory):
 
 
 def key_attention(engine, plugin, p: dict) -> torch.Tensor:
-    """[layers, watched, keys]: the attention weight the last WATCHED context tokens after the
-    first span (the question) give each key of the prompt in each layer, summed over heads, with
-    every span read from its cached (span-local) KV."""
+    """[layers, heads, watched, keys]: the attention weight the last WATCHED context tokens after
+    the first span (the question) give each key of the prompt in each layer and head, with every
+    span read from its cached (span-local) KV."""
     model = engine.runner.model
     layout = dense.DenseLayout.for_engine(engine, p["prompt_token_ids"], p["spans"])
     n = len(layout.token_ids)
@@ -56,7 +57,7 @@ def key_attention(engine, plugin, p: dict) -> torch.Tensor:
     causal = torch.arange(n)[None, :] <= context[:, None]
     readers = (context >= layout.spans[0][0]).nonzero()[:, 0]
     watched = readers[-WATCHED:]
-    out = torch.zeros(len(model.layers), len(watched), n)
+    out = torch.zeros(len(model.layers), model.cfg.num_heads, len(watched), n)
     with plugin.active(None, readers) if plugin else torch.no_grad():
         for i, (layer, (span_k, span_v)) in enumerate(zip(model.layers, encoded)):
             q, k, _, v = dense._project(layer, x, context)
@@ -67,7 +68,7 @@ def key_attention(engine, plugin, p: dict) -> torch.Tensor:
             group = q.shape[1] // keys.shape[1]
             scores = torch.einsum("qhd,khd->hqk", q[watched], keys.repeat_interleave(group, 1))
             weights = (scores * layer.self_attn.scale).masked_fill(~causal[watched], float("-inf")).softmax(-1)
-            out[i] = weights.sum(0)
+            out[i] = weights
             x = dense._finish_layer(layer, x, dense._attend(layer, q[None], keys[None], values[None], causal[None])[0])
     return out
 
@@ -77,11 +78,14 @@ def by_span(weights: torch.Tensor, spans: list) -> torch.Tensor:
     return torch.stack([weights[..., start:end].sum(-1) for start, end in spans], -1)
 
 
-def voting(weights: torch.Tensor) -> torch.Tensor:
-    """The layers whose attention picks the spans: from a third to five sixths of the model
-    (engine/runner.py focus_voters), at least one."""
-    first = len(weights) // 3
-    return weights[first:max(first + 1, 5 * len(weights) // 6)]
+def voting(weights: torch.Tensor, pairs: list[tuple[int, int]] | None = None) -> torch.Tensor:
+    """[voters, watched, keys]: the (layer, head) pairs whose attention picks the spans, in order;
+    by default every head of the layers from a third to five sixths of the model (pic/voters.py),
+    at least one."""
+    if pairs is None:
+        first = len(weights) // 3
+        return weights[first:max(first + 1, 5 * len(weights) // 6)].flatten(0, 1)
+    return torch.stack([weights[layer, head] for layer, head in sorted(pairs)])
 
 
 def reference(engine, plugin, p: dict, in_context: set[int], generated: list[int],
@@ -266,3 +270,33 @@ def test_focus_blocks_take_windows_around_the_peaks_inside_their_spans():
     assert focus_blocks(scores, spans, 5) == [4, 5, 2, 3, 1]  # then peak 2 (5 is taken): 3 after it, 1 before
     assert focus_blocks(scores, spans, 9) == [4, 5, 2, 3, 1]  # every span block, never one outside
     assert focus_blocks(np.zeros(7), spans, 3) == []  # keys nobody reads: nothing to recompute
+
+
+def test_a_plugins_probe_heads_vote_for_the_requests_it_encodes(tiny_llama4_path, peaked_plugin, tmp_path):
+    """Probe heads shipped in a plug-in (`spanserve train probe`): the probe of a request under
+    comb sums exactly those heads, stopping after the last one's layer; under none it keeps the
+    default voters (the heads were chosen on the plug-in's KV)."""
+    plugin = CombPlugin.load(peaked_plugin)
+    plugin.probe_heads = [[2, 1], [0, 3], [2, 0]]
+    path = tmp_path / "heads.safetensors"
+    plugin.save(path)
+    llm = make_llm(tiny_llama4_path, comb_plugin=str(path))
+    runner = llm.engine.runner
+    probed, probe = [], runner.focus_weights
+    runner.focus_weights = lambda req: probed.append(probe(req)) or probed[-1]
+    p = prompt([2, 0, 1])
+    for policy, encoder, pairs in (("comb", llm.engine.comb, [(0, 3), (2, 0), (2, 1)]), ("none", None, None)):
+        with torch.no_grad():
+            expected = voting(key_attention(llm.engine, encoder, p), pairs)
+        run(llm, p, link_policy=policy, focus_spans=1)
+        torch.testing.assert_close(probed.pop(), expected, atol=1e-4, rtol=1e-4)
+    assert_engine_idle(llm)
+
+
+def test_probe_heads_that_do_not_fit_the_model_are_refused_at_start(tiny_llama4_path, peaked_plugin, tmp_path):
+    plugin = CombPlugin.load(peaked_plugin)
+    plugin.probe_heads = [[1, 0], [7, 0]]  # the model has four layers
+    path = tmp_path / "bad-heads.safetensors"
+    plugin.save(path)
+    with pytest.raises(InvalidRequestError, match=r"probe heads \[\(7, 0\)\] do not exist"):
+        make_llm(tiny_llama4_path, comb_plugin=str(path))

@@ -55,6 +55,16 @@ class Example:
     answer_prefix: str  # placed after the generation prompt (may be empty)
 
 
+@dataclass
+class Lookup:
+    """A fact lookup and where its answer is: the focus probe's calibration (comb/calibrate.py)
+    checks which heads' attention finds the answer's tokens."""
+    example: Example
+    doc: int  # the document holding the fact
+    sentence: str  # the fact as it stands in that document
+    value: str  # the answer, at the sentence's end
+
+
 class ExampleMaker:
     def __init__(self, tokenizer, seed: int = 0, min_docs: int = 2, max_docs: int = 8, max_facts: int = 1,
                  fact_share: float = 0.7):
@@ -102,16 +112,33 @@ class ExampleMaker:
         return self.rng.choice(READING).format(k=k + 1, topic=topic), ""
 
     def _fact_questions(self, docs: list[str], questions: int) -> list[tuple[str, str]]:
+        return [(question, prefix) for question, prefix, _ in self._facts_asked(docs, questions)]
+
+    def lookup(self, n_docs: int) -> "Lookup":
+        """One fact lookup over `n_docs` documents, one fact each, with where its answer is."""
+        docs = [self.document(self.rng.randrange(60, 231)) for _ in range(n_docs)]
+        system = self.rng.choice(SYSTEMS)
+        (question, prefix, fact), = self._facts_asked(docs, 1)
+        return Lookup(Example([{"role": "system", "content": system},
+                               {"role": "user", "content": [Span(d + "\n\n") for d in docs] + [question]}], prefix),
+                      *fact)
+
+    def _facts_asked(self, docs: list[str], questions: int) -> list[tuple[str, str, tuple[int, str, str]]]:
         """Insert facts of one kind into every document (in place), 1 to max_facts each, about
-        different people; ask for some of them (each once, while there are facts left to ask about)."""
-        rng, taken, facts = self.rng, set(), []
+        different people; ask for some of them (each once, while there are facts left to ask about):
+        (question, answer prefix, (the fact's document, its sentence, its value))."""
+        rng, taken, facts = self.rng, set(), {}
         value, sentence, question, prefix = rng.choice(FACTS)
         for i, doc in enumerate(docs):
             parts = doc.split(". ")
             for _ in range(rng.randint(1, self.max_facts) if self.max_facts > 1 else 1):  # (1: as before, same draws)
                 name = self.person(taken)
-                facts.append(name)
-                parts.insert(rng.randrange(len(parts) + 1), sentence.format(name=name, value=value(rng)).rstrip("."))
+                v = value(rng)
+                fact = sentence.format(name=name, value=v).rstrip(".")
+                facts[name] = (i, fact, v)
+                parts.insert(rng.randrange(len(parts) + 1), fact)
             docs[i] = ". ".join(parts).replace("..", ".")
-        names = rng.sample(facts, min(questions, len(facts))) + rng.choices(facts, k=max(0, questions - len(facts)))
-        return [(question.format(name=name), prefix.format(name=name) if rng.random() < 0.5 else "") for name in names]
+        names = list(facts)
+        names = rng.sample(names, min(questions, len(names))) + rng.choices(names, k=max(0, questions - len(names)))
+        return [(question.format(name=name), prefix.format(name=name) if rng.random() < 0.5 else "", facts[name])
+                for name in names]

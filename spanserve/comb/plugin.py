@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from spanserve.errors import InvalidRequestError
+from spanserve.pic.voters import ProbeVoters
 
 TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 READER_TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj")  # of qkv, only the query columns
@@ -66,6 +67,7 @@ class CombPlugin:
     alpha: float
     deltas: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "layers.3.mlp.down_proj" -> (A [r, in], B [out, r])
     meta: dict = field(default_factory=dict)  # training facts: steps, data, wall time...
+    probe_heads: list = field(default_factory=list)  # [layer, head] voters of the focus probe (pic/voters.py)
     rows: torch.Tensor | None = None
     reader_rows: torch.Tensor | None = None
 
@@ -140,6 +142,15 @@ class CombPlugin:
         for name, linear in _linears(model):
             linear.register_forward_hook(self._hook(name))
 
+    def voters(self, model: nn.Module) -> ProbeVoters | None:
+        """The focus probe's voters trained for this plug-in (`spanserve train probe`), if any."""
+        if not self.probe_heads:
+            return None
+        try:
+            return ProbeVoters.parse(self.probe_heads, model.cfg.num_layers, model.cfg.num_heads)
+        except ValueError as e:
+            raise InvalidRequestError(f"this COMB plug-in's {e}") from e
+
     def _hook(self, name: str):
         reader = READER + name
         def add_delta(module, inputs, out):
@@ -161,6 +172,8 @@ class CombPlugin:
             tensors[f"{name}.B"] = b.detach().to(torch.bfloat16).contiguous()
         meta = {"format": FORMAT, "fingerprint": self.fingerprint, "rank": str(self.rank),
                 "alpha": str(self.alpha), "meta": json.dumps(self.meta)}
+        if self.probe_heads:
+            meta["probe_heads"] = json.dumps(self.probe_heads)
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path), metadata=meta)
 
@@ -181,7 +194,7 @@ class CombPlugin:
         names = sorted({k.rsplit(".", 1)[0] for k in tensors})
         deltas = {n: (tensors[f"{n}.A"], tensors[f"{n}.B"]) for n in names}
         return cls(meta["fingerprint"], int(meta["rank"]), float(meta["alpha"]), deltas,
-                   json.loads(meta.get("meta", "{}")))
+                   json.loads(meta.get("meta", "{}")), json.loads(meta.get("probe_heads", "[]")))
 
 
 def _linears(model: nn.Module):
@@ -215,9 +228,15 @@ def find_plugin(model: nn.Module, path: str | None = None) -> CombPlugin | None:
     else None."""
     if path:
         return CombPlugin.load(Path(path))
+    shipped = shipped_plugin(model)
+    return CombPlugin.load(shipped) if shipped else None
+
+
+def shipped_plugin(model: nn.Module) -> Path | None:
+    """The file of the plug-in shipped for this model, if any."""
     fingerprint = model_fingerprint(model)
     for candidate in sorted(SHIPPED.glob("*.safetensors")):
         with safe_open(str(candidate), "pt") as f:
             if (f.metadata() or {}).get("fingerprint") == fingerprint:
-                return CombPlugin.load(candidate)
+                return candidate
     return None

@@ -13,20 +13,13 @@ from spanserve.engine.sampler import Sample, sample
 from spanserve.engine.scheduler import ScheduledRequest
 from spanserve.heap import keep_freed_memory
 from spanserve.models.llama import LlamaModel
-from spanserve.pic.focus import focus_blocks
+from spanserve.pic.focus import focus_blocks, span_blocks
+from spanserve.pic.voters import ProbeVoters
 from spanserve.sparse.decode import SparseStep
 from spanserve.sparse.fields import FieldStore
 from spanserve.threads import step_threads, use_pool_for_matmuls
 
 FOCUS_ROWS = 8  # focus_select: the question's last tokens whose attention scores the spans
-
-
-def focus_voters(num_layers: int) -> tuple[int, int]:
-    """The layers whose attention the focus probe reads: [first, stop). On Qwen2.5-0.5B (24
-    layers, N=16, 48 probes of the generated and real tasks, seed 12) the answer's block
-    scored highest in 96% of probes with layers 8-23 voting and in 98% with 8-19; layer 8 alone
-    4-8%, 8-9 83-100%. Stopping at five sixths saves the probe a sixth of the model."""
-    return num_layers // 3, max(num_layers // 3 + 1, 5 * num_layers // 6)
 
 
 class ModelRunner:
@@ -49,6 +42,8 @@ class ModelRunner:
         self.graphs = DecodeGraphs(model, graph_batch, max_model_len, block_size, num_blocks) if graphs else None
         self.encoder = None  # the span encoder plug-in (spanserve/comb/), see use_encoder
         self.encoder_reads = False  # whether it has reader deltas
+        self.voters = ProbeVoters.default(cfg.num_layers, cfg.num_heads)  # of the focus probe (pic/voters.py)
+        self.encoder_voters = self.voters  # the plug-in's own, for requests it encodes
         if device.type == "cpu":
             use_pool_for_matmuls(model)
             keep_freed_memory()
@@ -73,6 +68,7 @@ class ModelRunner:
         plugin.attach(self.model)
         self.encoder = plugin
         self.encoder_reads = plugin.has_reader  # read once: a serving plug-in never changes
+        self.encoder_voters = plugin.voters(self.model) or self.voters
 
     @contextmanager
     def _encoding(self, rows: list[int], reader_rows: list[int]):
@@ -264,18 +260,11 @@ class ModelRunner:
     def focus_select(self, req, link) -> list[int]:
         """Query-aware relinking (link policies none and comb with focus_spans or focus_tokens,
         pic/link.py): the span tokens the request's question reads most (the focus probe's
-        weights summed over voting layers and watched rows), to recompute in context: whole
+        weights summed over voting heads and watched rows), to recompute in context: whole
         spans (focus_spans) or the blocks around the highest-scoring ones (focus_tokens, a
-        budget; pic/focus.py).
-
-        Only layers from a third to five sixths of the model vote (focus_voters). On Qwen2.5-0.5B
-        (16 documents, one holds the answer) the earlier layers read by position, not content
-        (each picks the last span for any question), and their sum drowned the later ones: the
-        document with the answer came first 33% of the time with every layer voting, 88% with
-        the last two thirds."""
+        budget; pic/focus.py). Which heads vote: pic/voters.py."""
         layout = req.layout
-        n = req.num_prompt_tokens
-        span_keys = torch.from_numpy(layout.independent[:n])
+        span_keys = torch.from_numpy(layout.independent[:req.num_prompt_tokens])
         per_key = torch.where(span_keys, self.focus_weights(req).sum((0, 1)).cpu(), 0)
         picked = np.zeros_like(layout.independent)
         if link.focus_spans:
@@ -284,42 +273,45 @@ class ModelRunner:
                 picked[layout.spans[s].start:layout.spans[s].end] = True
         else:
             bs = self.block_size
-            scores = torch.zeros(-(-n // bs)).index_add_(0, torch.arange(n) // bs, per_key).numpy()
-            span_of_block = np.full(len(scores), -1)
-            for s, span in enumerate(layout.spans):
-                span_of_block[span.start // bs:-(-span.end // bs)] = s
+            scores, span_of_block = span_blocks(per_key.numpy(), layout.spans, bs)
             for b in focus_blocks(scores, span_of_block, -(-link.focus_tokens // bs)):
                 picked[b * bs:(b + 1) * bs] = True
         return np.flatnonzero(picked & layout.independent).tolist()
 
+    def probe_voters(self, req) -> ProbeVoters:
+        """The heads whose attention a request's focus probe sums: the plug-in's for a request it
+        encodes (its attention reads the plug-in's KV), else the default."""
+        return self.encoder_voters if self.encoder is not None and req.layout.link.encodes_spans else self.voters
+
     @torch.inference_mode()
-    def focus_weights(self, req) -> torch.Tensor:
-        """The focus probe: [voting layers, watched rows, keys], the attention weight each key of
-        the prompt gets in each voting layer (focus_voters; summed over heads).
+    def focus_weights(self, req, voters: ProbeVoters | None = None) -> torch.Tensor:
+        """The focus probe: [voting (layer, head) pairs, watched rows, keys], the attention weight
+        each key of the prompt gets from each voter (`voters`, default probe_voters(req)).
 
         Once its spans and the text before them are computed, the request's in-context tokens
         after its first span (text between spans, the question) run through the layers as a
         probe over the cached span KV (their own KV is scratch, recomputed after the relink). At
-        each layer the last FOCUS_ROWS of them weigh every key, summed over heads."""
+        each layer the last FOCUS_ROWS of them weigh every key."""
         layout = req.layout
         n = req.num_prompt_tokens
+        voters = voters or self.probe_voters(req)
         rows = np.asarray(layout.in_context(layout.spans[0].start, n), dtype=np.int64)
         watched = self._tensor(rows[-FOCUS_ROWS:].tolist())
-        first_voter, stop = focus_voters(len(self.model.layers))
-        weights = torch.zeros(stop - first_voter, len(watched), n, device=self.device)
+        weights = []
         hidden = self.model.embed_tokens(self._tensor([req.token_ids[t] for t in rows]))
         bs, own = self.block_size, [b.block_id for b in req.block_table]
         slots = self._tensor([own[t // bs] * bs + t % bs for t in range(n)])  # the same in every layer
         deltas = layout.key_deltas()
         rotation = self._key_rotation(deltas) if deltas is not None and deltas.any() else None
-        for layer in range(stop):  # no later layer votes: the probe stops there
+        for layer in range(voters.stop):  # no later layer votes: the probe stops there
             queries = hidden[-len(watched):]
             with self._reading(req, len(rows)):  # (this layer's keys land in the request's blocks)
                 hidden = self._probe_layer(req, layer, rows, rows[:0], hidden, n)
-            if layer >= first_voter:
+            if layer in voters.by_layer:
                 with self._reading(req, len(watched)):
-                    weights[layer - first_voter] = self._attention_weights(layer, queries, watched, slots, rotation)
-        return weights
+                    heads = self._attention_weights(layer, queries, watched, slots, rotation)
+                weights.append(heads[voters.by_layer[layer]])
+        return torch.cat(weights)
 
     def _reading(self, req, num_rows: int):
         """The COMB plug-in's reader deltas on every row of a probe call (its rows all follow the
@@ -330,7 +322,7 @@ class ModelRunner:
 
     def _attention_weights(self, layer: int, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                            rotation: KeyRotation | None) -> torch.Tensor:
-        """Summed over heads, [queries, keys]: the attention weight that layer `layer`'s queries from
+        """[heads, queries, keys]: the attention weight that layer `layer`'s queries from
         hidden states x (at `positions`) give the keys at cache `slots`, as the layer's attention
         computes it (span keys moved to their real positions by `rotation`, causal)."""
         block = self.model.layers[layer]
@@ -342,7 +334,7 @@ class ModelRunner:
         keys = keys.float().repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * attn.scale
         causal = torch.arange(len(slots), device=self.device)[None, :] <= positions[:, None]
-        return scores.masked_fill(~causal, float("-inf")).softmax(-1).sum(0)
+        return scores.masked_fill(~causal, float("-inf")).softmax(-1)
 
     def _probe_layer(self, req, layer: int, rows: np.ndarray, fresh: np.ndarray, hidden: torch.Tensor,
                      ctx_len: int) -> torch.Tensor:

@@ -34,3 +34,15 @@ def focus_blocks(scores: np.ndarray, span_of_block: np.ndarray, budget: int) -> 
                 taken[b] = True
                 picked.append(int(b))
     return picked
+
+
+def span_blocks(per_key: np.ndarray, spans, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, span_of_block) for focus_blocks: each block's summed per-key weight, and the span
+    each block belongs to (-1 outside every span; `spans` have .start and .end)."""
+    n = len(per_key)
+    scores = np.zeros(-(-n // block_size))
+    np.add.at(scores, np.arange(n) // block_size, per_key)
+    span_of_block = np.full(len(scores), -1)
+    for s, span in enumerate(spans):
+        span_of_block[span.start // block_size:-(-span.end // block_size)] = s
+    return scores, span_of_block
