@@ -353,6 +353,7 @@ def cmd_session(args) -> None:
 
 def cmd_train(args) -> None:
     if args.plugin == "probe":
+        logging.getLogger(comb_calibrate.__name__).setLevel(logging.INFO)
         print(json.dumps(comb_calibrate.calibrate(args), indent=1))
         return
     logging.getLogger(comb_train.__name__).setLevel(logging.INFO)  # progress, every --log-every steps

@@ -95,6 +95,8 @@ def probe_prompts(llm, maker: ExampleMaker, count: int, docs: list[int]) -> list
         bs = engine.runner.block_size
         blocks = [span_blocks(row, req.layout.spans, bs) for row in per_head]
         out.append(Probed(np.stack([b[0] for b in blocks]), blocks[0][1], {t // bs for t in answer}))
+        if (i + 1) % 16 == 0:
+            log.info("probed %d of %d prompts", i + 1, count)
     return out
 
 
