@@ -13,9 +13,7 @@ voters; the plug-in file gets the heads only if they link more of those.
 """
 
 import argparse
-import json
 import logging
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -93,8 +91,8 @@ def probe_prompts(llm, maker: ExampleMaker, count: int, docs: list[int]) -> list
         span_keys = torch.from_numpy(req.layout.independent[:len(ids)]).float()
         per_head = (weights * span_keys).numpy()
         bs = engine.runner.block_size
-        blocks = [span_blocks(row, req.layout.spans, bs) for row in per_head]
-        out.append(Probed(np.stack([b[0] for b in blocks]), blocks[0][1], {t // bs for t in answer}))
+        scores, span_of_block = span_blocks(per_head, req.layout.spans, bs)
+        out.append(Probed(scores, span_of_block, {t // bs for t in answer}))
         if (i + 1) % 16 == 0:
             log.info("probed %d of %d prompts", i + 1, count)
     return out
@@ -179,13 +177,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="report the choice, write nothing")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-blocks", type=int, default=1024)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    p = argparse.ArgumentParser(prog="spanserve train probe", description=__doc__.split("\n")[0])
-    add_arguments(p)
-    report = calibrate(p.parse_args(argv))
-    print(json.dumps(report, indent=1))
-    return report

@@ -114,7 +114,7 @@ class ExampleMaker:
     def _fact_questions(self, docs: list[str], questions: int) -> list[tuple[str, str]]:
         return [(question, prefix) for question, prefix, _ in self._facts_asked(docs, questions)]
 
-    def lookup(self, n_docs: int) -> "Lookup":
+    def lookup(self, n_docs: int) -> Lookup:
         """One fact lookup over `n_docs` documents, one fact each, with where its answer is."""
         docs = [self.document(self.rng.randrange(60, 231)) for _ in range(n_docs)]
         system = self.rng.choice(SYSTEMS)

@@ -281,7 +281,7 @@ class ModelRunner:
     def probe_voters(self, req) -> ProbeVoters:
         """The heads whose attention a request's focus probe sums: the plug-in's for a request it
         encodes (its attention reads the plug-in's KV), else the default."""
-        return self.encoder_voters if self.encoder is not None and req.layout.link.encodes_spans else self.voters
+        return self.encoder_voters if req.layout.link.encodes_spans else self.voters
 
     @torch.inference_mode()
     def focus_weights(self, req, voters: ProbeVoters | None = None) -> torch.Tensor:

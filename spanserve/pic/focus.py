@@ -37,12 +37,14 @@ def focus_blocks(scores: np.ndarray, span_of_block: np.ndarray, budget: int) -> 
 
 
 def span_blocks(per_key: np.ndarray, spans, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(scores, span_of_block) for focus_blocks: each block's summed per-key weight, and the span
-    each block belongs to (-1 outside every span; `spans` have .start and .end)."""
-    n = len(per_key)
-    scores = np.zeros(-(-n // block_size))
-    np.add.at(scores, np.arange(n) // block_size, per_key)
-    span_of_block = np.full(len(scores), -1)
+    """(scores, span_of_block) for focus_blocks: each block's summed per-key weight (over the last
+    axis of `per_key`, [..., keys]), and the span each block belongs to (-1 outside every span;
+    `spans` have .start and .end)."""
+    n = per_key.shape[-1]
+    blocks = -(-n // block_size)
+    padded = np.pad(per_key, [(0, 0)] * (per_key.ndim - 1) + [(0, blocks * block_size - n)])
+    scores = padded.reshape(*per_key.shape[:-1], blocks, block_size).sum(-1)
+    span_of_block = np.full(blocks, -1)
     for s, span in enumerate(spans):
         span_of_block[span.start // block_size:-(-span.end // block_size)] = s
     return scores, span_of_block
