@@ -89,9 +89,11 @@ def first_number(text: str) -> str | None:
     return m.group(0) if m else None
 
 
-def evaluate(llm, items: list[dict], conditions: list[str], max_tokens: int, log, timing=None) -> tuple[dict, dict]:
+def evaluate(llm, items: list[dict], conditions: list[str], max_tokens: int, log, timing=None,
+             reused: dict | None = None) -> tuple[dict, dict]:
     """Run every condition over every item, then time it with `timing(condition)` if given; returns
-    ({condition: [per-item records]}, {condition: timing's result})."""
+    ({condition: [per-item records]}, {condition: timing's result}). A condition in `reused` takes
+    those records instead of asking again (its timing still runs)."""
     results: dict[str, list] = {}
     timings: dict[str, dict] = {}
     groups: dict[tuple, list[int]] = {}
@@ -102,7 +104,11 @@ def evaluate(llm, items: list[dict], conditions: list[str], max_tokens: int, log
         params = condition_params(condition, max_tokens)
         records: list[dict | None] = [None] * len(items)
         started = time.perf_counter()
-        for indices in groups.values():  # one batch per (N, depth): the depths reuse earlier spans
+        if reused and condition in reused:
+            records, groups_to_ask = reused[condition], {}
+        else:
+            groups_to_ask = groups
+        for indices in groups_to_ask.values():  # one batch per (N, depth): the depths reuse earlier spans
             with recording_links(llm) as linked:
                 outs = llm.generate([condition_prompt(items[k]["prompt"], condition) for k in indices], params)
             for k, out in zip(indices, outs):
@@ -119,6 +125,7 @@ def evaluate(llm, items: list[dict], conditions: list[str], max_tokens: int, log
         if timing:
             timings[condition] = timing(condition)
             note = f", warm-shuffled TTFT {timings[condition]['median_ttft_s'] * 1000:.0f} ms"
+        note += " (answers reused)" if groups_to_ask is not groups else ""
         log(f"  {condition}: accuracy {acc:.3f}{note} ({time.perf_counter() - started:.0f} s, "
             f"load average {os.getloadavg()[0]:.2f})")
     return results, timings
@@ -141,6 +148,41 @@ def recording_links(llm):
         yield linked
     finally:
         del runner.focus_select  # the class's method again
+
+
+def reused_answers(path: str, task: str, style: str, items: list[dict], conditions: list[str],
+                   identity: dict) -> dict:
+    """{condition: records} for the `conditions` an earlier run's JSON answered, item for item.
+    Every question must be the same prompt (N, depth, set, name, answer, prompt length, span
+    boundaries and answer tokens), from the same model and dtype: otherwise this run stops."""
+    import json
+
+    data = json.loads(Path(path).read_text())
+    for key, value in identity.items():
+        if data.get(key) != value:
+            raise SystemExit(f"--reuse-answers {path}: its {key} is {data.get(key)!r}, this run's is {value!r}")
+    stored = data.get("tasks", {}).get(task, {}).get("questions", {}).get(style)
+    if stored is None:
+        raise SystemExit(f"--reuse-answers {path}: no {task!r} task in style {style!r}")
+    by_key = {(r["n"], r["depth"], r["set"]): r for r in stored}
+    out: dict[str, list] = {c: [] for c in conditions}
+    for item in items:
+        r = by_key.get((item["n"], item["depth"], item["set"]))
+        prompt = item["prompt"]
+        same = r is not None and (r["name"], r["answer"], r["prompt_tokens"], r["spans"]) == (
+            item["name"], item["answer"], len(prompt["ids"]), prompt["spans"]) and (
+            r.get("answer_tokens", prompt["answer_tokens"]) == prompt["answer_tokens"])
+        if not same:
+            raise SystemExit(f"--reuse-answers {path}: question N={item['n']} {item['depth']} set {item['set']} "
+                             f"differs from this run's (another seed, documents or engine?)")
+        for c in conditions:
+            if c not in r:
+                raise SystemExit(f"--reuse-answers {path}: no answers for condition {c!r}")
+            a = r[c]
+            out[c].append({"text": a["text"], "token_ids": a.get("token_ids", a["first_token"]),
+                           "correct": first_number(a["text"]) == item["answer"],
+                           "cached_tokens": a["cached_tokens"], "answer_linked": a["answer_linked"]})
+    return out
 
 
 # ---- warm-shuffled TTFT ----------------------------------------------------------------------
@@ -293,6 +335,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: N=3, 2 question sets, short documents, 2 TTFT repeats")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reuse-answers", default=None, metavar="FILE",
+                        help="take the answers of --reuse-conditions from an earlier run's JSON of the same "
+                             "questions instead of asking again (checked prompt by prompt); TTFT is still measured")
+    parser.add_argument("--reuse-conditions", default="spans_off",
+                        help="comma-separated conditions --reuse-answers takes (default: spans_off, the exact path)")
     parser.add_argument("--out", default=None,
                         help="JSON path (default benchmarks/results/accuracy-<model>[-quick].json)")
 
@@ -326,11 +373,13 @@ def run(args: argparse.Namespace) -> dict:
     else:
         styles = [args.style]
         conditions, skipped = choose_conditions(llm, args.conditions, log)
+    if args.reuse_answers and "full" in set(conditions) - set(args.reuse_conditions.split(",")):
+        raise SystemExit("--reuse-answers: full is the reference of the agreement columns; reuse it too or drop it")
     ttft_n = args.ttft_docs or max(counts)
     name = ("accuracy-styles" if args.styles else "accuracy") + f"-{model_name}" + ("-quick" if args.quick else "")
     per_task: dict = {}
     for task in tasks:  # each task is printed and written as soon as it is done: a stopped run keeps them
-        per_task[task] = run_task(llm, task, args, counts, conditions, styles, ttft_n, log)
+        per_task[task] = run_task(llm, task, args, counts, conditions, styles, ttft_n, log, model_name)
         report_task(task, per_task[task], conditions, model_name, llm, threads, ttft_n)
         data = {
             "benchmark": "accuracy",
@@ -340,6 +389,8 @@ def run(args: argparse.Namespace) -> dict:
             "args": dict(vars(args)),
             "conditions": conditions,
             "skipped_conditions": skipped,
+            "reused_answers": args.reuse_answers and {"file": args.reuse_answers,
+                                                      "conditions": args.reuse_conditions.split(",")},
             "styles": {s: {"system": STYLES[s][0], "question": STYLES[s][1], "answer_prefix": STYLES[s][2]}
                        for s in styles},
             "machine": harness.machine_info(),
@@ -370,7 +421,7 @@ def report_task(task: str, r: dict, conditions: list[str], model: str, llm, thre
 
 
 def run_task(llm, task: str, args, counts: list[int], conditions: list[str], styles: list[str], ttft_n: int,
-             log) -> dict:
+             log, model: str) -> dict:
     """One task's question sets, asked in each style under every condition; TTFT for the main style."""
     maker = make_maker(task, llm.get_tokenizer(), args)
     sets = {n: make_questions(maker, n, args.questions) for n in counts}
@@ -382,14 +433,18 @@ def run_task(llm, task: str, args, counts: list[int], conditions: list[str], sty
         items = [{"task": task, "n": n, "depth": depth, "set": j, "name": q["name"], "answer": q["answer"],
                   "prompt": build_prompts(llm, q, order_for(q, depth), style)}
                  for n in counts for depth in DEPTHS for j, q in enumerate(sets[n])]
-        timing = None
+        timing, reused = None, None
+        if args.reuse_answers and style == styles[0]:
+            reuse = [c for c in args.reuse_conditions.split(",") if c in conditions]
+            identity = {"model": model, "dtype": str(llm.engine.dtype).removeprefix("torch.")}
+            reused = reused_answers(args.reuse_answers, task, style, items, reuse, identity)
         if style == styles[0] and not args.styles and args.ttft_repeats and ttft_n in sets:
             plan = ttft_plan(llm, sets[ttft_n], args.ttft_repeats, style, args.seed + 1)
             timing = partial(warm_shuffled_ttft, llm, plan)
         log(f"task {task!r}, style {style!r}: {len(items)} questions x {len(conditions)} conditions "
             f"(documents of {out['doc_tokens']['median']:.0f} tokens; load average {os.getloadavg()[0]:.2f})")
         max_tokens = args.max_tokens or (8 if STYLES[style][2] else 16)
-        results, timings = evaluate(llm, items, conditions, max_tokens, log, timing)
+        results, timings = evaluate(llm, items, conditions, max_tokens, log, timing, reused)
         out["styles"][style] = {"items": items, "results": results, "summary": summarize(items, results)}
         out["ttft"] = add_speedups(timings) if timing else out["ttft"]
     main = out["styles"][styles[0]]["summary"]
@@ -435,7 +490,8 @@ def _records(items: list[dict], results: dict) -> list[dict]:
             "prompt_tokens": len(item["prompt"]["ids"]), "spans": item["prompt"]["spans"],
             "answer_tokens": item["prompt"]["answer_tokens"],
             **{c: {"text": r[k]["text"], "correct": r[k]["correct"], "cached_tokens": r[k]["cached_tokens"],
-                   "first_token": r[k]["token_ids"][:1], "answer_linked": r[k]["answer_linked"]}
+                   "first_token": r[k]["token_ids"][:1], "token_ids": list(r[k]["token_ids"]),
+                   "answer_linked": r[k]["answer_linked"]}
                for c, r in results.items()},
         })
     return out

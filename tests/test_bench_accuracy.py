@@ -177,3 +177,23 @@ def test_accuracy_diagnostics_keep_the_spans_they_name_and_whole_document_gaps_s
     assert accuracy.condition_params("first_in_context", 4).link_policy == "none"
     overall = {c: {"accuracy": 0.5} for c in ("spans_off", "gap16", "gap128")}
     assert list(accuracy.check_goals({"overall": overall}, doc_tokens=128)) == ["gap16 within 2 points of spans off"]
+
+
+def test_reused_answers_are_the_earlier_runs_and_only_for_the_same_questions(accuracy_result, tiny_llama_path,
+                                                                              tmp_path, monkeypatch):
+    data, earlier = accuracy_result
+    asked = []
+    prompt = accuracy.condition_prompt
+    monkeypatch.setattr(accuracy, "condition_prompt", lambda p, c: asked.append(c) or prompt(p, c))
+    common = ["--model", str(tiny_llama_path), "--dtype", "float32", "--docs", "2,3", "--doc-tokens", "48",
+              "--real-doc-tokens", "64", "--questions", "2", "--max-tokens", "3", "--ttft-repeats", "0",
+              "--tasks", "generated", "--conditions", "spans_off,none", "--reuse-answers", str(earlier)]
+    again = accuracy.run(bench_args(accuracy, [*common, "--out", str(tmp_path / "a.json")]))
+    assert set(asked) == {"none"}  # spans_off (the default reused condition) was not asked again
+    before, after = (d["tasks"]["generated"]["questions"]["prefix"] for d in (data, again))
+    assert [r["spans_off"]["text"] for r in after] == [r["spans_off"]["text"] for r in before]
+    assert again["reused_answers"] == {"file": str(earlier), "conditions": ["spans_off"]}
+    with pytest.raises(SystemExit, match="differs"):  # other questions: nothing to reuse
+        accuracy.run(bench_args(accuracy, [*common, "--seed", "5", "--out", str(tmp_path / "b.json")]))
+    with pytest.raises(SystemExit, match="dtype"):
+        accuracy.run(bench_args(accuracy, [*common, "--dtype", "bfloat16", "--out", str(tmp_path / "c.json")]))
