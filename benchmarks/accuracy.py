@@ -185,7 +185,7 @@ def reused_answers(path: str, task: str, style: str, items: list[dict], conditio
             a = r[c]
             out[c].append({"text": a["text"], "token_ids": a.get("token_ids", a["first_token"]),
                            "correct": first_number(a["text"]) == item["answer"],
-                           "cached_tokens": a["cached_tokens"], "answer_linked": a["answer_linked"]})
+                           "cached_tokens": a.get("cached_tokens"), "answer_linked": a.get("answer_linked")})
     return out
 
 
