@@ -49,6 +49,7 @@ match prompt for prompt, model and dtype too; TTFT is still measured, and the JS
 """
 
 import argparse
+import json
 import os
 import random
 import re
@@ -159,8 +160,6 @@ def reused_answers(path: str, task: str, style: str, items: list[dict], conditio
     """{condition: records} for the `conditions` an earlier run's JSON answered, item for item.
     Every question must be the same prompt (N, depth, set, name, answer, prompt length, span
     boundaries and answer tokens), from the same model and dtype: otherwise this run stops."""
-    import json
-
     data = json.loads(Path(path).read_text())
     for key, value in identity.items():
         if data.get(key) != value:
