@@ -107,13 +107,10 @@ def evaluate(llm, items: list[dict], conditions: list[str], max_tokens: int, log
     for condition in conditions:
         llm.engine.kv.pool.reset_cache()
         params = condition_params(condition, max_tokens)
-        records: list[dict | None] = [None] * len(items)
+        taken = reused is not None and condition in reused
+        records: list[dict | None] = reused[condition] if taken else [None] * len(items)
         started = time.perf_counter()
-        if reused and condition in reused:
-            records, groups_to_ask = reused[condition], {}
-        else:
-            groups_to_ask = groups
-        for indices in groups_to_ask.values():  # one batch per (N, depth): the depths reuse earlier spans
+        for indices in [] if taken else groups.values():  # one batch per (N, depth): depths reuse earlier spans
             with recording_links(llm) as linked:
                 outs = llm.generate([condition_prompt(items[k]["prompt"], condition) for k in indices], params)
             for k, out in zip(indices, outs):
@@ -130,7 +127,7 @@ def evaluate(llm, items: list[dict], conditions: list[str], max_tokens: int, log
         if timing:
             timings[condition] = timing(condition)
             note = f", warm-shuffled TTFT {timings[condition]['median_ttft_s'] * 1000:.0f} ms"
-        note += " (answers reused)" if groups_to_ask is not groups else ""
+        note += " (answers reused)" if taken else ""
         log(f"  {condition}: accuracy {acc:.3f}{note} ({time.perf_counter() - started:.0f} s, "
             f"load average {os.getloadavg()[0]:.2f})")
     return results, timings
@@ -378,16 +375,16 @@ def run(args: argparse.Namespace) -> dict:
         conditions, skipped = choose_conditions(llm, args.conditions, log)
     if args.reuse_answers and "full" in set(conditions) - set(args.reuse_conditions.split(",")):
         raise SystemExit("--reuse-answers: full is the reference of the agreement columns; reuse it too or drop it")
+    identity = {"model": model_name, "dtype": str(llm.engine.dtype).removeprefix("torch.")}  # what answers depend on
     ttft_n = args.ttft_docs or max(counts)
     name = ("accuracy-styles" if args.styles else "accuracy") + f"-{model_name}" + ("-quick" if args.quick else "")
     per_task: dict = {}
     for task in tasks:  # each task is printed and written as soon as it is done: a stopped run keeps them
-        per_task[task] = run_task(llm, task, args, counts, conditions, styles, ttft_n, log, model_name)
+        per_task[task] = run_task(llm, task, args, counts, conditions, styles, ttft_n, log, identity)
         report_task(task, per_task[task], conditions, model_name, llm, threads, ttft_n)
         data = {
             "benchmark": "accuracy",
-            "model": model_name,
-            "dtype": str(llm.engine.dtype).removeprefix("torch."),
+            **identity,
             "quick": args.quick,
             "args": dict(vars(args)),
             "conditions": conditions,
@@ -424,7 +421,7 @@ def report_task(task: str, r: dict, conditions: list[str], model: str, llm, thre
 
 
 def run_task(llm, task: str, args, counts: list[int], conditions: list[str], styles: list[str], ttft_n: int,
-             log, model: str) -> dict:
+             log, identity: dict) -> dict:
     """One task's question sets, asked in each style under every condition; TTFT for the main style."""
     maker = make_maker(task, llm.get_tokenizer(), args)
     sets = {n: make_questions(maker, n, args.questions) for n in counts}
@@ -439,7 +436,6 @@ def run_task(llm, task: str, args, counts: list[int], conditions: list[str], sty
         timing, reused = None, None
         if args.reuse_answers and style == styles[0]:
             reuse = [c for c in args.reuse_conditions.split(",") if c in conditions]
-            identity = {"model": model, "dtype": str(llm.engine.dtype).removeprefix("torch.")}
             reused = reused_answers(args.reuse_answers, task, style, items, reuse, identity)
         if style == styles[0] and not args.styles and args.ttft_repeats and ttft_n in sets:
             plan = ttft_plan(llm, sets[ttft_n], args.ttft_repeats, style, args.seed + 1)
