@@ -9,9 +9,13 @@ from conftest import _TINY, _save_random_model
 from test_comb import make_llm, random_plugin
 from transformers import LlamaConfig
 
+from spanserve import SamplingParams
 from spanserve.comb import calibrate
 from spanserve.comb.data import ExampleMaker
 from spanserve.comb.plugin import CombPlugin
+from spanserve.pic.focus import focus_blocks, span_blocks
+from spanserve.pic.link import AUTO_FOCUS_TOKENS
+from spanserve.pic.voters import ProbeVoters
 
 
 def probed(answer: int, heads: list[np.ndarray]) -> calibrate.Probed:
@@ -82,3 +86,29 @@ def test_calibration_reports_its_choice_and_writes_only_the_heads(long_llama, tm
     assert after.meta["probe"]["heads"] == report["heads"]
     llm = make_llm(long_llama, comb_plugin=str(copy))
     assert llm.engine.runner.encoder_voters.pairs == tuple(map(tuple, sorted(report["heads"])))
+
+
+def test_recorded_scores_pick_the_blocks_the_engine_linked(long_llama, tmp_path):
+    """What calibration records is what the probe saw: its scores, summed over the voters the
+    engine used, choose exactly the blocks the engine recomputed in context (the span keys are
+    read before the choice moves them into context, or the chosen blocks would score zero)."""
+    path = tmp_path / "plugin.safetensors"
+    random_plugin(make_llm(long_llama), seed=3).save(path)
+    llm = make_llm(long_llama, comb_plugin=str(path))
+    engine, runner = llm.engine, llm.engine.runner
+    cfg, bs = runner.model.cfg, runner.block_size
+    every = {pair: i for i, pair in enumerate(ProbeVoters.of_layers(range(cfg.num_layers), cfg.num_heads).pairs)}
+    params = SamplingParams(temperature=0, max_tokens=1, link_policy="comb", focus_tokens=AUTO_FOCUS_TOKENS)
+    maker = ExampleMaker(llm.get_tokenizer(), seed=4)
+    for docs in (3, 4):
+        prompt = engine.chat_prompt(maker.lookup(docs).example.messages)
+        seen: list = []
+        with calibrate.every_head_probed(runner, seen):
+            llm.generate({"prompt_token_ids": prompt["prompt_token_ids"], "spans": prompt["spans"]}, params)
+        (req, weights, span_keys), = seen
+        linked = span_keys.numpy() & ~req.layout.independent[:req.num_prompt_tokens]
+        assert linked.any()
+        voters = [every[pair] for pair in runner.probe_voters(req).pairs]
+        scores, span_of_block = span_blocks((weights[voters] * span_keys.float()).sum(0).numpy(), req.layout.spans, bs)
+        picked = focus_blocks(scores, span_of_block, -(-AUTO_FOCUS_TOKENS // bs))
+        assert set(picked) == {t // bs for t in np.flatnonzero(linked)}

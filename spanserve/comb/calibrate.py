@@ -53,14 +53,17 @@ def answer_positions(tok, ids: list[int], span: tuple[int, int], text: str, look
 
 @contextmanager
 def every_head_probed(runner, into: list):
-    """While inside, each focus probe also reads every head of every layer: their weights summed
-    over the probe's rows, [(layer, head), keys], go to `into`; the request runs as usual."""
+    """While inside, each focus probe also reads every head of every layer: the request, their
+    weights summed over the probe's rows ([(layer, head), keys]) and which keys are span keys go to
+    `into`; the request runs as usual. The span keys are taken before the probe's choice moves
+    the chosen ones into context: read after the request, the linked blocks would score zero."""
     cfg = runner.model.cfg
     every = ProbeVoters.of_layers(range(cfg.num_layers), cfg.num_heads)
     select = runner.focus_select
 
     def observe(req, link):
-        into.append((req, runner.focus_weights(req, every).sum(1).cpu()))
+        span_keys = torch.from_numpy(req.layout.independent[:req.num_prompt_tokens].copy())
+        into.append((req, runner.focus_weights(req, every).sum(1).cpu(), span_keys))
         return select(req, link)
 
     runner.focus_select = observe
@@ -87,9 +90,8 @@ def probe_prompts(llm, maker: ExampleMaker, count: int, docs: list[int]) -> list
         seen: list = []
         with every_head_probed(engine.runner, seen):
             llm.generate({"prompt_token_ids": ids, "spans": prompt["spans"]}, params)
-        (req, weights), = seen
-        span_keys = torch.from_numpy(req.layout.independent[:len(ids)]).float()
-        per_head = (weights * span_keys).numpy()
+        (req, weights, span_keys), = seen
+        per_head = (weights * span_keys.float()).numpy()
         bs = engine.runner.block_size
         scores, span_of_block = span_blocks(per_head, req.layout.spans, bs)
         out.append(Probed(scores, span_of_block, {t // bs for t in answer}))
