@@ -389,6 +389,7 @@ def run(args: argparse.Namespace) -> dict:
             "args": dict(vars(args)),
             "conditions": conditions,
             "skipped_conditions": skipped,
+            "comb_plugin": plugin_facts(llm.engine.comb),
             "reused_answers": args.reuse_answers and {"file": args.reuse_answers,
                                                       "conditions": args.reuse_conditions.split(",")},
             "styles": {s: {"system": STYLES[s][0], "question": STYLES[s][1], "answer_prefix": STYLES[s][2]}
@@ -408,6 +409,13 @@ def run(args: argparse.Namespace) -> dict:
         harness.write_json(data, name=name, path=args.out)
     print(f"\n{time.perf_counter() - started:.0f} s in all")
     return data
+
+
+def plugin_facts(plugin) -> dict | None:
+    """Which COMB plug-in answered: its KV signature, focus-probe heads and training steps."""
+    if plugin is None:
+        return None
+    return {"signature": plugin.signature, "probe_heads": plugin.probe_heads, "steps": plugin.meta.get("steps")}
 
 
 def report_task(task: str, r: dict, conditions: list[str], model: str, llm, threads: int, ttft_n: int) -> None:

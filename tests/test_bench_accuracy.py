@@ -10,6 +10,7 @@ from helpers import bench_args
 from benchmarks import accuracy, fact_docs
 from benchmarks.accuracy_prompts import answer_tokens
 from spanserve import LLM
+from spanserve.comb.plugin import CombPlugin
 from spanserve.corpus import paragraphs
 from spanserve.errors import InvalidRequestError
 from spanserve.models.loader import load_tokenizer
@@ -79,6 +80,23 @@ def test_focus_conditions_report_whether_the_probe_linked_the_answer(tiny_llama_
         assert record["spans_off"]["answer_linked"] is None
         first, last = record["answer_tokens"][0], record["answer_tokens"][-1]
         assert any(start <= first and last < end for start, end in record["spans"])
+
+
+def test_the_json_names_the_comb_plugin_that_answered(tiny_llama_path, tmp_path, accuracy_result):
+    """Two plug-ins that differ only in their probe heads give different answers: the run must say which."""
+    plugin = CombPlugin.zeros(LLM(model=str(tiny_llama_path), dtype="float32").engine.runner.model, rank=4)
+    plugin.probe_heads, plugin.meta = [[1, 0]], {"steps": 7}
+    plugin.save(tmp_path / "p.safetensors")
+    args = bench_args(accuracy, [
+        "--model", str(tiny_llama_path), "--dtype", "float32", "--tasks", "generated", "--docs", "2",
+        "--doc-tokens", "48", "--questions", "1", "--max-tokens", "2", "--ttft-repeats", "0",
+        "--conditions", "spans_off,comb+focus16t", "--comb-plugin", str(tmp_path / "p.safetensors"),
+        "--out", str(tmp_path / "a.json")])
+    accuracy.run(args)
+    written = json.loads((tmp_path / "a.json").read_text())
+    stored = CombPlugin.load(tmp_path / "p.safetensors")  # saved in bf16: its signature is the file's
+    assert written["comb_plugin"] == {"signature": stored.signature, "probe_heads": [[1, 0]], "steps": 7}
+    assert json.loads(accuracy_result[1].read_text())["comb_plugin"] is None  # the tiny model has none
 
 
 def test_answer_tokens_are_the_tokens_spelling_the_code(tiny_llama_path):
