@@ -1,6 +1,7 @@
 """`spanserve train probe` (comb/calibrate.py): which heads vote in a plug-in's focus probe."""
 
 import argparse
+import re
 import shutil
 
 import numpy as np
@@ -10,7 +11,7 @@ from test_comb import make_llm, random_plugin
 from transformers import LlamaConfig
 
 from spanserve import SamplingParams
-from spanserve.comb import calibrate
+from spanserve.comb import calibrate, data
 from spanserve.comb.data import ExampleMaker
 from spanserve.comb.plugin import CombPlugin
 from spanserve.pic.focus import focus_blocks, span_blocks
@@ -57,6 +58,29 @@ def test_the_answer_positions_spell_the_answer(tokenizer_dir):
         assert len(spelled) <= len(lookup.value) + 1
 
 
+def people(lookup) -> list[tuple[str, str]]:
+    pattern = re.compile(rf"\b({'|'.join(data.FIRST)}) ({'|'.join(data.LAST)})\b")
+    return [m for part in lookup.example.messages[1]["content"] if hasattr(part, "text")
+            for m in pattern.findall(part.text)]
+
+
+def test_similar_names_fill_the_other_documents_with_namesakes(tokenizer_dir):
+    """With two first names, 16 documents hold facts about namesakes of the person asked; with
+    three facts a document and one first name, there are still enough names; 0 draws as before."""
+    from spanserve.models.loader import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    lookup = ExampleMaker(tok, seed=3, similar_names=2).lookup(16)
+    found = people(lookup)
+    asked = next((f, last) for f, last in found if f"{f} {last}" in lookup.sentence)
+    assert len(found) == 16 and len({f for f, _ in found}) <= 2
+    assert sum(f == asked[0] for f, _ in found) >= 4  # namesakes of the one asked, not only the asked
+    crowded = ExampleMaker(tok, seed=3, max_docs=16, min_docs=16, max_facts=3, similar_names=1, fact_share=1.0)
+    assert len(crowded.examples(2)) == 2
+    plain, default = ExampleMaker(tok, seed=3).lookup(16), ExampleMaker(tok, seed=3, similar_names=0).lookup(16)
+    assert plain.sentence == default.sentence and len({f for f, _ in people(plain)}) > 2
+
+
 @pytest.fixture(scope="module")
 def long_llama(tmp_path_factory, tokenizer_dir):
     """Room for lookups over real documents (the shared tiny models stop at 512 positions)."""
@@ -70,8 +94,11 @@ def test_calibration_reports_its_choice_and_writes_only_the_heads(long_llama, tm
     keeps its deltas (and so its span KV's hashes) and adds the heads, which an engine loads."""
     path = tmp_path / "plugin.safetensors"
     random_plugin(make_llm(long_llama), seed=2).save(path)
-    args = argparse.Namespace(model=str(long_llama), comb_plugin=str(path), prompts=3, held_out=2, docs="2,3",
-                              max_heads=2, seed=0, dry_run=True, dtype="float32", num_blocks=512)
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    args = parser.parse_args(["--model", str(long_llama), "--comb-plugin", str(path), "--prompts", "3",
+                              "--held-out", "2", "--docs", "2,3", "--max-heads", "2", "--dry-run",
+                              "--dtype", "float32", "--num-blocks", "512", "--similar-names", "2"])
     report = calibrate.calibrate(args)
     assert 1 <= len(report["heads"]) <= 2 and all(0 <= layer < 3 and 0 <= head < 4 for layer, head in report["heads"])
     assert not report["written"] and CombPlugin.load(path).probe_heads == []

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spanserve.comb.data import ExampleMaker, Lookup
+from spanserve.comb.data import SIMILAR_NAMES_HELP, ExampleMaker, Lookup
 from spanserve.comb.plugin import CombPlugin, shipped_plugin
 from spanserve.pic.focus import focus_blocks, span_blocks
 from spanserve.pic.link import AUTO_FOCUS_TOKENS
@@ -137,8 +137,9 @@ def calibrate(args) -> dict:
     budget = -(-AUTO_FOCUS_TOKENS // runner.block_size)
     started = time.monotonic()
     tok = llm.get_tokenizer()
-    train = probe_prompts(llm, ExampleMaker(tok, seed=args.seed), args.prompts, docs)
-    held_out = probe_prompts(llm, ExampleMaker(tok, seed=args.seed + 10_000), args.held_out, docs)
+    train = probe_prompts(llm, ExampleMaker(tok, seed=args.seed, similar_names=args.similar_names), args.prompts, docs)
+    held_out = probe_prompts(llm, ExampleMaker(tok, seed=args.seed + 10_000, similar_names=args.similar_names),
+                             args.held_out, docs)
     every = ProbeVoters.of_layers(range(cfg.num_layers), cfg.num_heads).pairs
     index = {pair: i for i, pair in enumerate(every)}
     default = np.array([index[p] for p in ProbeVoters.default(cfg.num_layers, cfg.num_heads).pairs])
@@ -148,6 +149,7 @@ def calibrate(args) -> dict:
     report = {"heads": [list(every[h]) for h in sorted(chosen)],
               "linked": {"default": rates(default), "chosen": rates(np.array(chosen))},
               "prompts": args.prompts, "held_out": args.held_out, "docs": docs, "seed": args.seed,
+              "similar_names": args.similar_names,
               "focus_tokens": AUTO_FOCUS_TOKENS, "data": "spanserve/comb/data.py lookups (corpus split train)",
               "wall_s": round(time.monotonic() - started), "threads": torch.get_num_threads()}
     better = report["linked"]["chosen"]["held_out"] > report["linked"]["default"]["held_out"]
@@ -175,6 +177,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--held-out", type=int, default=48, help="held-out lookups (seed + 10000)")
     p.add_argument("--docs", default="8,16", help="documents per lookup, taken in turn")
     p.add_argument("--max-heads", type=int, default=8)
+    p.add_argument("--similar-names", type=int, default=0, help=SIMILAR_NAMES_HELP)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="report the choice, write nothing")
     p.add_argument("--dtype", default="auto")

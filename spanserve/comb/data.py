@@ -27,6 +27,8 @@ CITIES = ["Lisbon", "Nairobi", "Osaka", "Tallinn", "Cordoba", "Winnipeg", "Perth
           "Tbilisi", "Hanoi", "Quebec", "Marrakesh", "Dunedin", "Krakow", "Bilbao"]
 WORDS = ["Falcon", "Juniper", "Basalt", "Meridian", "Quasar", "Tundra", "Lantern", "Saffron", "Obsidian",
          "Harbor", "Cobalt", "Willow", "Zephyr", "Granite", "Ember", "Nimbus"]
+SIMILAR_NAMES_HELP = ("fact lookups: draw a prompt's people from this many first names, so other documents "
+                      "hold facts about namesakes of the person asked (0: from all of them)")
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 
 # (fact sentence, question, start of the answer) with {name} and {value}
@@ -67,10 +69,13 @@ class Lookup:
 
 class ExampleMaker:
     def __init__(self, tokenizer, seed: int = 0, min_docs: int = 2, max_docs: int = 8, max_facts: int = 1,
-                 fact_share: float = 0.7):
+                 fact_share: float = 0.7, similar_names: int = 0):
         self.rng = random.Random(seed)
         self.tokenizer, self.min_docs, self.max_docs = tokenizer, min_docs, max_docs
         self.max_facts, self.fact_share = max_facts, fact_share  # facts per document; share of fact lookups
+        # > 0: a prompt's people share this few first names, so most documents hold a fact about a
+        # namesake of the one asked (the distractors real retrieval has: Felix Kasheim, Felix Yarirvia)
+        self.similar_names = similar_names
         self.paragraphs = paragraphs("train")
 
     def document(self, tokens: int) -> str:
@@ -85,8 +90,8 @@ class ExampleMaker:
             sentences.pop()
         return ". ".join(sentences).rstrip(".") + "."
 
-    def person(self, taken: set) -> str:
-        while (name := f"{self.rng.choice(FIRST)} {self.rng.choice(LAST)}") in taken:
+    def person(self, taken: set, first: list[str] = FIRST) -> str:
+        while (name := f"{self.rng.choice(first)} {self.rng.choice(LAST)}") in taken:
             pass
         taken.add(name)
         return name
@@ -129,10 +134,11 @@ class ExampleMaker:
         (question, answer prefix, (the fact's document, its sentence, its value))."""
         rng, taken, facts = self.rng, set(), {}
         value, sentence, question, prefix = rng.choice(FACTS)
+        first = self._first_names(len(docs) * self.max_facts) if self.similar_names else FIRST  # (0: same draws)
         for i, doc in enumerate(docs):
             parts = doc.split(". ")
             for _ in range(rng.randint(1, self.max_facts) if self.max_facts > 1 else 1):  # (1: as before, same draws)
-                name = self.person(taken)
+                name = self.person(taken, first)
                 v = value(rng)
                 fact = sentence.format(name=name, value=v).rstrip(".")
                 facts[name] = (i, fact, v)
@@ -142,3 +148,7 @@ class ExampleMaker:
         names = rng.sample(names, min(questions, len(names))) + rng.choices(names, k=max(0, questions - len(names)))
         return [(question.format(name=name), prefix.format(name=name) if rng.random() < 0.5 else "", facts[name])
                 for name in names]
+
+    def _first_names(self, people: int) -> list[str]:
+        """`similar_names` first names, more if `people` would not fit (half the last names each)."""
+        return self.rng.sample(FIRST, max(self.similar_names, -(-people // (len(LAST) // 2))))

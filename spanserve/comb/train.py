@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from spanserve.comb import dense
-from spanserve.comb.data import ExampleMaker
+from spanserve.comb.data import SIMILAR_NAMES_HELP, ExampleMaker
 from spanserve.comb.plugin import SHIPPED, CombPlugin
 from spanserve.models.loader import DEFAULT_MODEL
 
@@ -190,7 +190,8 @@ def train(args) -> Path:
     previous = plugin.meta or None  # what an --init plug-in was trained with
     opt = torch.optim.AdamW(plugin.parameters(), lr=args.lr, weight_decay=0.0)
     tok = llm.get_tokenizer()
-    maker = ExampleMaker(tok, seed=args.seed, min_docs=args.min_docs, max_docs=args.max_docs, max_facts=args.max_facts)
+    maker = ExampleMaker(tok, seed=args.seed, min_docs=args.min_docs, max_docs=args.max_docs,
+                         max_facts=args.max_facts, similar_names=args.similar_names)
     out = Path(args.out) if args.out else SHIPPED / f"{Path(args.model or DEFAULT_MODEL).stem.lower()}.safetensors"
     # Held out (another seed): fact lookups at the most documents, several facts in each.
     val_docs = args.val_docs or args.max_docs
@@ -268,6 +269,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-share", type=float, default=None, help="share of each question's loss on its "
                    "answer's positions, the rest on the question's (default: every position alike)")
     p.add_argument("--max-facts", type=int, default=1, help="fact lookups: up to this many facts per document")
+    p.add_argument("--similar-names", type=int, default=0, help=SIMILAR_NAMES_HELP)
     p.add_argument("--questions", type=int, default=4, help="questions per document set (the documents are "
                    "encoded once for all of them: more signal per step for little more time)")
     p.add_argument("--dtype", default="auto", help="model dtype (auto: bf16 where the CPU multiplies bf16 natively, "
