@@ -439,7 +439,7 @@ def run_task(llm, task: str, args, counts: list[int], conditions: list[str], sty
                  "styles": {}, "ttft": {}}
     for style in styles:
         items = [{"task": task, "n": n, "depth": depth, "set": j, "name": q["name"], "answer": q["answer"],
-                  "prompt": build_prompts(llm, q, order_for(q, depth), style)}
+                  "prompt": build_prompts(llm, q, order_for(q, depth), style), "owners": code_owners(q)}
                  for n in counts for depth in DEPTHS for j, q in enumerate(sets[n])]
         timing, reused = None, None
         if args.reuse_answers and style == styles[0]:
@@ -489,6 +489,12 @@ def print_tables(task: str, style: str, summary: dict, ttft: dict, conditions: l
     harness.print_table(["exact match %", *cells], rows, title=f"{task}: per N and depth ({per_cell} questions each)")
 
 
+def code_owners(q: dict) -> dict[str, str]:
+    """Every code in a question set's documents -> whose it is: a wrong answer that is another
+    person's code shows which fact the model read instead (a namesake's, often)."""
+    return {code: name for doc in q["docs"] for name, code in doc["facts"].items()}
+
+
 def _records(items: list[dict], results: dict) -> list[dict]:
     out = []
     for k, item in enumerate(items):
@@ -498,7 +504,8 @@ def _records(items: list[dict], results: dict) -> list[dict]:
             "answer_tokens": item["prompt"]["answer_tokens"],
             **{c: {"text": r[k]["text"], "correct": r[k]["correct"], "cached_tokens": r[k]["cached_tokens"],
                    "first_token": r[k]["token_ids"][:1], "token_ids": list(r[k]["token_ids"]),
-                   "answer_linked": r[k]["answer_linked"]}
+                   "answer_linked": r[k]["answer_linked"],
+                   "code_of": item["owners"].get(first_number(r[k]["text"]) or "")}
                for c, r in results.items()},
         })
     return out

@@ -43,6 +43,23 @@ def test_accuracy_reports_every_condition_of_both_tasks_in_range(accuracy_result
     assert written["benchmark"] == "accuracy" and written["complete"] is True
 
 
+def test_each_answer_names_whose_code_it_is(accuracy_result):
+    """The asked person's code, another person's in the same prompt (which fact the model read
+    instead), or nobody's."""
+    q = {"docs": [{"text": "", "facts": {"Felix Kasheim": "18717"}}, {"text": "", "facts": {"Felix Yarirvia": "4856"}}]}
+    item = {"n": 2, "depth": "first", "set": 0, "name": "Felix Kasheim", "answer": "18717",
+            "prompt": {"ids": [1, 2], "spans": [], "answer_tokens": []}, "owners": accuracy.code_owners(q)}
+    answers = {"right": "18717.", "namesake": "The code is 4856", "nobody": "5", "none": "no idea"}
+    results = {c: [{"text": t, "correct": c == "right", "cached_tokens": 0, "token_ids": [], "answer_linked": None}]
+               for c, t in answers.items()}
+    record, = accuracy._records([item], results)
+    assert {c: record[c]["code_of"] for c in answers} == {
+        "right": "Felix Kasheim", "namesake": "Felix Yarirvia", "nobody": None, "none": None}
+    data, _ = accuracy_result
+    assert all("code_of" in r[c] for task in TASKS for r in data["tasks"][task]["questions"]["prefix"]
+               for c in data["conditions"])
+
+
 def test_a_run_stopped_in_its_second_task_keeps_the_first_on_disk(tiny_llama_path, tmp_path, monkeypatch):
     out = tmp_path / "accuracy.json"
     run_task = accuracy.run_task
