@@ -30,7 +30,8 @@ in the output is the code (the answer prefix of the default style makes the numb
 First-token agreement: the fraction of questions whose first generated token equals full's. Prompts go to
 the engine in one batch per (condition, N, depth). Under a focus probe (+focusK, +focusKt): answer linked,
 the fraction of questions whose probe recomputed in context every token of the answer's code, and the
-exact match among those (a miss is then the probe's, or the recompute's).
+exact match among those (a miss is then the probe's, or the recompute's). Each answer's record names
+whose code it gave (`code_of`: the asked person, another person in the prompt, or nobody).
 
 Warm-shuffled TTFT, right after each condition's accuracy pass, at N=--ttft-docs (default the largest N),
 --ttft-repeats times: a question set's documents are sent once in an order the pass used (untimed; it
