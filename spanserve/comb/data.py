@@ -27,9 +27,9 @@ CITIES = ["Lisbon", "Nairobi", "Osaka", "Tallinn", "Cordoba", "Winnipeg", "Perth
           "Tbilisi", "Hanoi", "Quebec", "Marrakesh", "Dunedin", "Krakow", "Bilbao"]
 WORDS = ["Falcon", "Juniper", "Basalt", "Meridian", "Quasar", "Tundra", "Lantern", "Saffron", "Obsidian",
          "Harbor", "Cobalt", "Willow", "Zephyr", "Granite", "Ember", "Nimbus"]
+DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 SIMILAR_NAMES_HELP = ("fact lookups: draw a prompt's people from this many first names, so other documents "
                       "hold facts about namesakes of the person asked (0: from all of them)")
-DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 
 # (fact sentence, question, start of the answer) with {name} and {value}
 FACTS = [
@@ -151,4 +151,4 @@ class ExampleMaker:
 
     def _first_names(self, people: int) -> list[str]:
         """`similar_names` first names, more if `people` would not fit (half the last names each)."""
-        return self.rng.sample(FIRST, max(self.similar_names, -(-people // (len(LAST) // 2))))
+        return self.rng.sample(FIRST, min(len(FIRST), max(self.similar_names, -(-people // (len(LAST) // 2)))))
