@@ -506,7 +506,7 @@ def _records(items: list[dict], results: dict) -> list[dict]:
             **{c: {"text": r[k]["text"], "correct": r[k]["correct"], "cached_tokens": r[k]["cached_tokens"],
                    "first_token": r[k]["token_ids"][:1], "token_ids": list(r[k]["token_ids"]),
                    "answer_linked": r[k]["answer_linked"],
-                   "code_of": item["owners"].get(first_number(r[k]["text"]) or "")}
+                   "code_of": item["owners"].get(first_number(r[k]["text"]))}
                for c, r in results.items()},
         })
     return out

@@ -1,12 +1,12 @@
 """`spanserve train probe` (comb/calibrate.py): which heads vote in a plug-in's focus probe."""
 
-import argparse
 import re
 import shutil
 
 import numpy as np
 import pytest
 from conftest import _TINY, _save_random_model
+from helpers import bench_args
 from test_comb import make_llm, random_plugin
 from transformers import LlamaConfig
 
@@ -94,11 +94,9 @@ def test_calibration_reports_its_choice_and_writes_only_the_heads(long_llama, tm
     keeps its deltas (and so its span KV's hashes) and adds the heads, which an engine loads."""
     path = tmp_path / "plugin.safetensors"
     random_plugin(make_llm(long_llama), seed=2).save(path)
-    parser = argparse.ArgumentParser()
-    calibrate.add_arguments(parser)
-    args = parser.parse_args(["--model", str(long_llama), "--comb-plugin", str(path), "--prompts", "3",
-                              "--held-out", "2", "--docs", "2,3", "--max-heads", "2", "--dry-run",
-                              "--dtype", "float32", "--num-blocks", "512", "--similar-names", "2"])
+    args = bench_args(calibrate, ["--model", str(long_llama), "--comb-plugin", str(path), "--prompts", "3",
+                                  "--held-out", "2", "--docs", "2,3", "--max-heads", "2", "--dry-run",
+                                  "--dtype", "float32", "--num-blocks", "512", "--similar-names", "2"])
     report = calibrate.calibrate(args)
     assert 1 <= len(report["heads"]) <= 2 and all(0 <= layer < 3 and 0 <= head < 4 for layer, head in report["heads"])
     assert not report["written"] and CombPlugin.load(path).probe_heads == []
