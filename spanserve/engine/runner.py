@@ -301,12 +301,12 @@ class ModelRunner:
         hidden = self.model.embed_tokens(self._tensor([req.token_ids[t] for t in rows]))
         bs, own = self.block_size, [b.block_id for b in req.block_table]
         slots = self._tensor([own[t // bs] * bs + t % bs for t in range(n)])  # the same in every layer
-        deltas = layout.key_deltas()
-        rotation = self._key_rotation(deltas) if deltas is not None and deltas.any() else None
+        rotation = self._rotation(layout, n)
+        meta = self._probe_meta(req, rows, rows[:0], n)  # the same in every layer
         for layer in range(voters.stop):  # no later layer votes: the probe stops there
             queries = hidden[-len(watched):]
             with self._reading(req, len(rows)):  # (this layer's keys land in the request's blocks)
-                hidden = self._probe_layer(req, layer, rows, rows[:0], hidden, n)
+                hidden = self._probe_layer(req, layer, rows, rows[:0], hidden, n, meta)
             if layer in voters.by_layer:
                 with self._reading(req, len(watched)):
                     heads = self._attention_weights(layer, queries, watched, slots, rotation)
@@ -337,27 +337,34 @@ class ModelRunner:
         return scores.masked_fill(~causal, float("-inf")).softmax(-1)
 
     def _probe_layer(self, req, layer: int, rows: np.ndarray, fresh: np.ndarray, hidden: torch.Tensor,
-                     ctx_len: int) -> torch.Tensor:
+                     ctx_len: int, meta: AttentionMetadata | None = None) -> torch.Tensor:
         """Run model layer `layer` for the probe's `rows`. Under CacheBlend the request's own
         span blocks are its scratch pad until relinked: they get this layer's cached span KV, then
         the rows' fresh KV over it (a focus probe's rows are all in context: it reads the shared
-        span blocks and has no shadows); only the `fresh` span keys are not rotated (computed
-        where they are)."""
-        bs, to = self.block_size, self._tensor
+        span blocks and has no shadows). `meta`: _probe_meta's, when the rows stay the same."""
         pairs = [(shadow.block_id, req.block_table[i].block_id) for i, shadow in req.shadows.items()]
         if pairs:
-            src, dst = (to(list(ids)) for ids in zip(*pairs))
+            src, dst = (self._tensor(list(ids)) for ids in zip(*pairs))
             self.kv_cache[layer, :, dst] = self.kv_cache[layer, :, src]
-        deltas = req.layout.key_deltas().clone()
-        deltas[torch.from_numpy(fresh)] = 0
+        meta = meta or self._probe_meta(req, rows, fresh, ctx_len)
+        return self.model.layers[layer](hidden, meta.positions, meta)
+
+    def _probe_meta(self, req, rows: np.ndarray, fresh: np.ndarray, ctx_len: int) -> AttentionMetadata:
+        """Where a probe's `rows` go in the request's blocks, attending to its first ctx_len keys;
+        only the `fresh` span keys are not rotated (computed where they are)."""
+        if len(fresh):
+            deltas = req.layout.key_deltas().clone()
+            deltas[torch.from_numpy(fresh)] = 0
+            rotation = self._key_rotation(deltas) if deltas.any() else None
+        else:  # a focus probe: the request's own rotation, built once (its tables too)
+            rotation = self._rotation(req.layout, ctx_len)
+        bs, to = self.block_size, self._tensor
         own = [b.block_id for b in req.block_table]
-        positions = to(rows.tolist())
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=to([own[t // bs] * bs + t % bs for t in rows]), query_lens=[len(rows)],
             context_lens=[ctx_len], block_tables=to(own)[None], context_lens_tensor=to([ctx_len]),
-            positions=positions, key_rotation=[self._key_rotation(deltas) if deltas.any() else None],
+            positions=to(rows.tolist()), key_rotation=[rotation],
         )
-        return self.model.layers[layer](hidden, positions, meta)
 
     def _deviation(self, req, layer: int, tokens: np.ndarray, hidden: torch.Tensor) -> torch.Tensor:
         """How far the K and V of span `tokens` at `layer`, from their fresh input `hidden`, are
