@@ -301,8 +301,8 @@ class ModelRunner:
         hidden = self.model.embed_tokens(self._tensor([req.token_ids[t] for t in rows]))
         bs, own = self.block_size, [b.block_id for b in req.block_table]
         slots = self._tensor([own[t // bs] * bs + t % bs for t in range(n)])  # the same in every layer
-        rotation = self._rotation(layout, n)
         meta = self._probe_meta(req, rows, rows[:0], n)  # the same in every layer
+        rotation = meta.key_rotation[0]  # the request's own (_probe_meta)
         for layer in range(voters.stop):  # no later layer votes: the probe stops there
             queries = hidden[-len(watched):]
             with self._reading(req, len(rows)):  # (this layer's keys land in the request's blocks)
