@@ -86,7 +86,8 @@ async def _one(http: httpx.AsyncClient, kind: str, rng: random.Random, docs: lis
                     break  # leaving the block closes the connection mid-stream
             return r.status_code
     if kind == "abandoned":
-        body = {"prompt": make_prompt(rng, 64), "max_tokens": 8 * max_tokens, "ignore_eos": True}
+        # long enough to outlast the client's patience on a fast machine (else it ends as a 200)
+        body = {"prompt": make_prompt(rng, 64), "max_tokens": 16 * max_tokens, "ignore_eos": True}
         try:
             return (await http.post("/v1/completions", json=body, timeout=ABANDON_AFTER_S)).status_code
         except httpx.ReadTimeout:

@@ -17,4 +17,6 @@ def test_a_short_soak_has_no_errors_and_frees_every_block(tiny_llama_path, tmp_p
     result = json.loads(out.read_text())
     assert all(s["requests"] > 0 and s["errors"] == 0 for s in result["per_kind"].values()), result["per_kind"]
     assert result["kv_blocks_back_to_baseline"]
-    assert result["per_kind"]["abandoned"]["statuses"] == {"0": result["per_kind"]["abandoned"]["requests"]}
+    # a client gives up on each abandoned request; one the server finished sooner is a 200, not an error
+    abandoned = result["per_kind"]["abandoned"]["statuses"]
+    assert abandoned.get("0", 0) > 0 and set(abandoned) <= {"0", "200"}, abandoned
