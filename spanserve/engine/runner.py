@@ -306,12 +306,22 @@ class ModelRunner:
         for layer in range(voters.stop):  # no later layer votes: the probe stops there
             queries = hidden[-len(watched):]
             with self._reading(req, len(rows)):  # (this layer's keys land in the request's blocks)
-                hidden = self._probe_layer(req, layer, rows, rows[:0], hidden, n, meta)
+                if layer < voters.stop - 1:
+                    hidden = self._probe_layer(req, layer, rows, rows[:0], hidden, n, meta)
+                else:  # the last voting layer's output is never read: its rows' keys are all it needs
+                    self._store_keys(layer, hidden, meta)
             if layer in voters.by_layer:
                 with self._reading(req, len(watched)):
                     heads = self._attention_weights(layer, queries, watched, slots, rotation)
                 weights.append(heads[voters.by_layer[layer]])
         return torch.cat(weights)
+
+    def _store_keys(self, layer: int, hidden: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Write layer `layer`'s keys of a probe's rows (hidden states `hidden`) where its
+        attention would (meta.slot_mapping), without attending."""
+        block = self.model.layers[layer]
+        keys, _ = block.self_attn.key_values(block.input_layernorm(hidden), meta.positions)
+        self.kv_cache[layer, 0].view(-1, *keys.shape[1:]).index_copy_(0, meta.slot_mapping, keys)
 
     def _reading(self, req, num_rows: int):
         """The COMB plug-in's reader deltas on every row of a probe call (its rows all follow the
@@ -331,10 +341,13 @@ class ModelRunner:
         keys = self.kv_cache[layer, 0].flatten(0, 1)[slots]
         if rotation is not None:
             keys = rotation.apply(keys)
-        keys = keys.float().repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * attn.scale
+        # each KV head's query heads in one matmul: [kv_heads, groups * queries, keys]
+        kv_heads, groups = attn.num_kv_heads, attn.num_heads // attn.num_kv_heads
+        folded = q.float().view(len(q), kv_heads, groups, -1).permute(1, 2, 0, 3).flatten(1, 2)
+        scores = torch.matmul(folded, keys.float().permute(1, 2, 0)) * attn.scale
         causal = torch.arange(len(slots), device=self.device)[None, :] <= positions[:, None]
-        return scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        scores = scores.view(attn.num_heads, len(q), -1).masked_fill_(~causal, float("-inf"))
+        return scores.softmax(-1)
 
     def _probe_layer(self, req, layer: int, rows: np.ndarray, fresh: np.ndarray, hidden: torch.Tensor,
                      ctx_len: int, meta: AttentionMetadata | None = None) -> torch.Tensor:
