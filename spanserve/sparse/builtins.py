@@ -44,8 +44,11 @@ class Quest(Flow):
         return {"kmin": keys.amin(1), "kmax": keys.amax(1)}
 
     def forward_indexer(self, q, fields, state, ctx: IndexerContext):
-        q = q.float()[None]  # [1, H, G, D]
-        bound = torch.maximum(q * fields["kmin"][:, :, None], q * fields["kmax"][:, :, None]).sum(-1)  # [B, H, G]
+        # sum_d max(q_d kmin_d, q_d kmax_d): kmax where q_d > 0, kmin where q_d < 0, as two
+        # matmuls instead of four [blocks, H, G, D] temporaries
+        q = q.float()  # [H, G, D]
+        bound = (torch.einsum("hgd,bhd->bhg", q.clamp(min=0), fields["kmax"])
+                 + torch.einsum("hgd,bhd->bhg", q.clamp(max=0), fields["kmin"]))
         return select(bound.amax((1, 2)), self, ctx)
 
 
