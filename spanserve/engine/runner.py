@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from spanserve.attention import AttentionMetadata, KeyRotation, SpanShare
+from spanserve.attention.torch_ref import store_kv
 from spanserve.attention.triton_paged import TritonAttention
 from spanserve.engine.cuda_graphs import DecodeGraphs
 from spanserve.engine.sampler import Sample, sample
@@ -317,11 +318,11 @@ class ModelRunner:
         return torch.cat(weights)
 
     def _store_keys(self, layer: int, hidden: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Write layer `layer`'s keys of a probe's rows (hidden states `hidden`) where its
+        """Write layer `layer`'s K and V of a probe's rows (hidden states `hidden`) where its
         attention would (meta.slot_mapping), without attending."""
         block = self.model.layers[layer]
-        keys, _ = block.self_attn.key_values(block.input_layernorm(hidden), meta.positions)
-        self.kv_cache[layer, 0].view(-1, *keys.shape[1:]).index_copy_(0, meta.slot_mapping, keys)
+        keys, values = block.self_attn.key_values(block.input_layernorm(hidden), meta.positions)
+        store_kv(self.kv_cache[layer, 0], self.kv_cache[layer, 1], keys, values, meta.slot_mapping)
 
     def _reading(self, req, num_rows: int):
         """The COMB plug-in's reader deltas on every row of a probe call (its rows all follow the
