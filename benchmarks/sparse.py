@@ -25,7 +25,8 @@ SYSTEM = "You answer from the document. Reply with the number only."
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model (default: the embedded SmolLM2)")
     parser.add_argument("--lengths", default="4096,8192", help="context lengths (tokens) of the retrieval task")
-    parser.add_argument("--decode-lengths", default=None, help="context lengths of the speed test (default: --lengths)")
+    parser.add_argument("--decode-lengths", default=None,
+                        help="context lengths of the speed test (default: --lengths; '' for none)")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--budget", type=int, default=2048, help="tokens a flow attends to per step")
@@ -39,8 +40,8 @@ def run(args: argparse.Namespace) -> dict:
     harness.configure_threads()
     from spanserve import LLM
 
-    lengths = [int(x) for x in args.lengths.split(",")]
-    decode_lengths = [int(x) for x in (args.decode_lengths or args.lengths).split(",")]
+    lengths = _ints(args.lengths)
+    decode_lengths = _ints(args.lengths if args.decode_lengths is None else args.decode_lengths)
     flows = [f for f in args.flows.split(",") if f]
     conditions = [None, *flows]
     llm = LLM(model=args.model, kv_cache_memory_gb=6.0, max_num_seqs=32)
@@ -71,6 +72,10 @@ def run(args: argparse.Namespace) -> dict:
     harness.write_json(result, path=out)
     _plot(result, [_label(c) for c in conditions], out.with_suffix(".png"))
     return result
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def log(message: str) -> None:
