@@ -4,6 +4,8 @@ A synthetic feed of hourly price bars (open, high, low, close, volume) grows fro
 --max-context tokens to all of it in --steps steps. At each step the new bars are appended and,
 once ingested, questions are asked (greedy), the same token sequence on every path, same run:
   session           spanserve session: the data computed in the background, the question alone
+  session, sparse   the same with a sparse flow (--sparse) over the data for the question and its
+                    answer (sparse_prefill), its answers compared with the dense session's
   flash hit         the same questions registered on the session: the kept answer
   while ingesting   a session question asked right after an append, ingest still running
   stateless         a plain request, the prefix cache warm from the previous step: the new data
@@ -57,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-questions", type=int, default=4, help="rolling-window questions per step")
     parser.add_argument("--exit-threshold", type=float, default=2.0,
                         help="speculative exit check: the logit lead the ready position's answer needs")
+    parser.add_argument("--sparse", default=None, help="add session questions over a sparse flow's blocks "
+                        "(e.g. block_topk), their answers checked against the dense ones")
+    parser.add_argument("--sparse-budget", type=int, default=1024, help="tokens the sparse flow attends to")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/session-<model>.json)")
 
 
@@ -92,6 +97,7 @@ def run(args: argparse.Namespace) -> dict:
     feed = bars(total_rows)
     step_rows = (total_rows - start_rows) // args.steps
     one = SamplingParams(temperature=0, max_tokens=1)
+    sparse = _sparse(args, one)
     peers = [p for p in (_llama(args), _Vllm(args.vllm_url) if args.vllm_url else None) if p is not None]
 
     full = llm.create_session(SYSTEM, flash=list(QUESTIONS), flash_max_tokens=1)
@@ -111,8 +117,8 @@ def run(args: argparse.Namespace) -> dict:
             for session in (window, standing):
                 session.append(new)
                 session.wait()
-        row.update(_measure(llm, full, one, peers, step), rows=fed)
-        row.update(_window_check(full, window, feed[:fed], args.window_questions))
+        row.update(_measure(llm, full, one, peers, step, sparse), rows=fed)
+        row.update(_window_check(full, window, feed[:fed], args.window_questions, args))
         row.update(_exit_check(llm, standing, feed[:fed], one))
         steps.append(row)
         shown = _print_progress(steps, shown)
@@ -132,6 +138,12 @@ def _timed(fn, *args) -> float:
     start = time.perf_counter()
     fn(*args)
     return time.perf_counter() - start
+
+
+def _timed_answer(session, question: str, params) -> tuple[float, str]:
+    start = time.perf_counter()
+    text = session.query(question, params).text
+    return time.perf_counter() - start, text
 
 
 def _warm(llm, session, params) -> None:
@@ -160,14 +172,28 @@ def _ingest(llm, session, text: str, question: str, params) -> dict:
     return {"while_ingesting_ms": busy * 1000, "ingest_tok_s": len(llm.engine.sessions.format.data(text)) / ingest_s}
 
 
-def _measure(llm, session, params, peers: list, step: int) -> dict:
+def _sparse(args, params):
+    """`params` over the --sparse flow's blocks, the question included; None without --sparse."""
+    from spanserve import SamplingParams
+
+    if not args.sparse:
+        return None
+    return SamplingParams(**{**params.__dict__, "sparse": args.sparse, "sparse_budget": args.sparse_budget,
+                             "sparse_prefill": True})
+
+
+def _measure(llm, session, params, peers: list, step: int, sparse=None) -> dict:
     """One step's latencies (ms, median over the questions) on every path, same tokens. The
     stateless paths first see this step's data in one question (a variant no other path asks),
-    which computes the new data; each path then computes every question for the first time."""
+    which computes the new data; each path then computes every question for the first time.
+    With `sparse` (params), the session is asked each question that way too: its latency, and
+    whether its answer is the dense session's."""
     fmt, state = llm.engine.sessions.format, session._session.state
     data = state.tokens + state.pending
     rows = {"context_tokens": len(data)}
     times: dict[str, list[float]] = {k: [] for k in ("session", "flash_hit", "stateless", "stateless_cached")}
+    if sparse is not None:
+        times["session_sparse"], rows["sparse_agree"] = [], 0.0
     first = data + fmt.question(QUESTIONS[step % len(QUESTIONS)] + "  ")
     times["stateless"].append(_timed(llm.generate, {"prompt_token_ids": first}, params))
     for peer in peers:
@@ -177,7 +203,12 @@ def _measure(llm, session, params, peers: list, step: int) -> dict:
         prompt = data + fmt.question(_asked(q))
         llm.generate({"prompt_token_ids": data}, params)  # the data alone, then the question on it
         times["stateless_cached"].append(_timed(llm.generate, {"prompt_token_ids": prompt}, params))
-        times["session"].append(_timed(session.query, _asked(q), params))
+        seconds, dense = _timed_answer(session, _asked(q), params)
+        times["session"].append(seconds)
+        if sparse is not None:
+            seconds, answer = _timed_answer(session, _asked(q), sparse)
+            times["session_sparse"].append(seconds)
+            rows["sparse_agree"] += (answer == dense) / len(QUESTIONS)
         hit = session.query(q, params)
         times["flash_hit"].append(_timed(session.query, q, params) if hit.flash_hit else math.nan)
         for peer in peers:
@@ -188,18 +219,22 @@ def _measure(llm, session, params, peers: list, step: int) -> dict:
     return rows
 
 
-def _window_check(full, window, fed: list[str], count: int) -> dict:
+def _window_check(full, window, fed: list[str], count: int, args) -> dict:
     """Questions about the latest alerts (inside the window's retention): the window session against
-    the full-context one and against the data."""
+    the full-context one and against the data; with --sparse, the full session asked sparsely too."""
     from spanserve import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=12)
+    sparse = _sparse(args, params)
     alerts = [row for row in fed if row.startswith("ALERT")][-count:]
-    right = {"window": 0, "full": 0, "agree": 0}
+    right = {"window": 0, "full": 0, "agree": 0, **({"full_sparse": 0, "sparse_agree": 0} if sparse else {})}
     for alert in alerts:
         trader, code = alert.split(" of ")[1].split(" is ")[0], alert.split(" is ")[1].rstrip(".\n")
         question = f"What is the desk code of {trader}? Answer with the number only."
         answers = {name: s.query(question, params).text.strip() for name, s in (("window", window), ("full", full))}
+        if sparse is not None:
+            answers["full_sparse"] = full.query(question, sparse).text.strip()
+            right["sparse_agree"] += answers["full_sparse"] == answers["full"]
         for name, text in answers.items():
             right[name] += code in text
         right["agree"] += answers["window"] == answers["full"]
@@ -258,15 +293,27 @@ def _summary(args, steps: list[dict], peers: list[str]) -> dict:
         "window agrees with full context": statistics.mean(r["window_agree"] for r in steps),
         **_exit_summary(steps),
     }
+    if "session_sparse_ms" in last:  # --sparse
+        summary.update({
+            "flatness, sparse session": last["session_sparse_ms"] / first["session_sparse_ms"],
+            "sparse session answers = dense session's": statistics.mean(r["sparse_agree"] for r in steps),
+            "full-context accuracy, sparse (recent bars)": statistics.mean(r["window_full_sparse"] for r in steps),
+            "sparse agrees with full context (recent bars)": statistics.mean(r["window_sparse_agree"] for r in steps)})
+        for peer in peers:
+            summary[f"{peer} cached / sparse session at the end"] = \
+                last[f"{peer}_cached_ms"] / last["session_sparse_ms"]
     for peer in peers:
         summary[f"{peer} cached / session at the end"] = last[f"{peer}_cached_ms"] / last["session_ms"]
         summary[f"{peer} / session at the end"] = last[f"{peer}_ms"] / last["session_ms"]
-    headers = ["step", "tokens", "session", "flash hit", "while ingesting", "stateless", "stateless cached"]
+    sparse = "session_sparse_ms" in last
+    headers = ["step", "tokens", "session", *(["session, sparse"] if sparse else []), "flash hit", "while ingesting",
+               "stateless", "stateless cached"]
     headers += [h for peer in peers for h in (peer, f"{peer} cached")]
     headers += ["ingest tok/s"]
     table = []
     for r in steps:
-        row = [r["step"], r["context_tokens"], _ms(r["session_ms"]), _ms(r["flash_hit_ms"], 3),
+        row = [r["step"], r["context_tokens"], _ms(r["session_ms"]), *([_ms(r["session_sparse_ms"])] if sparse else []),
+               _ms(r["flash_hit_ms"], 3),
                _ms(r["while_ingesting_ms"]), _ms(r["stateless_ms"]), _ms(r["stateless_cached_ms"])]
         row += [_ms(r[f"{peer}{kind}_ms"]) for peer in peers for kind in ("", "_cached")]
         row += [f"{r['ingest_tok_s']:.0f}" if r["ingest_tok_s"] else "-"]

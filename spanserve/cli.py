@@ -94,13 +94,15 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
     g.add_argument("--sparse", default=None, help="sparse decode flow: block_topk, quest, streaming, h2o, or one "
                    "given by --sparse-flow")
     g.add_argument("--sparse-budget", type=int, default=2048, help="tokens a sparse flow attends to per step")
+    g.add_argument("--sparse-prefill", action="store_true", help="a short prompt suffix after cached KV (a session "
+                   "question) attends sparsely too")
 
 
 def sampling_params(args) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-        sparse=args.sparse, sparse_budget=args.sparse_budget,
+        sparse=args.sparse, sparse_budget=args.sparse_budget, sparse_prefill=args.sparse_prefill,
     )
 
 

@@ -35,9 +35,11 @@ class SamplingParams:
     ape_scale: float | None = None
     focus_spans: int | None = None  # none, comb: spans recomputed in context, picked by the question
     focus_tokens: int | None = None  # none, comb: or a budget of span tokens it picks, in 16-token blocks
-    # Sparse decode (spanserve/sparse/): a flow's name, and the tokens it may attend to per step.
+    # Sparse decode (spanserve/sparse/): a flow's name, and the tokens it may attend to per step;
+    # sparse_prefill: a prompt's short suffix after cached KV (a session's question) attends sparsely too.
     sparse: str | None = None
     sparse_budget: int = 2048
+    sparse_prefill: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -75,6 +77,8 @@ class SamplingParams:
              f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
             (all(isinstance(s, str) and s for s in self.stop),
              "stop must be a non-empty string or a list of non-empty strings"),
+            (isinstance(self.sparse_prefill, bool), f"sparse_prefill must be a boolean, got {self.sparse_prefill!r}"),
+            (not self.sparse_prefill or self.sparse is not None, "sparse_prefill needs a sparse flow (sparse=...)"),
         ]
         link_fields = ("gap_length", "blend_ratio", "blend_layers", "ape_temperature", "ape_scale", "focus_spans",
                        "focus_tokens")

@@ -10,7 +10,8 @@ from benchmarks import session
 def test_session_bench_measures_every_path(tiny_llama_path, tmp_path):
     out = tmp_path / "s.json"
     session.run(bench_args(session, ["--model", str(tiny_llama_path), "--max-context", "400", "--steps", "2",
-                                     "--window-questions", "2", "--out", str(out)]))
+                                     "--window-questions", "2", "--sparse", "block_topk", "--sparse-budget", "96",
+                                     "--out", str(out)]))
     result = json.loads(out.read_text())
     steps = result["steps"]
     assert [s["step"] for s in steps] == [0, 1, 2]
@@ -21,6 +22,9 @@ def test_session_bench_measures_every_path(tiny_llama_path, tmp_path):
     assert steps[2]["while_ingesting_ms"] > 0 and steps[2]["ingest_tok_s"] > 0
     assert steps[2]["window_evicted"] > 0  # the rolling window dropped data
     assert result["summary"]["stateless / session at the end"] > 0
+    for s in steps:  # --sparse: the session asked over the flow's blocks too, its answers compared
+        assert s["session_sparse_ms"] > 0 and 0 <= s["sparse_agree"] <= 1 and 0 <= s["window_full_sparse"] <= 1
+    assert 0 <= result["summary"]["sparse session answers = dense session's"] <= 1
     for s in steps:  # the speculative-exit check: an exit is a kept token, else a computed answer
         assert s["trend"] in ("UP", "DOWN") and s["exit"] == (s["exit_ms"] is not None)
         assert not s["exit"] or s["exit_answer"] in ("UP", "DOWN")

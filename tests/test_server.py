@@ -740,7 +740,13 @@ def test_sparse_decode_over_http_matches_offline(client, model_name, offline):
     r = client.completions.create(model=model_name, prompt=prompt, max_tokens=6, temperature=0,
                                   extra_body={**NO_EOS, "sparse": "quest", "sparse_budget": 96})
     assert r.choices[0].text == want.outputs[0].text
+    want = offline.generate({"prompt_token_ids": prompt}, greedy(6, sparse="quest", sparse_budget=96,
+                                                                sparse_prefill=True))[0]
+    r = client.completions.create(model=model_name, prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={**NO_EOS, "sparse": "quest", "sparse_budget": 96, "sparse_prefill": True})
+    assert r.choices[0].text == want.outputs[0].text
     for body, message in [({"sparse": "nope"}, "unknown sparse flow"), ({"sparse": "quest", "sparse_budget": 32},
-                                                                      "smaller than flow")]:
+                                                                      "smaller than flow"),
+                          ({"sparse_prefill": True}, "needs a sparse flow")]:
         with pytest.raises(openai.BadRequestError, match=message):
             client.completions.create(model=model_name, prompt="hi", max_tokens=2, extra_body=body)

@@ -59,6 +59,24 @@ def test_question_equals_the_same_prompt_run_stateless(llm):
     assert_engine_idle(llm)
 
 
+def test_a_sparse_question_attends_to_the_blocks_its_flow_picks(llm):
+    """sparse_prefill: the question itself, not only its answer, reads the data's blocks a flow picks
+    (what keeps a question's cost flat as the data grows); a budget covering the data is exact."""
+    s = llm.create_session(system="Answer from the log.")
+    _feed(s, ROWS[:30])
+    question = "Which sensor reported 74?"
+    dense = s.query(question, GREEDY).output.outputs[0]
+    covering = s.query(question, SamplingParams(**{**GREEDY.__dict__, "sparse": "quest", "sparse_budget": 4096,
+                                                   "sparse_prefill": True})).output.outputs[0]
+    assert covering.token_ids == dense.token_ids and covering.logprobs == dense.logprobs
+    narrow = s.query(question, SamplingParams(**{**GREEDY.__dict__, "sparse": "quest", "sparse_budget": 128,
+                                                 "sparse_prefill": True})).output.outputs[0]
+    assert max(narrow.logprobs[0].values()) != pytest.approx(max(dense.logprobs[0].values()), abs=1e-4)
+    assert len(s._session.blocks) == s._session.num_blocks_held() > 128 // 16
+    s.close()
+    assert_engine_idle(llm)
+
+
 def test_session_blocks_stay_out_of_the_prefix_cache(llm):
     s = llm.create_session(system="x")
     _feed(s, ROWS[:10])

@@ -67,6 +67,41 @@ def test_quest_picks_the_blocks_of_the_brute_force_bound_and_attends_over_them_o
     torch.testing.assert_close(out[0], _attend(q[0], flat_k[tokens], flat_v[tokens]))
 
 
+def test_a_short_prefill_chunk_attends_to_the_blocks_all_its_queries_pick():
+    """sparse_prefill: a 5-token chunk after 10 full blocks. Block top-k sums each block's centroid
+    score over every query head of every query; the chunk's own two blocks are kept whole and each
+    query still sees the chunk's keys up to its own (the causal mask moved to the shorter context)."""
+    cache, table, ctx, _, meta = _decode_step(num_blocks=12, seed=3)
+    ctx, chunk = 10 * BS + 3, 5  # queries at 10 BS - 2 .. 10 BS + 2: blocks 9 and 10 are their own
+    q = torch.randn(chunk, HEADS, DIM, generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(ctx - chunk, ctx)
+    meta = AttentionMetadata(
+        slot_mapping=table[positions // BS] * BS + positions % BS, query_lens=[chunk], context_lens=[ctx],
+        block_tables=table[None], context_lens_tensor=torch.tensor([ctx]), positions=positions)
+    decode = SparseDecode(BUILTINS["block_topk"](), budget_tokens=7 * BS, block_size=BS, prefill=True)
+    assert decode.covers(chunk, samples=True) and not SparseDecode(
+        BUILTINS["block_topk"](), 7 * BS, BS).covers(chunk, samples=True)
+    step = SparseStep(FieldStore(cache, torch.zeros(cache.shape[2], dtype=torch.long)), {0: decode}, BS)
+    narrowed = step.restrict(0, q, meta)
+    keys = cache[0, 0, table]
+    centroids = keys.mean(1)  # [12, KV_HEADS, DIM]
+    qg = q.view(chunk, KV_HEADS, HEADS // KV_HEADS, DIM)
+    score = torch.einsum("tkgd,bkd->b", qg, centroids[:9])
+    best = sorted(range(1, 5), key=lambda b: -score[b])[:1]  # budget 7 = 1 sink + 4 recent (5..8) + newest + 1
+    expected = sorted([0, *best, 5, 6, 7, 8]) + [9, 10]
+    assert narrowed.block_tables[0, :8].tolist() == table[expected].tolist()
+    assert narrowed.context_lens == [6 * BS + ctx - 9 * BS]
+    assert narrowed.positions.tolist() == (positions - 3 * BS).tolist()
+    assert meta.positions.tolist() == positions.tolist()  # the step's own positions are untouched
+    out = TorchAttention().forward(q, keys.flatten(0, 1)[positions], cache[0, 1, table].flatten(0, 1)[positions],
+                                   cache[0], narrowed, DIM**-0.5)
+    flat_k, flat_v = keys.flatten(0, 1), cache[0, 1, table].flatten(0, 1)
+    chosen = torch.cat([torch.arange(b * BS, (b + 1) * BS) for b in expected[:-2]])
+    for j, p in enumerate(positions.tolist()):
+        seen = torch.cat([chosen, torch.arange(9 * BS, p + 1)])
+        torch.testing.assert_close(out[j], _attend(q[j], flat_k[seen], flat_v[seen]))
+
+
 def test_select_keeps_sinks_window_and_best_scores():
     from spanserve.sparse.flow import IndexerContext
 
@@ -94,6 +129,26 @@ def test_sparse_decode_narrows_attention_and_keeps_batchmates_exact(llm):
     dense_lp = [max(d.values()) for d in alone.outputs[0].logprobs]
     assert sparse_lp[0] == pytest.approx(dense_lp[0], abs=1e-5)  # the first token comes from the dense prefill
     assert sparse_lp[1:] != pytest.approx(dense_lp[1:], abs=1e-5)  # then 96 of 400 tokens are attended
+    assert_engine_idle(llm)
+
+
+def test_sparse_prefill_narrows_a_question_after_a_cached_prefix(llm):
+    """Without sparse_prefill the question is computed densely (its first token's logprob is the dense
+    one); with it and a budget under the context it is not; with a budget covering it, it is exact."""
+    prefix, question = random_prompt(400, seed=6), random_prompt(10, seed=7)
+    llm.generate({"prompt_token_ids": prefix}, greedy(1))  # cached: the question is a 10-token chunk
+    prompt = {"prompt_token_ids": prefix + question}
+    dense = llm.generate(prompt, greedy(4, logprobs=1))[0].outputs[0]
+    narrow, covering = {"sparse": "streaming", "sparse_budget": 96}, {"sparse": "block_topk", "sparse_budget": 512}
+    outs = llm.generate([prompt] * 3, [greedy(4, logprobs=1, **narrow),
+                                       greedy(4, logprobs=1, **narrow, sparse_prefill=True),
+                                       greedy(4, logprobs=1, **covering, sparse_prefill=True)])
+    first = [max(out.outputs[0].logprobs[0].values()) for out in outs]
+    assert first[0] == pytest.approx(max(dense.logprobs[0].values()), abs=1e-5)
+    assert first[1] != pytest.approx(first[0], abs=1e-4)
+    assert outs[2].outputs[0].token_ids == dense.token_ids and outs[2].outputs[0].logprobs == dense.logprobs
+    with pytest.raises(InvalidRequestError, match="sparse_prefill needs a sparse flow"):
+        SamplingParams(sparse_prefill=True)
     assert_engine_idle(llm)
 
 

@@ -284,7 +284,8 @@ class LLMEngine:
                 cache_salt=tp.cache_salt, max_total_tokens=self.max_model_len,
                 wait_for=children[0] if children and self.config.enable_prefix_caching else None,
                 priority=priority, held=held, prefill_only=prefill_only, owner=owner,
-                sparse=SparseDecode(flow, params.sparse_budget, self.config.block_size) if flow else None,
+                sparse=SparseDecode(flow, params.sparse_budget, self.config.block_size, params.sparse_prefill)
+                if flow else None,
             ))
         detoks = [IncrementalDetokenizer(self.tokenizer, token_ids, r.params) for r in children]
         return RequestGroup(request_id, tp.text, children, detoks)

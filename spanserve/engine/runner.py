@@ -91,8 +91,8 @@ class ModelRunner:
         encoder_rows, reader_rows, shares, sparse = [], [], [], {}
         for item in batch:
             for tokens, pos, table, ctx_len, layout, samples, in_span in _sequences(item):
-                if item.request.sparse is not None and samples and len(pos) == 1 and not in_span:
-                    sparse[len(tables)] = item.request.sparse  # a decode step
+                if item.request.sparse is not None and not in_span and item.request.sparse.covers(len(pos), samples):
+                    sparse[len(tables)] = item.request.sparse
                 encoder, reader = self._plugin_rows(item.request.layout, pos, in_span)
                 encoder_rows.extend(len(input_ids) + i for i in encoder)
                 reader_rows.extend(len(input_ids) + i for i in reader)

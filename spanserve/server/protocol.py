@@ -96,6 +96,7 @@ class _SamplingFields(_Body):
     # spanserve extension: sparse decode (a flow the server has: built-in or --sparse-flow)
     sparse: NonEmptyStr | None = Field(None, max_length=128)
     sparse_budget: _int(ge=1, le=_SAFE) = 2048
+    sparse_prefill: bool = False
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
         optional = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -110,7 +111,7 @@ class _SamplingFields(_Body):
             # ids beyond the vocabulary can never be sampled (and cannot index the logits)
             stop_token_ids=[t for t in self.stop_token_ids or [] if t < vocab_size],
             ignore_eos=self.ignore_eos, logprobs=logprobs, sparse=self.sparse, sparse_budget=self.sparse_budget,
-            **optional,
+            sparse_prefill=self.sparse_prefill, **optional,
         )
 
 

@@ -2,10 +2,14 @@
 each layer's attention to the blocks the flows pick (SparseStep).
 
 The attention backends are untouched: a sparse sequence's block table is replaced, per layer, by
-its chosen blocks in order (the newest token's block last) and its context length by theirs, so
-every backend (torch, Triton) attends over them as over any context. Prefill stays dense, and so
-does a decode step whose context fits the budget (selecting would cost more than it saves), or
-whose keys need rotating at every step (span keys read in place, pic/layout.py).
+its chosen blocks in order (the blocks of the step's own queries last) and its context length by
+theirs, and its queries' positions, which only mask keys by then (RoPE is applied), by their
+indices in that shorter context; so every backend (torch, Triton) attends over them as over any
+context. Prefill stays dense, but for a request that asks for `sparse_prefill`: its prefill chunks
+of at most PREFILL_QUERIES tokens (a question after cached data: a session's, or a prompt whose
+prefix is cached) attend to blocks the flow picks for all their queries together. A step stays
+dense whose context before its queries fits the budget (selecting would cost more than it
+saves), or whose keys need rotating at every step (span keys read in place, pic/layout.py).
 """
 
 import dataclasses
@@ -20,17 +24,24 @@ from spanserve.sparse.builtins import BUILTINS
 from spanserve.sparse.fields import FieldStore
 from spanserve.sparse.flow import Flow, IndexerContext
 
+PREFILL_QUERIES = 64  # the longest prefill chunk that `sparse_prefill` narrows
+
 
 class SparseDecode:
     """One request's sparse decode: its flow, budget, the flow's state per layer, and the error
     that ended it if its flow failed."""
 
-    def __init__(self, flow: Flow, budget_tokens: int, block_size: int):
+    def __init__(self, flow: Flow, budget_tokens: int, block_size: int, prefill: bool = False):
         flow.check_budget(budget_tokens, block_size)
-        self.flow, self.budget_blocks = flow, budget_tokens // block_size
+        self.flow, self.budget_blocks, self.prefill = flow, budget_tokens // block_size, prefill
         self.state: dict[int, dict] = {}
         self.steps = 0
         self.error: str | None = None
+
+    def covers(self, num_queries: int, samples: bool) -> bool:
+        """Whether a step computing `num_queries` tokens of the request (`samples`: and sampling
+        after them) may attend sparsely: a decode step, or with `prefill` a short prefill chunk."""
+        return (num_queries == 1 and samples) or (self.prefill and num_queries <= PREFILL_QUERIES)
 
 
 class SparseStep:
@@ -38,28 +49,37 @@ class SparseStep:
 
     def __init__(self, fields: FieldStore, sequences: dict[int, SparseDecode], block_size: int):
         self.fields, self.sequences, self.block_size = fields, sequences, block_size
-        self._rows: list[int] | None = None  # each sequence's first query row, the same in every layer
+        # each sequence's first query row and its position, the same in every layer
+        self._rows: list[int] | None = None
+        self._first: list[int] = []
         for decode in sequences.values():
             decode.steps += 1
 
     def restrict(self, layer: int, q: torch.Tensor, meta):
         """`meta` with each sparse sequence's context narrowed to its flow's blocks at `layer`."""
+        if self._rows is None:  # the same in every layer
+            self._rows = torch.tensor([0, *meta.query_lens]).cumsum(0).tolist()
+            self._first = meta.positions[self._rows[:-1]].tolist() if meta.query_lens else []
         narrowed = [i for i, decode in self.sequences.items() if self._narrows(i, decode, meta)]
         if not narrowed:
             return meta
         tables, lens, first = meta.block_tables.clone(), list(meta.context_lens), list(meta.contiguous_from or [])
-        if self._rows is None:
-            self._rows = torch.tensor([0, *meta.query_lens]).cumsum(0).tolist()
-        rows = self._rows
+        positions, kv_heads = meta.positions, self.fields.kv_cache.shape[-2]
         changed = False
         for i in narrowed:
-            decode, newest = self.sequences[i], (lens[i] - 1) // self.block_size  # full blocks come before it
-            chosen = self._choose(decode, layer, q[rows[i]], tables[i, :newest], newest)
+            rows, own = slice(self._rows[i], self._rows[i + 1]), self._first[i] // self.block_size
+            chosen = self._choose(self.sequences[i], layer, _per_kv_head(q[rows], kv_heads), tables[i, :own], own)
             if chosen is None:
                 continue
-            picked = torch.cat([chosen.to(tables.device), torch.tensor([newest], device=tables.device)])
+            # the chosen blocks, then the blocks of the step's own queries (the newest token's at decode)
+            picked = torch.cat([chosen.to(tables.device), torch.arange(own, (lens[i] - 1) // self.block_size + 1,
+                                                                        device=tables.device)])
             tables[i, :len(picked)] = meta.block_tables[i, picked]
-            lens[i] = len(chosen) * self.block_size + lens[i] - newest * self.block_size
+            shift = (len(chosen) - own) * self.block_size
+            lens[i] += shift
+            if meta.query_lens[i] > 1:  # a prefill chunk's causal mask, in the shorter context
+                positions = positions.clone() if positions is meta.positions else positions
+                positions[rows] += shift
             if first:
                 first[i] = None
             changed = True
@@ -67,16 +87,16 @@ class SparseStep:
             return meta
         return dataclasses.replace(meta, block_tables=tables, context_lens=lens, contiguous_from=first or None,
                                    context_lens_tensor=torch.tensor(lens, device=meta.context_lens_tensor.device),
-                                   derived={})
+                                   positions=positions, derived={})
 
     def _narrows(self, i: int, decode: SparseDecode, meta) -> bool:
-        """Whether sequence i attends to fewer blocks than its context: not when the context fits
-        the budget (selecting would cost more than it saves), its flow failed, or its keys need
-        moving at every step."""
+        """Whether sequence i attends to fewer blocks than its context: not when the blocks before
+        its queries fit the budget (selecting would cost more than it saves), its flow failed, or
+        its keys need moving at every step."""
         if decode.error or (meta.key_rotation and meta.key_rotation[i] is not None) or \
                 (meta.span_share and meta.span_share[i] is not None):
             return False
-        return (meta.context_lens[i] - 1) // self.block_size + 1 > decode.budget_blocks
+        return self._first[i] // self.block_size >= decode.budget_blocks
 
     def _choose(self, decode: SparseDecode, layer: int, q: torch.Tensor, block_ids: torch.Tensor,
                 num_blocks: int) -> torch.Tensor | None:
@@ -92,6 +112,13 @@ class SparseStep:
         except Exception as exc:  # a user's flow: the request fails, the batch goes on
             decode.error = f"sparse flow {decode.flow.name!r} failed at layer {layer}: {exc}"
             return None
+
+
+def _per_kv_head(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A step's queries of one sequence [T, heads, D] as the flows read them, [kv_heads, G * T, D]:
+    each query token adds G rows to its kv head's group (at decode T = 1)."""
+    num, heads, dim = q.shape
+    return q.view(num, kv_heads, heads // kv_heads, dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, dim)
 
 
 def _checked(chosen, num_blocks: int, most: int) -> torch.Tensor:

@@ -7,11 +7,12 @@ A flow has two stages:
   prefix cache is summarized once for every request that reads it;
 - indexer: at each decode step and layer, `forward_indexer` picks the blocks to attend to from the
   query and the fields of the request's full blocks. The engine then attends only over those, the
-  block holding the newest token always included.
+  block holding the newest token always included. With `sparse_prefill`, a short prefill chunk
+  (a question after cached data) is picked for in one call, its queries read as more query heads.
 
-Shapes, for one request at one layer (B full blocks, H kv heads, G query heads per kv head, D head
-dim, S block size): q [H, G, D]; keys and values of blocks [n, S, H, D]; each field [B, H, *shape],
-float32 (kept in the cache's dtype).
+Shapes, for one request at one layer (B full blocks before the step's queries, H kv heads, G query
+heads per kv head times the step's queries, D head dim, S block size): q [H, G, D]; keys and values
+of blocks [n, S, H, D]; each field [B, H, *shape], float32 (kept in the cache's dtype).
 `forward_indexer` returns block indices in [0, B), at most `ctx.budget_blocks` of them. `state` is
 the request's own dict for this layer, kept across its decode steps (H2O's accumulator lives there).
 """
