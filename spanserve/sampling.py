@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from spanserve.errors import InvalidRequestError
+from spanserve.errors import InvalidRequestError, InvalidSparseError
 from spanserve.utils import strict_kwargs
 
 
@@ -78,7 +78,6 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop),
              "stop must be a non-empty string or a list of non-empty strings"),
             (isinstance(self.sparse_prefill, bool), f"sparse_prefill must be a boolean, got {self.sparse_prefill!r}"),
-            (not self.sparse_prefill or self.sparse is not None, "sparse_prefill needs a sparse flow (sparse=...)"),
         ]
         link_fields = ("gap_length", "blend_ratio", "blend_layers", "ape_temperature", "ape_scale", "focus_spans",
                        "focus_tokens")
@@ -90,6 +89,8 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)
+        if self.sparse_prefill and self.sparse is None:
+            raise InvalidSparseError("sparse_prefill needs a sparse flow (sparse=...)")
 
     @property
     def greedy(self) -> bool:
