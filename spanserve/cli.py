@@ -40,7 +40,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--link-policy", default="auto", choices=["auto", *POLICIES],
                    help="default link policy of requests with position-independent spans (auto: comb where "
-                   "a plug-in ships for the model, else none)")
+                   "a plug-in ships for the model, else none; both with a 48-token focus)")
     g.add_argument("--gap-length", type=int, default=32, help="tokens recomputed at each span's head (gap)")
     g.add_argument("--blend-ratio", type=float, default=0.15, help="fraction of span tokens recomputed (blend)")
     g.add_argument("--blend-layers", type=int, default=BLEND_LAYERS,

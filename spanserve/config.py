@@ -42,9 +42,9 @@ class EngineConfig:
     quantization: str | None = None  # int8 or int4: weight-only quantized projections on CPU (models/quant.py)
     seed: int = 0
     # Defaults for requests with position-independent spans (pic/link.py).
-    # auto: comb where an encoder plug-in ships for the model (or comb_plugin names one), with
-    # focus_tokens=48 for requests that name no policy (unless focus sizes are set here), else none:
-    # the most accurate policy that keeps warm spans 10x faster (README, "focus_tokens")
+    # auto: comb where an encoder plug-in ships for the model (or comb_plugin names one), else none,
+    # with focus_tokens=48 for requests that name no policy (unless focus sizes are set here): the
+    # most accurate policy that keeps warm spans 10x faster (README, "focus_tokens")
     link_policy: str = "auto"
     gap_length: int = 32
     blend_ratio: float = 0.15

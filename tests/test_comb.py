@@ -183,9 +183,12 @@ def test_a_plugin_trained_for_another_model_or_a_corrupt_file_is_rejected(tiny_q
         make_llm(tiny_qwen2_path, comb_plugin=str(tmp_path / "missing.safetensors"))
 
 
-def test_the_default_link_policy_is_comb_with_focus_where_a_plugin_is_loaded_else_none(tiny_llama_path, plugin_file):
+def test_the_default_link_policy_is_comb_where_a_plugin_is_loaded_else_none_both_with_focus(tiny_llama_path,
+                                                                                           plugin_file):
     plain = make_llm(tiny_llama_path).engine
-    assert (plain.default_link, plain.link_policy(SamplingParams()).focus_tokens) == ("none", 0)
+    assert (plain.default_link, plain.link_policy(SamplingParams()).focus_tokens) == ("none", AUTO_FOCUS_TOKENS)
+    assert plain.link_policy(SamplingParams(link_policy="none")).focus_tokens == 0
+    assert make_llm(tiny_llama_path, link_policy="none").engine.link_policy(SamplingParams()).focus_tokens == 0
     llm = make_llm(tiny_llama_path, comb_plugin=str(plugin_file))
     engine = llm.engine
     assert engine.default_link == "comb"

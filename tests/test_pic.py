@@ -18,7 +18,9 @@ SUFFIX = random_prompt(9, seed=51)
 
 
 def make_llm(path, **kwargs) -> LLM:
-    return LLM(model=str(path), dtype="float32", **{"num_blocks": 256, **kwargs})
+    """These tests are about span KV itself, reused as cached (link policy none): auto's focus probe,
+    which recomputes a few span blocks in context, has its own tests (test_focus.py)."""
+    return LLM(model=str(path), dtype="float32", **{"num_blocks": 256, "link_policy": "none", **kwargs})
 
 
 @pytest.fixture

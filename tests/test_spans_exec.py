@@ -13,7 +13,9 @@ BS = 16
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_path):
-    return LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=512)
+    """Span KV reused as cached (link policy none), so a cache hit counts every span token: auto's
+    focus probe would recompute a few blocks of a span in context (test_focus.py)."""
+    return LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=512, link_policy="none")
 
 
 @pytest.fixture(scope="module")

@@ -135,7 +135,7 @@ class LLMEngine:
         auto = "comb" if self.comb else "none"
         self.default_link = auto if config.link_policy == "auto" else config.link_policy
         configured = config.focus_spans or config.focus_tokens
-        self.auto_focus = AUTO_FOCUS_TOKENS if config.link_policy == "auto" and self.comb and not configured else 0
+        self.auto_focus = AUTO_FOCUS_TOKENS if config.link_policy == "auto" and not configured else 0
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
         self.pad_token_id = self._span_pad_token()
         self.anchor = self._make_anchor() if config.span_anchor else None
@@ -247,7 +247,7 @@ class LLMEngine:
         sizes = ("focus_spans", "focus_tokens")
         if any(getattr(params, f) is not None for f in sizes):  # a request's own sizes the pick (checked)
             focus = {f: getattr(params, f) or 0 for f in sizes}
-        elif params.link_policy is None and self.auto_focus:  # the auto default: comb with focus
+        elif params.link_policy is None and self.auto_focus:  # the auto default: comb or none, with focus
             focus = {"focus_spans": 0, "focus_tokens": self.auto_focus}
         else:  # the engine's default goes to the policies it applies to
             focus = {f: getattr(self.config, f) if name in FOCUSABLE else 0 for f in sizes}

@@ -40,8 +40,8 @@ BLEND_LAYERS = 3
 APE_TEMPERATURE = 0.9
 APE_SCALE = 0.9
 FOCUSABLE = ("none", "comb")  # policies that reuse span KV unchanged, which a focus probe reads as is
-# link_policy "auto" with an encoder plug-in: comb, and the blocks around the question's peak
-# recomputed in context (README, "focus_tokens"; the most accurate policy at a 10x warm TTFT)
+# link_policy "auto": comb (with an encoder plug-in) or none, and the blocks around the question's
+# peak recomputed in context (README, "focus_tokens"; the most accurate policy at a 10x warm TTFT)
 AUTO_FOCUS_TOKENS = 48
 
 
