@@ -186,13 +186,20 @@ def _matmul_attention(q, keys, values, positions, scale, share=None):
     return out
 
 
+def fold_query_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Queries [T, heads, D] as their kv heads' rows, [kv_heads, groups * T, D] (query head g of a
+    kv head owns rows g * T .. (g + 1) * T - 1), so grouped keys are read as they are."""
+    num, heads, dim = q.shape
+    return q.view(num, kv_heads, heads // kv_heads, dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, dim)
+
+
 def _matmul_slice(q, keys, values, positions, scale, span=None, power=1.0):
     """Scores, a masked softmax and the values, in the keys' dtype. In bf16 a score rounds to bf16
     where flash keeps float32: on the real model this moved logprobs no further from float32's
     than flash does (tests/test_attention.py), and float32 scores gave back much of the speed."""
     kv_heads, (num_q, heads, dim) = keys.shape[0], q.shape
     groups = heads // kv_heads
-    folded = (q * scale).view(num_q, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * num_q, dim)
+    folded = fold_query_heads(q * scale, kv_heads)
     scores = torch.matmul(folded, keys.transpose(1, 2))  # [kv_heads, groups * Q, L]
     first = int(positions.min())  # the keys before it are seen by every query
     if first + 1 < keys.shape[1]:

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from spanserve.attention import AttentionMetadata, KeyRotation, SpanShare
-from spanserve.attention.torch_ref import store_kv
+from spanserve.attention.torch_ref import fold_query_heads, store_kv
 from spanserve.attention.triton_paged import TritonAttention
 from spanserve.engine.cuda_graphs import DecodeGraphs
 from spanserve.engine.sampler import Sample, sample
@@ -343,8 +343,7 @@ class ModelRunner:
         if rotation is not None:
             keys = rotation.apply(keys)
         # each KV head's query heads in one matmul: [kv_heads, groups * queries, keys]
-        kv_heads, groups = attn.num_kv_heads, attn.num_heads // attn.num_kv_heads
-        folded = q.float().view(len(q), kv_heads, groups, -1).permute(1, 2, 0, 3).flatten(1, 2)
+        folded = fold_query_heads(q.float(), attn.num_kv_heads)
         scores = torch.matmul(folded, keys.float().permute(1, 2, 0)) * attn.scale
         causal = torch.arange(len(slots), device=self.device)[None, :] <= positions[:, None]
         scores = scores.view(attn.num_heads, len(q), -1).masked_fill_(~causal, float("-inf"))

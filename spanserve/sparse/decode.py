@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from spanserve.attention.torch_ref import fold_query_heads
 from spanserve.errors import InvalidRequestError
 from spanserve.sparse.builtins import BUILTINS
 from spanserve.sparse.fields import FieldStore
@@ -68,7 +69,7 @@ class SparseStep:
         changed = False
         for i in narrowed:
             rows, own = slice(self._rows[i], self._rows[i + 1]), self._first[i] // self.block_size
-            chosen = self._choose(self.sequences[i], layer, _per_kv_head(q[rows], kv_heads), tables[i, :own], own)
+            chosen = self._choose(self.sequences[i], layer, fold_query_heads(q[rows], kv_heads), tables[i, :own], own)
             if chosen is None:
                 continue
             # the chosen blocks, then the blocks of the step's own queries (the newest token's at decode)
@@ -112,13 +113,6 @@ class SparseStep:
         except Exception as exc:  # a user's flow: the request fails, the batch goes on
             decode.error = f"sparse flow {decode.flow.name!r} failed at layer {layer}: {exc}"
             return None
-
-
-def _per_kv_head(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """A step's queries of one sequence [T, heads, D] as the flows read them, [kv_heads, G * T, D]:
-    each query token adds G rows to its kv head's group (at decode T = 1)."""
-    num, heads, dim = q.shape
-    return q.view(num, kv_heads, heads // kv_heads, dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, dim)
 
 
 def _checked(chosen, num_blocks: int, most: int) -> torch.Tensor:
