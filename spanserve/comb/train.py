@@ -193,10 +193,11 @@ def train(args) -> Path:
     maker = ExampleMaker(tok, seed=args.seed, min_docs=args.min_docs, max_docs=args.max_docs,
                          max_facts=args.max_facts, similar_names=args.similar_names)
     out = Path(args.out) if args.out else SHIPPED / f"{Path(args.model or DEFAULT_MODEL).stem.lower()}.safetensors"
-    # Held out (another seed): fact lookups at the most documents, several facts in each.
+    # Held out (another seed): fact lookups at the most documents, several facts in each, with the
+    # training's namesakes (a run that teaches telling them apart is judged on telling them apart).
     val_docs = args.val_docs or args.max_docs
     val_maker = ExampleMaker(tok, seed=args.seed + 10_000, min_docs=val_docs, max_docs=val_docs,
-                             max_facts=args.val_facts, fact_share=1.0)
+                             max_facts=args.val_facts, fact_share=1.0, similar_names=args.similar_names)
     val = [build(llm, val_maker, args.max_answer, args.questions) for _ in range(args.val_examples)]
     started, history, window, done = time.monotonic(), [], [], 0
     save = lambda step: _save(plugin, out, args, history, step, started, previous)  # noqa: E731
@@ -242,7 +243,8 @@ def _save(plugin: CombPlugin, out: Path, args, history, steps: int, started: flo
     plugin.meta = {"model": args.model, "steps": steps, "rank": plugin.rank, "lr": args.lr, "seed": args.seed,
                    "previous": previous,
                    "data": "spanserve/comb/data.py (corpus split train)", "docs": [args.min_docs, args.max_docs],
-                   "facts": args.max_facts, "questions": args.questions, "answer_share": args.answer_share,
+                   "facts": args.max_facts, "similar_names": args.similar_names, "questions": args.questions,
+                   "answer_share": args.answer_share,
                    "reader": plugin.has_reader,
                    "wall_s": round(time.monotonic() - started), "threads": torch.get_num_threads(),
                    "history": history}
