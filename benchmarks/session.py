@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse", default=None, help="add session questions over a sparse flow's blocks "
                         "(e.g. block_topk), their answers checked against the dense ones")
     parser.add_argument("--sparse-budget", type=int, default=1024, help="tokens the sparse flow attends to")
+    parser.add_argument("--quantization", default=None,
+                        help="our engine's weights: int8 or int4 (llama.cpp reads the GGUF's own 4-bit blocks)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/session-<model>.json)")
 
 
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
     from spanserve import LLM, SamplingParams
 
     chunk = {"background_chunk_tokens": args.background_chunk_tokens} if args.background_chunk_tokens else {}
-    llm = LLM(model=args.model, kv_cache_memory_gb=3.0, **chunk)
+    llm = LLM(model=args.model, kv_cache_memory_gb=3.0, quantization=args.quantization, **chunk)
     fmt = llm.engine.sessions.format
     per_row = statistics.mean(len(fmt.data(r)) for r in bars(50, seed=1))
     total_rows = int(args.max_context / per_row)
@@ -320,8 +322,9 @@ def _summary(args, steps: list[dict], peers: list[str]) -> dict:
         table.append(row)
     harness.print_table(headers, table, title="time to a one-token answer (ms), median of 3 questions")
     harness.print_table(["measure", "value"], [[k, f"{v:.3f}" if v is not None else "-"] for k, v in summary.items()])
-    return {"benchmark": "session", "model": args.model or "SmolLM2-135M-Instruct", "steps": steps,
-            "summary": summary, "machine": harness.machine_info()}
+    return {"benchmark": "session", "model": args.model or "SmolLM2-135M-Instruct",
+            "quantization": args.quantization, "sparse": args.sparse, "sparse_budget": args.sparse_budget,
+            "steps": steps, "summary": summary, "machine": harness.machine_info()}
 
 
 def _p99(values: list[float]) -> float:

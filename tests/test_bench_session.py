@@ -11,9 +11,10 @@ def test_session_bench_measures_every_path(tiny_llama_path, tmp_path):
     out = tmp_path / "s.json"
     session.run(bench_args(session, ["--model", str(tiny_llama_path), "--max-context", "400", "--steps", "2",
                                      "--window-questions", "2", "--sparse", "block_topk", "--sparse-budget", "96",
-                                     "--out", str(out)]))
+                                     "--quantization", "int8", "--out", str(out)]))
     result = json.loads(out.read_text())
     steps = result["steps"]
+    assert (result["quantization"], result["sparse"]) == ("int8", "block_topk")  # what ran is recorded
     assert [s["step"] for s in steps] == [0, 1, 2]
     assert steps[0]["context_tokens"] < steps[1]["context_tokens"] < steps[2]["context_tokens"]
     for s in steps:
