@@ -72,7 +72,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
         return str(value)
 
     cells = [[cell(v) for v in row] for row in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    widths = [max([len(str(h)), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]  # rows may be none
     lines = ["  ".join(str(h).ljust(w) if i == 0 else str(h).rjust(w) for i, (h, w) in enumerate(zip(headers, widths)))]
     lines.append("  ".join("-" * w for w in widths))
     for row in cells:

@@ -66,10 +66,10 @@ def run(args: argparse.Namespace) -> dict:
               "questions": -(-args.questions // args.facts) * args.facts, "facts_per_context": args.facts,
               "accuracy": accuracy, "decode_tok_s": speed,
               "machine": harness.machine_info()}
-    _report(result, [_label(c) for c in conditions])
     name = (args.model or "smollm2").lower().replace("/", "_")
     out = Path(args.out) if args.out else harness.result_path(f"sparse-{name}")
-    harness.write_json(result, path=out)
+    harness.write_json(result, path=out)  # first: an hour's run is not lost to a report's failure
+    _report(result, [_label(c) for c in conditions])
     _plot(result, [_label(c) for c in conditions], out.with_suffix(".png"))
     return result
 

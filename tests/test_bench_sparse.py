@@ -18,3 +18,14 @@ def test_sparse_bench_measures_every_flow(tiny_llama_path, tmp_path):
     assert all(0 <= v <= 1 for v in result["accuracy"]["400"].values())
     assert set(result["decode_tok_s"]["400"]) == {"1", "2"}
     assert all(set(r) == labels and min(r.values()) > 0 for r in result["decode_tok_s"]["400"].values())
+
+
+def test_sparse_bench_accuracy_alone(tiny_llama_path, tmp_path):
+    """--decode-lengths '': accuracy only, its report and JSON without a decode table (an hour's
+    30k-token run once crashed printing the empty table, before its JSON was written)."""
+    out = tmp_path / "sparse.json"
+    sparse.run(bench_args(sparse, ["--model", str(tiny_llama_path), "--lengths", "400", "--decode-lengths", "",
+                                   "--questions", "2", "--facts", "2", "--budget", "96", "--flows", "quest",
+                                   "--out", str(out)]))
+    result = json.loads(out.read_text())
+    assert set(result["accuracy"]["400"]) == {"full", "quest"} and result["decode_tok_s"] == {}
