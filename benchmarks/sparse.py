@@ -45,17 +45,18 @@ def run(args: argparse.Namespace) -> dict:
     flows = [f for f in args.flows.split(",") if f]
     conditions = [None, *flows]
     llm = LLM(model=args.model, kv_cache_memory_gb=6.0, max_num_seqs=32)
-    accuracy, speed = {}, {}
+    accuracy, speed, answered = {}, {}, {}
     for length in sorted(set(lengths) | set(decode_lengths)):
         contexts = [_context(llm, length, args.facts, seed) for seed in range(-(-args.questions // args.facts))]
         if length in lengths:
-            right = {_label(c): 0 for c in conditions}
+            right: dict[str, list[bool]] = {_label(c): [] for c in conditions}
             for context, facts in contexts:
                 prefix = llm.generate(_ask(llm, context, ""), _params(1))[0]  # the context, computed once
                 log(f"{length}: a context of {len(prefix.prompt_token_ids)} tokens")
                 for c in conditions:
                     right[_label(c)] += _retrieval(llm, context, facts, c, args.budget)
-            accuracy[length] = {label: n / (len(contexts) * args.facts) for label, n in right.items()}
+            accuracy[length] = {label: sum(r) / len(r) for label, r in right.items()}
+            answered[length] = right
             log(f"{length}: accuracy " + ", ".join(f"{k} {v:.2f}" for k, v in accuracy[length].items()))
         context, facts = contexts[0]
         if length in decode_lengths:
@@ -65,6 +66,7 @@ def run(args: argparse.Namespace) -> dict:
     result = {"benchmark": "sparse", "model": args.model or "SmolLM2-135M-Instruct", "budget": args.budget,
               "questions": -(-args.questions // args.facts) * args.facts, "facts_per_context": args.facts,
               "accuracy": accuracy, "decode_tok_s": speed,
+              "right": answered,  # per condition, each question in order: whether its answer was right
               "machine": harness.machine_info()}
     name = (args.model or "smollm2").lower().replace("/", "_")
     out = Path(args.out) if args.out else harness.result_path(f"sparse-{name}")
@@ -124,10 +126,10 @@ def _ask(llm, context: str, name: str) -> str:
     return f"{text}The access code of {name} is"
 
 
-def _retrieval(llm, context: str, facts, condition, budget: int) -> int:
-    """How many of the context's questions are answered right."""
+def _retrieval(llm, context: str, facts, condition, budget: int) -> list[bool]:
+    """Whether each of the context's questions is answered right."""
     outs = llm.generate([_ask(llm, context, name) for name, _ in facts], _params(8, condition, budget))
-    return sum(code in re.sub(r"\D", "", out.outputs[0].text) for out, (_, code) in zip(outs, facts))
+    return [code in re.sub(r"\D", "", out.outputs[0].text) for out, (_, code) in zip(outs, facts)]
 
 
 def _decode_rate(llm, context: str, facts, batch: int, condition, args) -> float:

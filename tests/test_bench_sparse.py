@@ -29,3 +29,5 @@ def test_sparse_bench_accuracy_alone(tiny_llama_path, tmp_path):
                                    "--out", str(out)]))
     result = json.loads(out.read_text())
     assert set(result["accuracy"]["400"]) == {"full", "quest"} and result["decode_tok_s"] == {}
+    for label, right in result["right"]["400"].items():  # per question, in order; the accuracy is their mean
+        assert len(right) == 2 and result["accuracy"]["400"][label] == sum(right) / 2
