@@ -735,7 +735,7 @@ def test_bad_span_queries_are_400_naming_the_node(tiny_server, query, path):
 def test_sparse_decode_over_http_matches_offline(client, model_name, offline):
     from helpers import random_prompt
 
-    prompt = random_prompt(300, seed=7)
+    prompt = random_prompt(400, seed=7)  # over 4 budgets of 96 tokens: narrowed (sparse/decode.py NARROW_FROM)
     want = offline.generate({"prompt_token_ids": prompt}, greedy(6, sparse="quest", sparse_budget=96))[0]
     r = client.completions.create(model=model_name, prompt=prompt, max_tokens=6, temperature=0,
                                   extra_body={**NO_EOS, "sparse": "quest", "sparse_budget": 96})

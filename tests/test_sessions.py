@@ -13,6 +13,7 @@ from spanserve.errors import (
     SessionFullError,
     SessionNotFoundError,
 )
+from spanserve.sparse.decode import NARROW_FROM
 
 ROWS = [f"t={i:03d}, sensor={'ABC'[i % 3]}, value={(37 * i) % 101}\n" for i in range(200)]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
@@ -62,17 +63,17 @@ def test_question_equals_the_same_prompt_run_stateless(llm):
 def test_a_sparse_question_attends_to_the_blocks_its_flow_picks(llm):
     """sparse_prefill: the question itself, not only its answer, reads the data's blocks a flow picks
     (what keeps a question's cost flat as the data grows); a budget covering the data is exact."""
-    s = llm.create_session(system="Answer from the log.")
-    _feed(s, ROWS[:30])
+    s = llm.create_session(system="Answer from the log.", retention_tokens=448)
+    _feed(s, ROWS[:100])  # about 420 tokens: over NARROW_FROM budgets of 96, within max_model_len 512
     question = "Which sensor reported 74?"
     dense = s.query(question, GREEDY).output.outputs[0]
     covering = s.query(question, SamplingParams(**{**GREEDY.__dict__, "sparse": "quest", "sparse_budget": 4096,
                                                    "sparse_prefill": True})).output.outputs[0]
     assert covering.token_ids == dense.token_ids and covering.logprobs == dense.logprobs
-    narrow = s.query(question, SamplingParams(**{**GREEDY.__dict__, "sparse": "quest", "sparse_budget": 128,
+    narrow = s.query(question, SamplingParams(**{**GREEDY.__dict__, "sparse": "quest", "sparse_budget": 96,
                                                  "sparse_prefill": True})).output.outputs[0]
     assert max(narrow.logprobs[0].values()) != pytest.approx(max(dense.logprobs[0].values()), abs=1e-4)
-    assert len(s._session.blocks) == s._session.num_blocks_held() > 128 // 16
+    assert len(s._session.blocks) == s._session.num_blocks_held() > NARROW_FROM * 96 // 16  # narrowed
     s.close()
     assert_engine_idle(llm)
 

@@ -10,8 +10,9 @@ from spanserve import LLM, SamplingParams
 from spanserve.attention.backend import AttentionMetadata
 from spanserve.attention.torch_ref import TorchAttention
 from spanserve.errors import InvalidRequestError
+from spanserve.sparse import decode as decode_module
 from spanserve.sparse.builtins import BUILTINS, Quest, StreamingLLM
-from spanserve.sparse.decode import SparseDecode, SparseStep
+from spanserve.sparse.decode import NARROW_FROM, SparseDecode, SparseStep
 from spanserve.sparse.fields import FieldStore
 from spanserve.sparse.flow import Flow, select
 
@@ -45,7 +46,8 @@ def _attend(q, keys, values):
     return torch.einsum("hl,lhd->hd", weights, values)
 
 
-def test_quest_picks_the_blocks_of_the_brute_force_bound_and_attends_over_them_only():
+def test_quest_picks_the_blocks_of_the_brute_force_bound_and_attends_over_them_only(monkeypatch):
+    monkeypatch.setattr(decode_module, "NARROW_FROM", 1)  # 11 blocks, a budget of 8: the mechanics
     cache, table, ctx, q, meta = _decode_step(num_blocks=12)
     decode = SparseDecode(Quest(), budget_tokens=8 * BS, block_size=BS)
     step = SparseStep(FieldStore(cache, torch.zeros(cache.shape[2], dtype=torch.long)), {0: decode}, BS)
@@ -67,10 +69,20 @@ def test_quest_picks_the_blocks_of_the_brute_force_bound_and_attends_over_them_o
     torch.testing.assert_close(out[0], _attend(q[0], flat_k[tokens], flat_v[tokens]))
 
 
-def test_a_short_prefill_chunk_attends_to_the_blocks_all_its_queries_pick():
+def test_a_context_under_narrow_from_budgets_stays_dense():
+    """Picking blocks costs more than it saves until the context is NARROW_FROM budgets long: 11
+    blocks before the newest token with a budget of 8 are attended in full, the meta unchanged."""
+    cache, table, ctx, q, meta = _decode_step(num_blocks=12)
+    decode = SparseDecode(Quest(), budget_tokens=8 * BS, block_size=BS)
+    step = SparseStep(FieldStore(cache, torch.zeros(cache.shape[2], dtype=torch.long)), {0: decode}, BS)
+    assert 11 < NARROW_FROM * 8 and step.restrict(0, q, meta) is meta
+
+
+def test_a_short_prefill_chunk_attends_to_the_blocks_all_its_queries_pick(monkeypatch):
     """sparse_prefill: a 5-token chunk after 10 full blocks. Block top-k sums each block's centroid
     score over every query head of every query; the chunk's own two blocks are kept whole and each
     query still sees the chunk's keys up to its own (the causal mask moved to the shorter context)."""
+    monkeypatch.setattr(decode_module, "NARROW_FROM", 1)  # 9 blocks, a budget of 7: the mechanics
     cache, table, ctx, _, meta = _decode_step(num_blocks=12, seed=3)
     ctx, chunk = 10 * BS + 3, 5  # queries at 10 BS - 2 .. 10 BS + 2: blocks 9 and 10 are their own
     q = torch.randn(chunk, HEADS, DIM, generator=torch.Generator().manual_seed(4))
@@ -170,7 +182,7 @@ class _OutOfRange(Flow):
 def test_a_failing_flow_ends_its_request_only(tiny_llama_path, flow, message):
     llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=256)
     llm.engine.sparse_flows[flow.name] = flow()
-    prompt = random_prompt(300, seed=3)
+    prompt = random_prompt(400, seed=3)  # 25 blocks: over 4 budgets of 96 tokens, so it narrows
     alone = llm.generate({"prompt_token_ids": prompt}, greedy(5))[0]
     outs = llm.generate([{"prompt_token_ids": prompt}] * 2, [greedy(5), greedy(5, sparse=flow.name, sparse_budget=96)])
     assert outs[0].outputs[0].token_ids == alone.outputs[0].token_ids
@@ -229,6 +241,6 @@ def test_every_flow_runs_in_bfloat16(tiny_llama_path):
     every flow whose indexer mixed the two in an einsum)."""
     llm = LLM(model=str(tiny_llama_path), dtype="bfloat16", num_blocks=128)
     for name in BUILTINS:
-        out = llm.generate({"prompt_token_ids": random_prompt(300, seed=5)}, greedy(3, sparse=name, sparse_budget=96))
+        out = llm.generate({"prompt_token_ids": random_prompt(400, seed=5)}, greedy(3, sparse=name, sparse_budget=96))
         assert out[0].outputs[0].finish_reason == "length", (name, out[0].outputs[0].stop_reason)
     assert_engine_idle(llm)

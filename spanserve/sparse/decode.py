@@ -8,8 +8,9 @@ indices in that shorter context; so every backend (torch, Triton) attends over t
 context. Prefill stays dense, but for a request that asks for `sparse_prefill`: its prefill chunks
 of at most PREFILL_QUERIES tokens (a question after cached data: a session's, or a prompt whose
 prefix is cached) attend to blocks the flow picks for all their queries together. A step stays
-dense whose context before its queries fits the budget (selecting would cost more than it
-saves), or whose keys need rotating at every step (span keys read in place, pic/layout.py).
+dense whose context before its queries is under NARROW_FROM budgets (selecting would cost more
+than it saves), or whose keys need rotating at every step (span keys read in
+place, pic/layout.py).
 """
 
 import dataclasses
@@ -26,6 +27,11 @@ from spanserve.sparse.fields import FieldStore
 from spanserve.sparse.flow import Flow, IndexerContext
 
 PREFILL_QUERIES = 64  # the longest prefill chunk that `sparse_prefill` narrows
+# A sequence is narrowed only when its context before the step's queries is at least this many
+# times its budget: below, picking costs more than the attention it saves (SmolLM2 at 2k tokens,
+# batch 1 and 8: budget 1,024 ran 0.87-0.98x full attention but for streaming, budget 2,048
+# 0.51-0.88x; at 4x, 4k and budget 1,024, every flow was faster; bench sparse, session 24).
+NARROW_FROM = 4
 
 
 class SparseDecode:
@@ -92,12 +98,12 @@ class SparseStep:
 
     def _narrows(self, i: int, decode: SparseDecode, meta) -> bool:
         """Whether sequence i attends to fewer blocks than its context: not when the blocks before
-        its queries fit the budget (selecting would cost more than it saves), its flow failed, or
-        its keys need moving at every step."""
+        its queries are fewer than NARROW_FROM budgets (selecting would cost more than it saves),
+        its flow failed, or its keys need moving at every step."""
         if decode.error or (meta.key_rotation and meta.key_rotation[i] is not None) or \
                 (meta.span_share and meta.span_share[i] is not None):
             return False
-        return self._first[i] // self.block_size >= decode.budget_blocks
+        return self._first[i] // self.block_size >= NARROW_FROM * decode.budget_blocks
 
     def _choose(self, decode: SparseDecode, layer: int, q: torch.Tensor, block_ids: torch.Tensor,
                 num_blocks: int) -> torch.Tensor | None:
