@@ -1,10 +1,14 @@
 """Sparse decode: retrieval accuracy and decode speed of every flow against full attention.
 
-(a) Multi-key retrieval. A context of real prose (State of the Union paragraphs, spanserve/corpus.py,
-"eval" split) of about L tokens holds --facts facts "The access code of NAME is NNNNNN.", spread
-evenly; each question asks one code (the context prefix-cached, so it is computed once), and as
-many contexts as --questions needs are made. A question is right when its answer holds the six
-digits. Greedy, same run for every condition: full attention, then each flow at --budget tokens.
+(a) Retrieval, --task multikey (RULER's MK-NIAH): a context of real prose (State of the Union
+paragraphs, spanserve/corpus.py, "eval" split) of about L tokens holds --facts facts "The access
+code of NAME is NNNNNN.", spread evenly; each question asks one code (the context prefix-cached, so
+it is computed once), and as many contexts as --questions needs are made. --task needle (single
+needle in a haystack): one haystack of about L tokens per length and, per question, one fact in it
+at a depth swept evenly from the start to the end; the haystack before the needle comes from the
+prefix cache, so a question costs the tokens after its needle. A question is right when its answer
+holds the six digits. Greedy, same run for every condition: full attention, then each flow at
+--budget tokens.
 (b) Decode speed. Batch 1 and batch 8 over the same contexts (each sequence its own question), 32
 tokens each, the EOS ignored: decode tokens per second, from the first token to the last.
 
@@ -32,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=int, default=2048, help="tokens a flow attends to per step")
     parser.add_argument("--flows", default="block_topk,quest,streaming,h2o")
     parser.add_argument("--questions", type=int, default=100, help="retrieval questions per length")
-    parser.add_argument("--facts", type=int, default=10, help="facts (and questions) per context")
+    parser.add_argument("--task", choices=("multikey", "needle"), default="multikey")
+    parser.add_argument("--facts", type=int, default=10, help="multikey: facts (and questions) per context")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sparse-<model>.json)")
 
 
@@ -47,10 +52,9 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(model=args.model, kv_cache_memory_gb=6.0, max_num_seqs=32)
     accuracy, speed, answered = {}, {}, {}
     for length in sorted(set(lengths) | set(decode_lengths)):
-        contexts = [_context(llm, length, args.facts, seed) for seed in range(-(-args.questions // args.facts))]
         if length in lengths:
             right: dict[str, list[bool]] = {_label(c): [] for c in conditions}
-            for context, facts in contexts:
+            for context, facts in _contexts(llm, length, args):
                 prefix = llm.generate(_ask(llm, context, ""), _params(1))[0]  # the context, computed once
                 log(f"{length}: a context of {len(prefix.prompt_token_ids)} tokens")
                 for c in conditions:
@@ -58,13 +62,14 @@ def run(args: argparse.Namespace) -> dict:
             accuracy[length] = {label: sum(r) / len(r) for label, r in right.items()}
             answered[length] = right
             log(f"{length}: accuracy " + ", ".join(f"{k} {v:.2f}" for k, v in accuracy[length].items()))
-        context, facts = contexts[0]
-        if length in decode_lengths:
+        if length in decode_lengths:  # over a multikey context: a question per sequence of a batch
+            context, facts = _context(llm, length, args.facts, 0)
             speed[length] = {b: {_label(c): _decode_rate(llm, context, facts, b, c, args) for c in conditions}
                              for b in (int(x) for x in args.batches.split(","))}
             log(f"{length}: decode tok/s {speed[length]}")
     result = {"benchmark": "sparse", "model": args.model or "SmolLM2-135M-Instruct", "budget": args.budget,
-              "questions": -(-args.questions // args.facts) * args.facts, "facts_per_context": args.facts,
+              "task": args.task, "facts_per_context": 1 if args.task == "needle" else args.facts,
+              "questions": args.questions if args.task == "needle" else -(-args.questions // args.facts) * args.facts,
               "accuracy": accuracy, "decode_tok_s": speed,
               "right": answered,  # per condition, each question in order: whether its answer was right
               "machine": harness.machine_info()}
@@ -99,24 +104,56 @@ def _params(max_tokens: int, sparse=None, budget: int = 2048, ignore_eos: bool =
                           ignore_eos=ignore_eos)
 
 
+def _contexts(llm, length: int, args) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The task's contexts at one length, each with the facts its questions ask."""
+    if args.task == "needle":
+        return _needles(llm, length, args.questions)
+    return [_context(llm, length, args.facts, seed) for seed in range(-(-args.questions // args.facts))]
+
+
 def _context(llm, length: int, count: int, seed: int = 0) -> tuple[str, list[tuple[str, str]]]:
     """Prose of about `length` tokens with `count` access-code facts spread evenly."""
+    rng = random.Random(length * 1000 + seed)
+    facts = _facts(rng, count)
+    parts = _haystack(llm, length - 64 - 24 * count, rng)  # room for the chat template and the facts
+    for k, fact in enumerate(facts):  # evenly, from the start to the end
+        parts.insert(round(k * len(parts) / count) + k, _sentence(fact))
+    return "\n".join(parts), facts
+
+
+def _needles(llm, length: int, count: int) -> list[tuple[str, list[tuple[str, str]]]]:
+    """`count` copies of one haystack of about `length` tokens, copy k holding fact k alone at
+    depth k / count, and the haystack alone first (its prefix, shared by every copy, cached)."""
+    rng = random.Random(length * 1000 + 999)
+    facts, parts = _facts(rng, count), _haystack(llm, length - 88, rng)
+    needles = []
+    for k, fact in enumerate(facts):
+        at = round(k * len(parts) / count)
+        needles.append(("\n".join([*parts[:at], _sentence(fact), *parts[at:]]), [fact]))
+    return [("\n".join(parts), []), *needles]
+
+
+def _facts(rng: random.Random, count: int) -> list[tuple[str, str]]:
+    names = [f"{rng.choice(_FIRST)} {rng.choice(_LAST)}-{i}" for i in range(count)]
+    return [(name, f"{rng.randrange(100000, 1000000)}") for name in names]
+
+
+def _sentence(fact: tuple[str, str]) -> str:
+    return f"The access code of {fact[0]} is {fact[1]}."
+
+
+def _haystack(llm, tokens: int, rng: random.Random) -> list[str]:
+    """Consecutive paragraphs of real prose, about `tokens` tokens, from a random start."""
     from spanserve.corpus import paragraphs
 
-    rng = random.Random(length * 1000 + seed)
     tokenizer, prose = llm.get_tokenizer(), paragraphs("eval")
-    names = [f"{rng.choice(_FIRST)} {rng.choice(_LAST)}-{i}" for i in range(count)]
-    facts = [(name, f"{rng.randrange(100000, 1000000)}") for name in names]
-    budget = length - 64 - 24 * count  # room for the chat template and the facts
     parts, used, i = [], 0, rng.randrange(len(prose))
-    while used < budget:
+    while used < tokens:
         paragraph = prose[i % len(prose)]
         used += len(tokenizer.encode(paragraph, add_special_tokens=False)) + 1
         parts.append(paragraph)
         i += 1
-    for k, (name, code) in enumerate(facts):  # evenly, from the start to the end
-        parts.insert(round(k * len(parts) / count) + k, f"The access code of {name} is {code}.")
-    return "\n".join(parts), facts
+    return parts
 
 
 def _ask(llm, context: str, name: str) -> str:
@@ -128,6 +165,8 @@ def _ask(llm, context: str, name: str) -> str:
 
 def _retrieval(llm, context: str, facts, condition, budget: int) -> list[bool]:
     """Whether each of the context's questions is answered right."""
+    if not facts:
+        return []
     outs = llm.generate([_ask(llm, context, name) for name, _ in facts], _params(8, condition, budget))
     return [code in re.sub(r"\D", "", out.outputs[0].text) for out, (_, code) in zip(outs, facts)]
 

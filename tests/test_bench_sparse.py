@@ -31,3 +31,34 @@ def test_sparse_bench_accuracy_alone(tiny_llama_path, tmp_path):
     assert set(result["accuracy"]["400"]) == {"full", "quest"} and result["decode_tok_s"] == {}
     for label, right in result["right"]["400"].items():  # per question, in order; the accuracy is their mean
         assert len(right) == 2 and result["accuracy"]["400"][label] == sum(right) / 2
+
+
+def test_needle_task_sweeps_one_fact_through_one_haystack(tiny_llama_path, tmp_path):
+    out = tmp_path / "needle.json"
+    sparse.run(bench_args(sparse, ["--model", str(tiny_llama_path), "--task", "needle", "--lengths", "300",
+                                   "--decode-lengths", "", "--questions", "3", "--budget", "96", "--flows",
+                                   "block_topk", "--out", str(out)]))
+    result = json.loads(out.read_text())
+    assert (result["task"], result["questions"], result["facts_per_context"]) == ("needle", 3, 1)
+    assert all(len(right) == 3 for right in result["right"]["300"].values())
+
+
+def test_needles_share_the_haystack_before_each_fact():
+    class Tokenizer:
+        def encode(self, text, add_special_tokens=False):
+            return text.split()
+
+    class Model:
+        def get_tokenizer(self):
+            return Tokenizer()
+
+    haystack, *needles = sparse._needles(Model(), 600, 4)
+    assert haystack[1] == [] and [len(facts) for _, facts in needles] == [1, 1, 1, 1]
+    paragraphs = haystack[0].split("\n")
+    depths = []
+    for text, [fact] in needles:
+        lines = text.split("\n")
+        at = lines.index(sparse._sentence(fact))
+        assert lines[:at] + lines[at + 1:] == paragraphs  # the haystack, the fact alone added
+        depths.append(at)
+    assert depths[0] == 0 and depths == sorted(depths) and depths[-1] > len(paragraphs) // 2
