@@ -51,6 +51,14 @@ def run(args: argparse.Namespace) -> dict:
     conditions = [None, *flows]
     llm = LLM(model=args.model, kv_cache_memory_gb=6.0, max_num_seqs=32)
     accuracy, speed, answered = {}, {}, {}
+    result = {"benchmark": "sparse", "model": args.model or "SmolLM2-135M-Instruct", "budget": args.budget,
+              "task": args.task, "facts_per_context": 1 if args.task == "needle" else args.facts,
+              "questions": args.questions if args.task == "needle" else -(-args.questions // args.facts) * args.facts,
+              "accuracy": accuracy, "decode_tok_s": speed,
+              "right": answered,  # per condition, each question in order: whether its answer was right
+              "complete": False, "machine": harness.machine_info()}
+    name = (args.model or "smollm2").lower().replace("/", "_")
+    out = Path(args.out) if args.out else harness.result_path(f"sparse-{name}")
     for length in sorted(set(lengths) | set(decode_lengths)):
         if length in lengths:
             right: dict[str, list[bool]] = {_label(c): [] for c in conditions}
@@ -67,15 +75,9 @@ def run(args: argparse.Namespace) -> dict:
             speed[length] = {b: {_label(c): _decode_rate(llm, context, facts, b, c, args) for c in conditions}
                              for b in (int(x) for x in args.batches.split(","))}
             log(f"{length}: decode tok/s {speed[length]}")
-    result = {"benchmark": "sparse", "model": args.model or "SmolLM2-135M-Instruct", "budget": args.budget,
-              "task": args.task, "facts_per_context": 1 if args.task == "needle" else args.facts,
-              "questions": args.questions if args.task == "needle" else -(-args.questions // args.facts) * args.facts,
-              "accuracy": accuracy, "decode_tok_s": speed,
-              "right": answered,  # per condition, each question in order: whether its answer was right
-              "machine": harness.machine_info()}
-    name = (args.model or "smollm2").lower().replace("/", "_")
-    out = Path(args.out) if args.out else harness.result_path(f"sparse-{name}")
-    harness.write_json(result, path=out)  # first: an hour's run is not lost to a report's failure
+        harness.write_json(result, path=out)  # after each length: an hour's run is not lost to a later failure
+    result["complete"] = True
+    harness.write_json(result, path=out)
     _report(result, [_label(c) for c in conditions])
     _plot(result, [_label(c) for c in conditions], out.with_suffix(".png"))
     return result

@@ -39,7 +39,7 @@ def test_needle_task_sweeps_one_fact_through_one_haystack(tiny_llama_path, tmp_p
                                    "--decode-lengths", "", "--questions", "3", "--budget", "96", "--flows",
                                    "block_topk", "--out", str(out)]))
     result = json.loads(out.read_text())
-    assert (result["task"], result["questions"], result["facts_per_context"]) == ("needle", 3, 1)
+    assert result["complete"] and (result["task"], result["questions"], result["facts_per_context"]) == ("needle", 3, 1)
     assert all(len(right) == 3 for right in result["right"]["300"].values())
 
 
