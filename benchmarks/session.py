@@ -45,6 +45,7 @@ STANDING = ("You analyse hourly price bars of one stock. Reply UP if the last ba
             "bars before it, else DOWN.")
 TREND = QUESTIONS[0]  # the standing session's question
 ALERT_EVERY = 12
+SETTLE_S = 0.5  # a pause after the peers' requests (_settle)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -201,6 +202,7 @@ def _measure(llm, session, params, peers: list, step: int, sparse=None) -> dict:
     for peer in peers:
         times[peer.name] = [peer.answer(first)]
         times[f"{peer.name}_cached"] = []
+    _settle(peers)
     for q in QUESTIONS:
         prompt = data + fmt.question(_asked(q))
         llm.generate({"prompt_token_ids": data}, params)  # the data alone, then the question on it
@@ -216,9 +218,17 @@ def _measure(llm, session, params, peers: list, step: int, sparse=None) -> dict:
         for peer in peers:
             peer.answer(data)
             times[f"{peer.name}_cached"].append(peer.answer(prompt))
+        _settle(peers)
     for key, values in times.items():
         rows[f"{key}_ms"] = statistics.median(values) * 1000 if values else None
     return rows
+
+
+def _settle(peers: list) -> None:
+    """Let a peer's threads go idle before our next timing: OpenMP runtimes spin for a while after
+    each parallel region (vLLM's libiomp5 200 ms by default, KMP_BLOCKTIME), on the cores we time."""
+    if peers:
+        time.sleep(SETTLE_S)
 
 
 def _window_check(full, window, fed: list[str], count: int, args) -> dict:
