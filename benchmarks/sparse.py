@@ -9,10 +9,10 @@ at a depth swept evenly from the start to the end; the haystack before the needl
 prefix cache, so a question costs the tokens after its needle. A question is right when its answer
 holds the six digits. Greedy, same run for every condition: full attention, then each flow at
 --budget tokens.
-(b) Decode speed. Batch 1 and batch 8 over the same contexts (each sequence its own question), 32
+(b) Decode speed. Batch 1 and batch 8 over a multikey context (each sequence its own question), 32
 tokens each, the EOS ignored: decode tokens per second, from the first token to the last.
 
-    spanserve bench sparse [--model M] [--lengths 4096,8192] [--budget 2048] [--questions 100]
+    spanserve bench sparse [--model M] [--task needle] [--lengths 4096,8192] [--budget 2048] [--questions 100]
 """
 
 import argparse
