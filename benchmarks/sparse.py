@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flows", default="block_topk,quest,streaming,h2o")
     parser.add_argument("--questions", type=int, default=100, help="retrieval questions per length")
     parser.add_argument("--task", choices=("multikey", "needle"), default="multikey")
-    parser.add_argument("--facts", type=int, default=10, help="multikey: facts (and questions) per context")
+    parser.add_argument("--facts", type=int, default=10,
+                        help="facts (and questions) per multikey context, as in the speed test's context")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sparse-<model>.json)")
 
 
