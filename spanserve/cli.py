@@ -3,21 +3,18 @@
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Iterator
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve shared CPUs
-
-from spanserve.attention import BACKENDS  # noqa: E402
-from spanserve.comb import calibrate as comb_calibrate  # noqa: E402
-from spanserve.comb import train as comb_train  # noqa: E402
-from spanserve.config import LOAD_FORMATS, EngineConfig  # noqa: E402
-from spanserve.errors import SpanserveError  # noqa: E402
-from spanserve.pic.link import APE_SCALE, APE_TEMPERATURE, BLEND_LAYERS, POLICIES  # noqa: E402
-from spanserve.sampling import SamplingParams  # noqa: E402
-from spanserve.sessions import feed as session_feed  # noqa: E402
+from spanserve.attention import BACKENDS  # (the package sets OpenMP's wait policy first)
+from spanserve.comb import calibrate as comb_calibrate
+from spanserve.comb import train as comb_train
+from spanserve.config import LOAD_FORMATS, EngineConfig
+from spanserve.errors import SpanserveError
+from spanserve.pic.link import APE_SCALE, APE_TEMPERATURE, BLEND_LAYERS, POLICIES
+from spanserve.sampling import SamplingParams
+from spanserve.sessions import feed as session_feed
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -1,24 +1,33 @@
 """CPU intra-op threads only where they pay.
 
-With OMP_WAIT_POLICY=PASSIVE, which shared machines need (spinning OpenMP threads starve
-other processes), every parallel region has to wake sleeping threads: about 50 us here, more
-than a small matmul, block gather or elementwise op takes on one thread. So a step that is
-not large runs on one thread, and takes the whole pool only for the calls with enough work:
+Shared machines need threads that sleep when idle (OMP_WAIT_POLICY=PASSIVE: spinning OpenMP
+threads starve other processes). Waking a sleeping thread for a parallel op costs about 50 us
+here, more than a small matmul, block gather or elementwise op takes on one thread. spanserve
+lets threads spin briefly before they sleep (GOMP_SPINCOUNT, set by the package before torch
+loads OpenMP): the ops of one step come back to back, so the second thread is still awake for
+the next one, and every op of a step takes the whole pool. Where threads cannot spin (OpenMP
+was loaded before spanserve set it, or the user chose PASSIVE with no spin), a step that is
+not large runs on one thread and takes the whole pool only for the calls with enough work:
 matmuls over many tokens, attention over many keys.
 """
 
+import os
 import threading
 from contextlib import contextmanager
 
 import torch
 
-STEP_MIN_TOKENS = 512  # from here a step's elementwise ops are big enough to pay for waking the pool
-# Work (multiply-adds) from which one call takes the pool. A matmul is rows x weight size: the
-# layers' matmuls need 10-50 rows, the LM head (49k x 576 here) pays from one row on, as two
-# cores read its weights faster. Attention is query rows x heads x keys (8 decodes over 700
-# keys: 0.66 ms on 2 threads, 0.86 ms on 1).
-MATMUL_MIN_WORK = 1 << 24
-ATTENTION_MIN_WORK = 1 << 14
+# libgomp spins unless told PASSIVE with no spin count of its own.
+THREADS_SPIN = not (os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+                    and os.environ.get("GOMP_SPINCOUNT", "0") in ("", "0"))
+# Where threads sleep at once, a call takes the pool from (step tokens, matmul work, attention
+# work): from 512 tokens a step's elementwise ops are big enough to pay for waking the pool.
+# Work is multiply-adds. A matmul is rows x weight size: the layers' matmuls need 10-50 rows,
+# the LM head (49k x 576 here) pays from one row on, as two cores read its weights faster.
+# Attention is query rows x heads x keys (8 decodes over 700 keys: 0.66 ms on 2 threads, 0.86
+# ms on 1).
+SLEEPING_THRESHOLDS = (512, 1 << 24, 1 << 14)
+STEP_MIN_TOKENS, MATMUL_MIN_WORK, ATTENTION_MIN_WORK = (1, 0, 0) if THREADS_SPIN else SLEEPING_THRESHOLDS
 
 _state = threading.local()  # per stepping thread: OpenMP thread counts are per thread too
 

@@ -1,4 +1,9 @@
-"""CPU thread policy: small steps on one thread, the pool only for calls with enough work."""
+"""CPU thread policy: where threads sleep at once, small steps on one thread and the pool only for
+calls with enough work; where they spin briefly (the package's default), the pool for every step."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +20,28 @@ def pool_of_two():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def sleeping(monkeypatch):
+    """The thresholds of threads that sleep at once (OMP_WAIT_POLICY=PASSIVE, no spin count)."""
+    for name, value in zip(("STEP_MIN_TOKENS", "MATMUL_MIN_WORK", "ATTENTION_MIN_WORK"), threads.SLEEPING_THRESHOLDS):
+        monkeypatch.setattr(threads, name, value)
+
+
+def test_the_package_lets_threads_spin_before_they_sleep():
+    """Imported before torch (as the CLI and server do), spanserve asks for sleeping threads that
+    spin first, and then gives every op of a step the whole pool."""
+    script = ("import spanserve, os, torch; from spanserve import threads as t; torch.set_num_threads(2)\n"
+              "with t.step_threads(1), t.attention_threads(1): n = torch.get_num_threads()\n"
+              "print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'], t.THREADS_SPIN, n)")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["PASSIVE", "10000", "True", "2"]
+    env["GOMP_SPINCOUNT"], env["OMP_WAIT_POLICY"] = "0", "PASSIVE"  # the user's choice stands
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["PASSIVE", "0", "False", "1"]
+
+
+@pytest.mark.usefixtures("sleeping")
 def test_small_step_runs_on_one_thread_and_large_work_gets_the_pool():
     with threads.step_threads(8):
         assert torch.get_num_threads() == 1
@@ -39,6 +66,7 @@ def test_outside_a_step_threads_are_left_alone():
         assert torch.get_num_threads() == 2
 
 
+@pytest.mark.usefixtures("sleeping")
 def test_matmul_hooks_pick_threads_by_rows_and_keep_results():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8))
