@@ -53,7 +53,10 @@ def attention_threads(work: int):
 
 def use_pool_for_matmuls(model: torch.nn.Module) -> None:
     """Hooks on every Linear of `model`: inside a step, one with MATMUL_MIN_WORK or more takes
-    the whole pool."""
+    the whole pool. None where every call takes it (threads that spin): a hook costs more than
+    nothing."""
+    if MATMUL_MIN_WORK == 0:
+        return
     def before(module, args):
         work = args[0].shape[0] * module.in_features * module.out_features
         module._spanserve_threads = _threads_for(work >= MATMUL_MIN_WORK)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from spanserve.attention.backend import AttentionBackend, AttentionMetadata
+from spanserve.attention.cpu_kernel import paged_decode
 from spanserve.threads import attention_threads
 
 # Sequences computing at most this many queries in a step (decode tokens, short prefill chunks
@@ -68,8 +69,13 @@ class TorchAttention(AttentionBackend):
                 with attention_threads(0):
                     rotation.rotate_(keys, head_major=True)
             return _matmul_attention(q, keys, values, positions, scale, share)
+        if q_len == 1 and rotation is None:  # the newest token: it sees the whole context
+            one = slice(i, i + 1)
+            out = paged_decode(q, k_cache, v_cache, meta.block_tables[one], meta.context_lens_tensor[one], scale)
+            if out is not None:
+                return out
         keys, values = gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
-        if q_len == 1:  # the newest token: it sees the whole context
+        if q_len == 1:
             return _single_query(q, keys, values, scale, rotation)
         if rotation is not None:
             keys = rotation.apply(keys)
@@ -112,6 +118,11 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, seqs: list[int], scale
     them to float32 (the rounding is the prefill path's, _matmul_slice)."""
     num_seqs, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
+    if not any(rotations or ()) and not meta.span_share:  # the cache as it is: the C kernel reads it in place
+        index = _decode_index(meta, seqs)
+        out = paged_decode(q, k_cache, v_cache, meta.block_tables[index], meta.context_lens_tensor[index], scale)
+        if out is not None:
+            return out
     rows, mask = _decode_rows(meta, seqs, k_cache.shape[1], kv_heads)
     length = mask.shape[-1]
     keys = torch.index_select(k_cache.view(-1, dim), 0, rows).view(num_seqs, kv_heads, length, dim)
@@ -127,12 +138,20 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, seqs: list[int], scale
     return torch.matmul(torch.softmax(scores, -1), values).view(num_seqs, heads, dim)
 
 
+def _decode_index(meta: AttentionMetadata, seqs: list[int]) -> torch.Tensor:
+    """Sequences `seqs` as an index tensor, made once per step."""
+    key = ("decode_index", tuple(seqs))
+    if key not in meta.derived:
+        meta.derived[key] = torch.tensor(seqs, device=meta.block_tables.device)
+    return meta.derived[key]
+
+
 def _decode_rows(meta: AttentionMetadata, seqs: list[int], block_size: int, kv_heads: int):
     """_decode's gather rows (each sequence's head_major_rows, padded with its first key's) and
     its [B, 1, 1, L] mask of real keys: the same in every layer, so made once per step."""
     key = ("decode_rows", tuple(seqs))
     if key not in meta.derived:
-        index = torch.tensor(seqs, device=meta.block_tables.device)
+        index = _decode_index(meta, seqs)
         lens = meta.context_lens_tensor[index]
         length = int(lens.max())
         offsets = torch.arange(block_size, device=lens.device)

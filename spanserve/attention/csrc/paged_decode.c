@@ -1,0 +1,205 @@
+/* Decode attention over a paged KV cache on CPU: one query token per sequence attends to its
+ * whole context, reading the cache blocks where they are (no gather, no padding).
+ *
+ * Decode attention is bound by reading the cache from memory, so the work is cut the way the
+ * cache is laid out: a task is one chunk of a sequence's blocks with every KV head, reading
+ * each block as the contiguous run it is. Its query heads keep an online softmax in float32
+ * (running max, sum and weighted values); a second pass merges the chunks of each sequence
+ * (flash decoding), so one long sequence still feeds every thread. Tasks run on the OpenMP
+ * threads torch uses (the same libgomp).
+ *
+ * Layouts (contiguous): q, out [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D];
+ * block_tables [B, max_blocks] int64; context_lens [B] int64. dtype: 0 float32, 1 bfloat16.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#define FLUSH_DENORMALS 0x8040u /* MXCSR flush-to-zero and denormals-are-zero */
+#endif
+
+#define CHUNK_BLOCKS 16 /* blocks per task */
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    void *out;
+    const int64_t *block_tables, *context_lens;
+    int64_t max_blocks;
+    int heads, kv_heads, dim, block_size, dtype;
+    float scale;
+} Args;
+
+typedef struct { /* one thread's scratch */
+    float *query, *key, *value, *weight;
+} Scratch;
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* n values from element `index` of a float32 or bfloat16 array, as float32. */
+static inline void load(const void *base, int64_t index, int n, int dtype, float *dst) {
+    if (dtype == 0) {
+        memcpy(dst, (const float *)base + index, n * sizeof(float));
+    } else {
+        const uint16_t *src = (const uint16_t *)base + index;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_float(src[i]);
+    }
+}
+
+static inline void prefetch_block(const Args *a, int64_t block) {
+    size_t bytes = (size_t)a->block_size * a->kv_heads * a->dim * (a->dtype == 0 ? 4 : 2);
+    const char *k = (const char *)a->k_cache + block * bytes, *v = (const char *)a->v_cache + block * bytes;
+    for (size_t line = 0; line < bytes; line += 64) {
+        __builtin_prefetch(k + line);
+        __builtin_prefetch(v + line);
+    }
+}
+
+/* Keys [start, end) of sequence `seq` (whole blocks but the last), every query head. state:
+ * [heads][dim + 2] = weighted values, running max, running sum. */
+static void chunk(const Args *a, Scratch *s, int64_t seq, int64_t start, int64_t end, float *state) {
+    int heads = a->heads, dim = a->dim, bs = a->block_size, row = a->kv_heads * dim;
+    int groups = heads / a->kv_heads, width = dim + 2;
+    const int64_t *table = a->block_tables + seq * a->max_blocks;
+    load(a->q, seq * heads * dim, heads * dim, a->dtype, s->query);
+    for (int h = 0; h < heads; h++) {
+        float *st = state + h * width;
+        for (int d = 0; d < dim; d++) {
+            s->query[h * dim + d] *= a->scale;
+            st[d] = 0.0f;
+        }
+        st[dim] = -FLT_MAX;
+        st[dim + 1] = 0.0f;
+    }
+    for (int64_t first = start; first < end; first += bs) {
+        int64_t block = table[first / bs];
+        int n = end - first < bs ? (int)(end - first) : bs;
+        if (first + bs < end) prefetch_block(a, table[first / bs + 1]);
+        load(a->k_cache, block * bs * row, n * row, a->dtype, s->key); /* [n][kv_heads][dim] */
+        for (int h = 0; h < heads; h++) {
+            const float *query = s->query + h * dim;
+            float *weight = s->weight + h * bs, top = -FLT_MAX;
+            for (int t = 0; t < n; t++) {
+                const float *key = s->key + t * row + (h / groups) * dim;
+                float score = 0.0f;
+#pragma omp simd reduction(+ : score)
+                for (int d = 0; d < dim; d++) score += query[d] * key[d];
+                weight[t] = score;
+                top = score > top ? score : top;
+            }
+            float *st = state + h * width;
+            if (top > st[dim]) { /* a new maximum: rescale what came before */
+                float rescale = expf(st[dim] - top);
+                st[dim + 1] *= rescale;
+                for (int d = 0; d < dim; d++) st[d] *= rescale;
+                st[dim] = top;
+            }
+            for (int t = 0; t < n; t++) {
+                weight[t] = expf(weight[t] - st[dim]);
+                st[dim + 1] += weight[t];
+            }
+        }
+        load(a->v_cache, block * bs * row, n * row, a->dtype, s->value);
+        for (int t = 0; t < n; t++) {
+            for (int h = 0; h < heads; h++) {
+                const float *value = s->value + t * row + (h / groups) * dim;
+                float w = s->weight[h * bs + t], *acc = state + h * width;
+                for (int d = 0; d < dim; d++) acc[d] += w * value[d];
+            }
+        }
+    }
+}
+
+/* Merge sequence `seq`'s chunk states into its output rows. */
+static void merge(const Args *a, int64_t seq, const float *states, int64_t num_chunks) {
+    int dim = a->dim, width = dim + 2;
+    for (int h = 0; h < a->heads; h++) {
+        float top = -FLT_MAX, total = 0.0f, acc[512];
+        for (int64_t c = 0; c < num_chunks; c++) {
+            float m = states[(c * a->heads + h) * width + dim];
+            top = m > top ? m : top;
+        }
+        for (int d = 0; d < dim; d++) acc[d] = 0.0f;
+        for (int64_t c = 0; c < num_chunks; c++) {
+            const float *st = states + (c * a->heads + h) * width;
+            float factor = expf(st[dim] - top);
+            total += st[dim + 1] * factor;
+            for (int d = 0; d < dim; d++) acc[d] += st[d] * factor;
+        }
+        int64_t out = (seq * a->heads + h) * dim;
+        for (int d = 0; d < dim; d++) {
+            float x = total > 0.0f ? acc[d] / total : 0.0f;
+            if (a->dtype == 0) ((float *)a->out)[out + d] = x;
+            else ((uint16_t *)a->out)[out + d] = float_to_bf16(x);
+        }
+    }
+}
+
+int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *out,
+                 const int64_t *block_tables, const int64_t *context_lens, int64_t num_seqs,
+                 int64_t max_blocks, int heads, int kv_heads, int dim, int block_size, float scale,
+                 int dtype) {
+    if (kv_heads <= 0 || heads % kv_heads || dim <= 0 || dim > 512 || block_size <= 0 || (dtype != 0 && dtype != 1))
+        return -1;
+    Args a = {q, k_cache, v_cache, out, block_tables, context_lens, max_blocks,
+              heads, kv_heads, dim, block_size, dtype, scale};
+    int64_t span = (int64_t)CHUNK_BLOCKS * block_size, *first_chunk = malloc((num_seqs + 1) * sizeof(int64_t));
+    first_chunk[0] = 0;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        if (context_lens[b] <= 0 || context_lens[b] > max_blocks * block_size) {
+            free(first_chunk);
+            return -2;
+        }
+        first_chunk[b + 1] = first_chunk[b] + (context_lens[b] + span - 1) / span;
+    }
+    int64_t num_chunks = first_chunk[num_seqs];
+    float *states = malloc((size_t)num_chunks * heads * (dim + 2) * sizeof(float));
+#pragma omp parallel
+    {
+#if defined(FLUSH_DENORMALS)
+        /* Keys far below a sequence's top score get weights that underflow to denormals, and
+         * arithmetic on those is 10-100x slower: flush them to zero while the kernel runs. */
+        unsigned int csr = _mm_getcsr();
+        _mm_setcsr(csr | FLUSH_DENORMALS);
+#endif
+        int row = kv_heads * dim;
+        Scratch s = {malloc(heads * dim * sizeof(float)), malloc(block_size * row * sizeof(float)),
+                     malloc(block_size * row * sizeof(float)), malloc(heads * block_size * sizeof(float))};
+        int64_t seq = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < num_chunks; c++) {
+            while (first_chunk[seq + 1] <= c) seq++;
+            while (first_chunk[seq] > c) seq--;
+            int64_t start = (c - first_chunk[seq]) * span;
+            int64_t end = start + span < context_lens[seq] ? start + span : context_lens[seq];
+            chunk(&a, &s, seq, start, end, states + c * heads * (dim + 2));
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_seqs; b++)
+            merge(&a, b, states + first_chunk[b] * heads * (dim + 2), first_chunk[b + 1] - first_chunk[b]);
+        free(s.query);
+        free(s.key);
+        free(s.value);
+        free(s.weight);
+#if defined(FLUSH_DENORMALS)
+        _mm_setcsr(csr);
+#endif
+    }
+    free(states);
+    free(first_chunk);
+    return 0;
+}

@@ -1,0 +1,145 @@
+"""The C decode kernel (attention/csrc/paged_decode.c) against a plain softmax attention, the
+torch path it stands in for, and its fallbacks."""
+
+import logging
+
+import pytest
+import torch
+from test_attention import reference
+
+from spanserve.attention import AttentionMetadata, cpu_kernel, torch_ref
+from spanserve.attention.torch_ref import TorchAttention
+
+needs_kernel = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler: the kernel is not built")
+
+
+def paged(lens, block_size, kv_heads, dim, dtype, seed=0):
+    """Keys and values of sequences with `lens` tokens in shuffled blocks of one cache."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, dim, dtype=dtype)
+    width = max(-(-n // block_size) for n in lens)
+    tables, contexts = [], []
+    for n in lens:
+        table = [free.pop() for _ in range(-(-n // block_size))]
+        keys, values = (torch.randn(n, kv_heads, dim, generator=gen) * 2 for _ in range(2))
+        slots = [table[t // block_size] * block_size + t % block_size for t in range(n)]
+        cache[0].view(-1, kv_heads, dim)[slots] = keys.to(dtype)
+        cache[1].view(-1, kv_heads, dim)[slots] = values.to(dtype)
+        tables.append(table + [0] * (width - len(table)))
+        contexts.append((keys.to(dtype), values.to(dtype)))
+    return cache, torch.tensor(tables), contexts
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2**-8)])
+@pytest.mark.parametrize("block_size, heads, kv_heads, dim", [(16, 9, 3, 64), (4, 4, 4, 16), (8, 12, 2, 128)])
+def test_kernel_equals_the_reference(dtype, tolerance, block_size, heads, kv_heads, dim):
+    """Contexts of one key, part of a block, and several chunks of 16 blocks (merged by flash
+    decoding), each query seeing its whole context; in bf16, within the rounding of the output
+    (scores and sums are float32)."""
+    lens = [1, block_size + 3, 16 * block_size * 2 + 5, 7]
+    cache, tables, contexts = paged(lens, block_size, kv_heads, dim, dtype)
+    q = torch.randn(len(lens), heads, dim).to(dtype)
+    out = cpu_kernel.paged_decode(q, cache[0], cache[1], tables, torch.tensor(lens), 0.3)
+    assert out.dtype == dtype and out.shape == q.shape
+    for i, (keys, values) in enumerate(contexts):
+        expected = reference(q[i:i + 1].float(), keys.float(), values.float(), torch.tensor([lens[i] - 1]), 0.3)
+        torch.testing.assert_close(out[i].double(), expected[0], rtol=tolerance, atol=tolerance)
+
+
+def decode_meta(lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
+    """A step of one decode token per sequence, each the last of its context."""
+    slots = [int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(lens)]
+    return AttentionMetadata(slot_mapping=torch.tensor(slots), query_lens=[1] * len(lens), context_lens=lens,
+                             block_tables=tables, context_lens_tensor=torch.tensor(lens),
+                             positions=torch.tensor(lens) - 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_gives_what_the_torch_path_gives(monkeypatch, dtype):
+    """TorchAttention's decode step, with the kernel and without it (two matmuls over gathered,
+    padded keys): the same in float32; in bf16, where the torch path rounds its scores to bf16,
+    the kernel is the closer of the two to a float64 softmax."""
+    lens = [40, 3, 300]
+    cache, tables, _ = paged(lens, 16, 2, 32, dtype, seed=1)
+    q, k, v = torch.randn(3, 6, 32).to(dtype), torch.randn(3, 2, 32).to(dtype), torch.randn(3, 2, 32).to(dtype)
+    with_kernel = TorchAttention().forward(q, k, v, cache, decode_meta(lens, tables), 0.2)
+    monkeypatch.setattr(torch_ref, "paged_decode", lambda *args: None)
+    without = TorchAttention().forward(q, k, v, cache, decode_meta(lens, tables), 0.2)
+    expected = []
+    for i, n in enumerate(lens):  # the cache now holds the step's keys too
+        keys, values = (part[tables[i]].flatten(0, 1)[:n].float() for part in cache)
+        expected.append(reference(q[i:i + 1].float(), keys, values, torch.tensor([n - 1]), 0.2)[0])
+    errors = [(out.double() - torch.stack(expected)).abs().max() for out in (with_kernel, without)]
+    if dtype == torch.float32:
+        assert max(errors) < 1e-5
+    else:
+        assert errors[0] <= errors[1] and errors[0] < 2e-2
+
+
+@needs_kernel
+def test_the_kernel_leaves_denormals_alone_outside_it():
+    """It flushes denormals to zero while it runs, and only then: a temperature of 1e-38 (a
+    float32 denormal) must stay what it is for the sampler."""
+    cache, tables, _ = paged([20], 4, 1, 8, torch.float32)
+    cpu_kernel.paged_decode(torch.randn(1, 2, 8), cache[0], cache[1], tables, torch.tensor([20]), 1.0)
+    assert torch.tensor([1e-38]).item() != 0.0 and (torch.tensor([1e-38]) * 2).item() != 0.0
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path):
+    """The kernel as if never loaded, built into an empty cache directory."""
+    monkeypatch.setattr(cpu_kernel, "_tried", False)
+    monkeypatch.setattr(cpu_kernel, "_kernel", None)
+    monkeypatch.setenv("SPANSERVE_CACHE_DIR", str(tmp_path))
+
+
+def test_without_a_compiler_decode_takes_the_torch_path_and_says_why(fresh_kernel, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger="spanserve.attention.cpu_kernel"):
+        assert cpu_kernel.load() is None
+    assert "could not be built" in caplog.text and "torch path" in caplog.text
+    cache, tables, _ = paged([5], 4, 1, 8, torch.float32)
+    assert cpu_kernel.paged_decode(torch.randn(1, 2, 8), cache[0], cache[1], tables, torch.tensor([5]), 1.0) is None
+
+
+def test_spanserve_cpu_kernels_0_turns_it_off(fresh_kernel, monkeypatch):
+    monkeypatch.setenv("SPANSERVE_CPU_KERNELS", "0")
+    assert cpu_kernel.load() is None
+
+
+@needs_kernel
+def test_a_build_is_cached_by_source_and_flags(fresh_kernel):
+    first = cpu_kernel.build()
+    assert first.exists() and cpu_kernel.build() == first
+    assert cpu_kernel.load() is not None
+
+
+def test_inputs_the_kernel_cannot_read_go_to_the_torch_path():
+    cache, tables, _ = paged([5], 4, 2, 8, torch.float16)
+    assert cpu_kernel.paged_decode(torch.randn(1, 4, 8).half(), cache[0], cache[1], tables, torch.tensor([5]),
+                                   1.0) is None  # float16: not a kernel dtype
+    cache, tables, _ = paged([5], 4, 3, 8, torch.float32)
+    assert cpu_kernel.paged_decode(torch.randn(1, 4, 8), cache[0], cache[1], tables, torch.tensor([5]),
+                                   1.0) is None  # 4 query heads over 3 KV heads
+
+
+@needs_kernel
+def test_greedy_decode_is_the_same_with_and_without_the_kernel(default_model_path, monkeypatch):
+    """The real model in float32, three prompts decoding together: the same greedy tokens, and
+    logprobs within 1e-3."""
+    from spanserve import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "List three colours:", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
+    llm = LLM(model=str(default_model_path), dtype="float32", num_blocks=64)
+    with_kernel = llm.generate(prompts, params)
+    monkeypatch.setattr(torch_ref, "paged_decode", lambda *args: None)
+    without = llm.generate(prompts, params)
+    for a, b in zip(with_kernel, without):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert max(abs(la[t] - lb[t]) for t in la if t in lb) < 1e-3
