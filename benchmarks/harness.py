@@ -1,15 +1,13 @@
 """Shared helpers for the benchmarks: threads, timing, tables, JSON results and charts.
 
 Every benchmark writes `benchmarks/results/<name>.json` (raw numbers + machine info) and
-optionally a PNG chart next to it. Nothing here imports torch at module load, so
-`configure_threads()` can still set the OpenMP environment before torch starts.
+optionally a PNG chart next to it. Nothing here imports torch at module load.
 """
 
 import argparse
 import json
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,16 +17,9 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def configure_threads(threads: int | None = None) -> int:
-    """Ask OpenMP not to spin (matters on small shared machines) and optionally pin torch's threads.
-
-    OMP_WAIT_POLICY only takes effect if set before torch loads its OpenMP runtime, so run
-    benchmarks as `OMP_WAIT_POLICY=PASSIVE python -m ...`; this warns when it is too late.
-    """
-    if os.environ.get("OMP_WAIT_POLICY") is None:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-        if "torch" in sys.modules:
-            print("note: set OMP_WAIT_POLICY=PASSIVE before starting Python; torch is already loaded",
-                  file=sys.stderr)
+    """Optionally pin torch's threads. OpenMP's wait policy is the package's (spanserve/__init__.py:
+    threads that spin a bounded while, then sleep), set as spanserve is imported before torch;
+    `OMP_WAIT_POLICY=PASSIVE` in the environment still wins."""
     import torch
 
     if threads:
@@ -166,6 +157,7 @@ def machine_info() -> dict:
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         # Other processes' load: on a shared machine it explains most run-to-run noise.
         "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,

@@ -24,7 +24,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false",  # OpenMP: the package's bounded spin
                "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self._log = open(log_path, "wb")
         cmd = [sys.executable, "-m", "spanserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]

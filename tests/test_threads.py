@@ -28,14 +28,14 @@ def sleeping(monkeypatch):
 
 
 def test_the_package_lets_threads_spin_before_they_sleep():
-    """Imported before torch (as the CLI and server do), spanserve asks for sleeping threads that
-    spin first, and then gives every op of a step the whole pool."""
+    """Imported before torch (as the CLI and server do), spanserve asks for threads that spin a
+    bounded while, then sleep, and then gives every op of a step the whole pool."""
     script = ("import spanserve, os, torch; from spanserve import threads as t; torch.set_num_threads(2)\n"
               "with t.step_threads(1), t.attention_threads(1): n = torch.get_num_threads()\n"
               "print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'], t.THREADS_SPIN, n)")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["PASSIVE", "10000", "True", "2"]
+    assert out.stdout.split() == ["ACTIVE", "10000", "True", "2"]
     env["GOMP_SPINCOUNT"], env["OMP_WAIT_POLICY"] = "0", "PASSIVE"  # the user's choice stands
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["PASSIVE", "0", "False", "1"]
