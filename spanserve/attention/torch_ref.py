@@ -85,14 +85,14 @@ class TorchAttention(AttentionBackend):
         """The queries of sequences `seqs` in one call (q and positions hold their rows in order):
         each sequence's queries padded to the most any has, its blocks gathered and padded to the
         longest context, and a mask for both."""
-        block_size = k_cache.shape[1]
-        index = torch.tensor(seqs, device=meta.block_tables.device)
-        tables, lens = meta.block_tables[index], meta.context_lens_tensor[index]
         rotations = [meta.key_rotation[i] for i in seqs] if meta.key_rotation else None
-        max_len = int(lens.max())
         q_lens = [meta.query_lens[i] for i in seqs]
         if max(q_lens) == 1:
             return _decode(q, k_cache, v_cache, meta, seqs, scale, rotations)
+        block_size = k_cache.shape[1]
+        index = torch.tensor(seqs, device=meta.block_tables.device)
+        tables, lens = meta.block_tables[index], meta.context_lens_tensor[index]
+        max_len = int(lens.max())
         tables = tables[:, : -(-max_len // block_size)]
         keys = gather_blocks(k_cache, tables).flatten(1, 2)[:, :max_len]  # [B, L, kv_heads, D]
         values = gather_blocks(v_cache, tables).flatten(1, 2)[:, :max_len]
@@ -119,8 +119,7 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, seqs: list[int], scale
     num_seqs, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     if not any(rotations or ()) and not meta.span_share:  # the cache as it is: the C kernel reads it in place
-        index = _decode_index(meta, seqs)
-        out = paged_decode(q, k_cache, v_cache, meta.block_tables[index], meta.context_lens_tensor[index], scale)
+        out = paged_decode(q, k_cache, v_cache, *_decode_tables(meta, seqs), scale)
         if out is not None:
             return out
     rows, mask = _decode_rows(meta, seqs, k_cache.shape[1], kv_heads)
@@ -143,6 +142,15 @@ def _decode_index(meta: AttentionMetadata, seqs: list[int]) -> torch.Tensor:
     key = ("decode_index", tuple(seqs))
     if key not in meta.derived:
         meta.derived[key] = torch.tensor(seqs, device=meta.block_tables.device)
+    return meta.derived[key]
+
+
+def _decode_tables(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block tables and context lengths of sequences `seqs`, made once per step."""
+    key = ("decode_tables", tuple(seqs))
+    if key not in meta.derived:
+        index = _decode_index(meta, seqs)
+        meta.derived[key] = (meta.block_tables[index].contiguous(), meta.context_lens_tensor[index].contiguous())
     return meta.derived[key]
 
 
