@@ -118,6 +118,13 @@ def test_a_build_is_cached_by_source_and_flags(fresh_kernel):
     assert cpu_kernel.load() is not None
 
 
+@needs_kernel
+def test_a_context_longer_than_its_block_table_is_refused():
+    cache, tables, _ = paged([5], 4, 1, 8, torch.float32)
+    with pytest.raises(RuntimeError, match="failed"):
+        cpu_kernel.paged_decode(torch.randn(1, 2, 8), cache[0], cache[1], tables, torch.tensor([9]), 1.0)
+
+
 def test_inputs_the_kernel_cannot_read_go_to_the_torch_path():
     cache, tables, _ = paged([5], 4, 2, 8, torch.float16)
     assert cpu_kernel.paged_decode(torch.randn(1, 4, 8).half(), cache[0], cache[1], tables, torch.tensor([5]),

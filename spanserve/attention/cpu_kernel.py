@@ -58,8 +58,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     status = kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
                     lens.data_ptr(), num_seqs, tables.shape[1], heads, k_cache.shape[2], dim, k_cache.shape[1],
                     scale, DTYPES[q.dtype])
-    if status != 0:
-        raise RuntimeError(f"paged_decode rejected q {tuple(q.shape)} over a cache of {tuple(k_cache.shape)}")
+    if status != 0:  # -1 shapes, -2 context lengths, -3 out of memory
+        raise RuntimeError(f"paged_decode failed ({status}): q {tuple(q.shape)} over a cache of {tuple(k_cache.shape)}")
     return out
 
 
@@ -91,8 +91,8 @@ def build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("no C compiler found (install gcc or set CC)")
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS]).encode())
-    digest = digest.hexdigest()[:16]
+    identity = " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_features()])  # -march=native: per CPU
+    digest = hashlib.sha256(SOURCE.read_bytes() + identity.encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"paged_decode-{digest}.so"
     if target.exists():
         return target
@@ -105,6 +105,16 @@ def build() -> Path:
                 raise RuntimeError(f"{compiler} failed: {result.stderr}")
         os.replace(built, target)
     return target
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags (Linux), so that a cache directory shared by machines keeps one
+    build per kind of CPU."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
 
 
 def _entry_point(lib: ctypes.CDLL):

@@ -217,6 +217,7 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
     Args a = {q, k_cache, v_cache, out, block_tables, context_lens, max_blocks,
               heads, kv_heads, dim, block_size, dtype, scale};
     int64_t span = (int64_t)CHUNK_BLOCKS * block_size, *first_chunk = malloc((num_seqs + 1) * sizeof(int64_t));
+    if (first_chunk == NULL) return -3;
     first_chunk[0] = 0;
     for (int64_t b = 0; b < num_seqs; b++) {
         if (context_lens[b] <= 0 || context_lens[b] > max_blocks * block_size) {
@@ -227,7 +228,8 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
     }
     int64_t num_chunks = first_chunk[num_seqs];
     float *states = malloc((size_t)num_chunks * heads * (dim + 2) * sizeof(float));
-#pragma omp parallel
+    int failed = states == NULL; /* out of memory: nothing is computed, the caller raises */
+#pragma omp parallel if (!failed)
     {
 #if defined(FLUSH_DENORMALS)
         /* Keys far below a sequence's top score get weights that underflow to denormals, and
@@ -239,8 +241,10 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
         Scratch s = {malloc(heads * dim * sizeof(float)), malloc(block_size * row * sizeof(float)),
                      malloc(block_size * row * sizeof(float)), malloc(heads * block_size * sizeof(float))};
         int64_t seq = 0;
+        if (!s.query || !s.key || !s.value || !s.weight) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < num_chunks; c++) {
+            if (failed) continue;
             while (first_chunk[seq + 1] <= c) seq++;
             while (first_chunk[seq] > c) seq--;
             int64_t start = (c - first_chunk[seq]) * span;
@@ -249,7 +253,7 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
         }
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_seqs; b++)
-            merge(&a, b, states + first_chunk[b] * heads * (dim + 2), first_chunk[b + 1] - first_chunk[b]);
+            if (!failed) merge(&a, b, states + first_chunk[b] * heads * (dim + 2), first_chunk[b + 1] - first_chunk[b]);
         free(s.query);
         free(s.key);
         free(s.value);
@@ -260,5 +264,5 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
     }
     free(states);
     free(first_chunk);
-    return 0;
+    return failed ? -3 : 0;
 }
