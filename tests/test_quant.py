@@ -11,7 +11,8 @@ from spanserve import LLM, InvalidRequestError
 from spanserve.models import quant
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])  # the packed kernel up to 8 rows, the GEMM beyond
+# x holds 2 x rows rows: the packed kernel up to PACKED_MAX_ROWS, the GEMM beyond
+@pytest.mark.parametrize("rows", [1, 3, quant.PACKED_MAX_ROWS // 2, quant.PACKED_MAX_ROWS // 2 + 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_linear_computes_the_dequantized_product(rows, dtype):
     torch.manual_seed(0)
@@ -26,7 +27,8 @@ def test_int8_linear_computes_the_dequantized_product(rows, dtype):
     assert ((dequantized - weight).abs().amax(1) <= 0.01 * weight.abs().amax(1)).all()
 
 
-@pytest.mark.parametrize("rows", [1, 32, 33, 64])  # the packed kernel up to 32 rows, the GEMM beyond
+# x holds 2 x rows rows: the packed kernel up to INT4_PACKED_MAX_ROWS, the GEMM beyond
+@pytest.mark.parametrize("rows", [1, quant.INT4_PACKED_MAX_ROWS // 2, quant.INT4_PACKED_MAX_ROWS // 2 + 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_linear_computes_the_dequantized_product(rows, dtype):
     torch.manual_seed(0)

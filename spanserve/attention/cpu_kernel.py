@@ -79,7 +79,9 @@ def load():
                 log.info("SPANSERVE_CPU_KERNELS=0: decode attention takes the torch path")
             else:
                 try:
-                    _kernel = _entry_point(ctypes.CDLL(str(build())))
+                    path = build()
+                    _kernel = _entry_point(ctypes.CDLL(str(path)))
+                    log.info("decode attention: the C kernel %s", path)
                 except (OSError, subprocess.CalledProcessError, RuntimeError) as exc:
                     log.warning("the C decode kernel could not be built (%s); decode attention takes the torch "
                                 "path", str(exc).strip()[-500:])

@@ -6,7 +6,7 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 import torch
 
-from spanserve.attention import AttentionMetadata, KeyRotation, SpanShare
+from spanserve.attention import AttentionMetadata, KeyRotation, SpanShare, cpu_kernel
 from spanserve.attention.torch_ref import fold_query_heads, store_kv
 from spanserve.attention.triton_paged import TritonAttention
 from spanserve.engine.cuda_graphs import DecodeGraphs
@@ -48,6 +48,7 @@ class ModelRunner:
         if device.type == "cpu":
             use_pool_for_matmuls(model)
             keep_freed_memory()
+            cpu_kernel.load()  # built now (seconds, once per machine) rather than in the first request
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest]) -> list[Sample]:

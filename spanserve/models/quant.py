@@ -18,8 +18,13 @@ from torch import nn
 from spanserve.errors import InvalidRequestError
 
 QUANTIZATIONS = ("int8", "int4")
-PACKED_MAX_ROWS = 8  # measured here: the packed int8 kernel wins up to 4-8 rows, the bf16 GEMM beyond
-INT4_PACKED_MAX_ROWS = 32  # the int4 kernel's time grows with every row; beyond, dequantizing for the GEMM wins
+# The packed int8 kernel against dequantizing every weight for the bf16 GEMM, SmolLM2's 30 layers
+# (session 26, threads spinning): 12 against 70 ms at 16 rows, 87 against 102 at 128, 127
+# against 110 at 192. (Session 9, single-threaded small steps, had put the crossover at 8 rows.)
+PACKED_MAX_ROWS = 128
+# The int4 kernel's time grows with every row; beyond this many, dequantizing for the GEMM wins
+# (session 26, SmolLM2's 30 layers: 39.7 against 60.9 ms at 64 rows, 78.1 against 69.6 at 128).
+INT4_PACKED_MAX_ROWS = 64
 INT4_GROUP = 32  # input channels sharing one scale and offset
 INT4_LANES = 64  # a weight's rows are padded to this, a multiple of every packed layout's block
 
