@@ -1,13 +1,13 @@
 """CPU intra-op threads only where they pay.
 
-Shared machines need threads that sleep when idle (OMP_WAIT_POLICY=PASSIVE: spinning OpenMP
-threads starve other processes). Waking a sleeping thread for a parallel op costs about 50 us
-here, more than a small matmul, block gather or elementwise op takes on one thread. spanserve
-lets threads spin briefly before they sleep (GOMP_SPINCOUNT, set by the package before torch
-loads OpenMP): the ops of one step come back to back, so the second thread is still awake for
-the next one, and every op of a step takes the whole pool. Where threads cannot spin (OpenMP
-was loaded before spanserve set it, or the user chose PASSIVE with no spin), a step that is
-not large runs on one thread and takes the whole pool only for the calls with enough work:
+Shared machines need threads that sleep when idle (spinning OpenMP threads starve other
+processes), and waking a sleeping thread for a parallel op costs about 50 us here, more than a
+small matmul, block gather or elementwise op takes on one thread. The package asks for threads
+that spin briefly and then sleep (OMP_WAIT_POLICY=ACTIVE with GOMP_SPINCOUNT, set before torch
+loads OpenMP; spanserve/__init__.py): the ops of one step come back to back, so the second
+thread is still awake for the next one, and every op of a step takes the whole pool. Where
+threads sleep at once (the user chose OMP_WAIT_POLICY=PASSIVE with no spin count), a step that
+is not large runs on one thread and takes the whole pool only for the calls with enough work:
 matmuls over many tokens, attention over many keys.
 """
 
