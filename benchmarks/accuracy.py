@@ -45,7 +45,7 @@ spans off's median over it.
 questions instead of asking again: an hour of prefill at N=16 on a 0.5B model here. Each question must
 match prompt for prompt, model and dtype too; TTFT is still measured, and the JSON names the file.
 
-    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.accuracy [--quick] [--tasks generated,real] [--docs 8,16]
+    python -m benchmarks.accuracy [--quick] [--tasks generated,real] [--docs 8,16]
     spanserve bench accuracy --model qwen2.5-coder-0.5b-instruct
 """
 

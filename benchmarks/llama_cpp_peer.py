@@ -1,11 +1,11 @@
 """llama.cpp as a peer in the benchmarks, in a process of its own.
 
 llama-cpp-python runs its threads on OpenMP. In our process it would share torch's OpenMP runtime
-(the same libgomp.so.1, loaded once), started with OMP_WAIT_POLICY=PASSIVE for our sake: its
-threads would then sleep between its many small ops, and it decodes about 3x slower than it can
-(SmolLM2 Q4_1, 2 threads, on this machine: 31 tok/s passive, 100 tok/s with OpenMP's default). So
-the peer runs in a child process with the default policy and times itself there; the parent
-only sends token ids and reads the timings back (JSON lines over a pipe).
+(the same libgomp.so.1, loaded once), started with our wait policy: under PASSIVE its threads
+sleep between its many small ops, and it decodes about 3x slower than it can (SmolLM2 Q4_1, 2
+threads, on this machine: 31 tok/s passive, 100 tok/s with OpenMP's default). So the peer runs
+in a child process with OpenMP's defaults (neither our wait policy nor our spin count) and times
+itself there; the parent only sends token ids and reads the timings back (JSON lines over a pipe).
 """
 
 import importlib.util
@@ -32,7 +32,7 @@ class LlamaCppPeer:
     """A llama.cpp model in a child process. Every method returns timings measured in the child."""
 
     def __init__(self, gguf: Path, n_ctx: int, threads: int, n_batch: int = 512):
-        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
         config = {"model_path": str(gguf), "n_ctx": n_ctx, "n_threads": threads, "n_batch": n_batch}
         self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(config)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, text=True)

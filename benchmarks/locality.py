@@ -47,7 +47,7 @@ What was tried on this model before settling on the above:
   (10 runs) the flat judge finds 82% of the names at 10 words (full: 84%) but all four in no run
   from 100 words on, and the tree's root is no better (0% all-found, 22-32% of the names).
 
-    OMP_WAIT_POLICY=PASSIVE spanserve bench locality [--hay-lengths 10,100,300,500] [--runs 20] [--quick]
+    spanserve bench locality [--hay-lengths 10,100,300,500] [--runs 20] [--quick]
 """
 
 import argparse

@@ -20,7 +20,7 @@ from other processes hits them alike; each figure is the median of --repeats. Af
 answer per condition is recorded, to check that the answers are sensible (not graded), with our
 decode time per token after the first (span keys are repositioned in every decode step).
 
-    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.rag [--quick] [--vllm-url http://127.0.0.1:8011/v1]
+    python -m benchmarks.rag [--quick] [--vllm-url http://127.0.0.1:8011/v1]
     spanserve bench rag --quick
 """
 

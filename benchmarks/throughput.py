@@ -12,7 +12,7 @@ random token ids, fresh for every run, so prefix caching cannot help. --quick (~
 fewer repeats, 32 decode tokens, and times 4 of the 16 sequential baseline requests (the same
 tokens/s, since they run one at a time); the full run takes ~10 minutes on 2 cores.
 
-    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.throughput [--quick] [--dtype bf16|fp32|both]
+    python -m benchmarks.throughput [--quick] [--dtype bf16|fp32|both]
     spanserve bench throughput --quick
 """
 
