@@ -73,9 +73,10 @@ def _fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool
 def load():
     """The compiled kernel's entry point, built on first call; None if it cannot be."""
     global _kernel, _tried
+    if _tried:  # decided: no lock on the hot path (every decode layer asks)
+        return _kernel
     with _lock:
         if not _tried:
-            _tried = True
             if os.environ.get("SPANSERVE_CPU_KERNELS", "1") == "0":
                 log.info("SPANSERVE_CPU_KERNELS=0: decode attention takes the torch path")
             else:
@@ -86,6 +87,7 @@ def load():
                 except (OSError, subprocess.CalledProcessError, RuntimeError) as exc:
                     log.warning("the C decode kernel could not be built (%s); decode attention takes the torch "
                                 "path", str(exc).strip()[-500:])
+            _tried = True  # after _kernel: a thread that sees it set sees the kernel too
         return _kernel
 
 

@@ -137,19 +137,11 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, seqs: list[int], scale
     return torch.matmul(torch.softmax(scores, -1), values).view(num_seqs, heads, dim)
 
 
-def _decode_index(meta: AttentionMetadata, seqs: list[int]) -> torch.Tensor:
-    """Sequences `seqs` as an index tensor, made once per step."""
-    key = ("decode_index", tuple(seqs))
-    if key not in meta.derived:
-        meta.derived[key] = torch.tensor(seqs, device=meta.block_tables.device)
-    return meta.derived[key]
-
-
 def _decode_tables(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The block tables and context lengths of sequences `seqs`, made once per step."""
     key = ("decode_tables", tuple(seqs))
     if key not in meta.derived:
-        index = _decode_index(meta, seqs)
+        index = torch.tensor(seqs, device=meta.block_tables.device)
         meta.derived[key] = (meta.block_tables[index].contiguous(), meta.context_lens_tensor[index].contiguous())
     return meta.derived[key]
 
@@ -159,16 +151,12 @@ def _decode_rows(meta: AttentionMetadata, seqs: list[int], block_size: int, kv_h
     its [B, 1, 1, L] mask of real keys: the same in every layer, so made once per step."""
     key = ("decode_rows", tuple(seqs))
     if key not in meta.derived:
-        index = _decode_index(meta, seqs)
-        lens = meta.context_lens_tensor[index]
+        tables, lens = _decode_tables(meta, seqs)
         length = int(lens.max())
-        offsets = torch.arange(block_size, device=lens.device)
-        tables = meta.block_tables[index, : -(-length // block_size)]
-        slots = (tables[:, :, None] * block_size + offsets).flatten(1)[:, :length]  # [B, L]
+        slots = _table_slots(tables, length, block_size)  # [B, L]
         real = torch.arange(length, device=lens.device)[None, :] < lens[:, None]
         slots = torch.where(real, slots, slots[:, :1])
-        heads = torch.arange(kv_heads, device=lens.device)[None, :, None]
-        meta.derived[key] = ((slots[:, None, :] * kv_heads + heads).flatten(), real[:, None, None, :])
+        meta.derived[key] = (_slot_rows(slots, kv_heads).flatten(), real[:, None, None, :])
     return meta.derived[key]
 
 
@@ -214,9 +202,20 @@ def _step_rows(meta: AttentionMetadata, i: int, k_cache) -> torch.Tensor:
 def head_major_rows(block_table, ctx_len: int, block_size: int, kv_heads: int) -> torch.Tensor:
     """[kv_heads * ctx_len]: where each (kv head, token) of a context is in a layer's cache
     viewed as one row per (slot, kv head), head by head."""
+    return _slot_rows(_table_slots(block_table, ctx_len, block_size), kv_heads).flatten()
+
+
+def _table_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """[..., length]: the cache slots of the first `length` tokens of block tables [..., blocks]."""
     offsets = torch.arange(block_size, device=block_table.device)
-    slots = (block_table[: -(-ctx_len // block_size), None] * block_size + offsets).flatten()[:ctx_len]
-    return (slots[None, :] * kv_heads + torch.arange(kv_heads, device=block_table.device)[:, None]).flatten()
+    tables = block_table[..., : -(-length // block_size), None]
+    return (tables * block_size + offsets).flatten(-2)[..., :length]
+
+
+def _slot_rows(slots: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[..., kv_heads, L]: the rows of slots [..., L] in a layer's cache viewed as one row per
+    (slot, kv head)."""
+    return slots.unsqueeze(-2) * kv_heads + torch.arange(kv_heads, device=slots.device)[:, None]
 
 
 def _head_major(x: torch.Tensor) -> torch.Tensor:

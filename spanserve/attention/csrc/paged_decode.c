@@ -118,19 +118,46 @@ static inline void bf16_scores(const uint16_t *query, const uint16_t *keys, int6
 }
 #endif
 
+/* Query head h's scaled scores against the n keys of `block` into weight[0..n), and their max.
+ * bf16 keys are read as stored where the CPU dots bf16; otherwise from s->key, converted. */
+static float head_scores(const Args *a, const Scratch *s, int64_t seq, int64_t block, int h, int n, float *weight) {
+    int dim = a->dim, row = a->kv_heads * dim, kv_head = h / (a->heads / a->kv_heads);
+#if defined(BF16_DOT)
+    if (BF16_PATH(a)) {
+        const uint16_t *keys = (const uint16_t *)a->k_cache + block * a->block_size * row + kv_head * dim;
+        const uint16_t *query = (const uint16_t *)a->q + (seq * a->heads + h) * dim;
+        for (int t = 0; t < n; t += 16)
+            bf16_scores(query, keys + (int64_t)t * row, row, n - t < 16 ? n - t : 16, dim, a->scale, weight + t);
+    } else
+#endif
+    {
+        const float *query = s->query + h * dim;  /* scaled already */
+        for (int t = 0; t < n; t++) {
+            const float *key = s->key + t * row + kv_head * dim;
+            float score = 0.0f;
+#pragma omp simd reduction(+ : score)
+            for (int d = 0; d < dim; d++) score += query[d] * key[d];
+            weight[t] = score;
+        }
+    }
+    float top = -FLT_MAX;
+    for (int t = 0; t < n; t++) top = weight[t] > top ? weight[t] : top;
+    return top;
+}
+
 /* Keys [start, end) of sequence `seq` (whole blocks but the last), every query head. state:
  * [heads][dim + 2] = weighted values, running max, running sum. */
 static void chunk(const Args *a, Scratch *s, int64_t seq, int64_t start, int64_t end, float *state) {
     int heads = a->heads, dim = a->dim, bs = a->block_size, row = a->kv_heads * dim;
-    int groups = heads / a->kv_heads, width = dim + 2;
+    int groups = heads / a->kv_heads, width = dim + 2, converts = !BF16_PATH(a);
     const int64_t *table = a->block_tables + seq * a->max_blocks;
-    load(a->q, seq * heads * dim, heads * dim, a->dtype, s->query);
+    if (converts) {  /* the queries as scaled float32 rows */
+        load(a->q, seq * heads * dim, heads * dim, a->dtype, s->query);
+        for (int i = 0; i < heads * dim; i++) s->query[i] *= a->scale;
+    }
     for (int h = 0; h < heads; h++) {
         float *st = state + h * width;
-        for (int d = 0; d < dim; d++) {
-            s->query[h * dim + d] *= a->scale;
-            st[d] = 0.0f;
-        }
+        for (int d = 0; d < dim; d++) st[d] = 0.0f;
         st[dim] = -FLT_MAX;
         st[dim + 1] = 0.0f;
     }
@@ -138,29 +165,10 @@ static void chunk(const Args *a, Scratch *s, int64_t seq, int64_t start, int64_t
         int64_t block = table[first / bs];
         int n = end - first < bs ? (int)(end - first) : bs;
         if (first + bs < end) prefetch_block(a, table[first / bs + 1]);
-        int fast = BF16_PATH(a);
-        if (!fast) load(a->k_cache, block * bs * row, n * row, a->dtype, s->key); /* [n][kv_heads][dim] */
+        if (converts) load(a->k_cache, block * bs * row, n * row, a->dtype, s->key); /* [n][kv_heads][dim] */
         for (int h = 0; h < heads; h++) {
-            const float *query = s->query + h * dim;
-            float *weight = s->weight + h * bs, top = -FLT_MAX;
-#if defined(BF16_DOT)
-            if (fast) {
-                const uint16_t *keys = (const uint16_t *)a->k_cache + block * bs * row + (h / groups) * dim;
-                const uint16_t *q16 = (const uint16_t *)a->q + (seq * heads + h) * dim;
-                for (int t = 0; t < n; t += 16)
-                    bf16_scores(q16, keys + (int64_t)t * row, row, n - t < 16 ? n - t : 16, dim, a->scale, weight + t);
-                for (int t = 0; t < n; t++) top = weight[t] > top ? weight[t] : top;
-            }
-#endif
-            for (int t = 0; t < n && !fast; t++) {
-                const float *key = s->key + t * row + (h / groups) * dim;
-                float score = 0.0f;
-#pragma omp simd reduction(+ : score)
-                for (int d = 0; d < dim; d++) score += query[d] * key[d];
-                weight[t] = score;
-                top = score > top ? score : top;
-            }
-            float *st = state + h * width;
+            float *weight = s->weight + h * bs, *st = state + h * width;
+            float top = head_scores(a, s, seq, block, h, n, weight);
             if (top > st[dim]) { /* a new maximum: rescale what came before */
                 float rescale = expf(st[dim] - top);
                 st[dim + 1] *= rescale;
