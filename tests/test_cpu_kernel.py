@@ -1,5 +1,5 @@
-"""The C decode kernel (attention/csrc/paged_decode.c) against a plain softmax attention, the
-torch path it stands in for, and its fallbacks."""
+"""The C attention kernels (attention/csrc/paged_decode.c, paged_prefill.c) against a plain softmax
+attention, the torch paths they stand in for, and their fallbacks."""
 
 import logging
 
@@ -73,8 +73,14 @@ def test_a_decode_step_gives_what_the_torch_path_gives(monkeypatch, dtype):
     for i, n in enumerate(lens):  # the cache now holds the step's keys too
         keys, values = (part[tables[i]].flatten(0, 1)[:n].float() for part in cache)
         expected.append(reference(q[i:i + 1].float(), keys, values, torch.tensor([n - 1]), 0.2)[0])
-    errors = [(out.double() - torch.stack(expected)).abs().max() for out in (with_kernel, without)]
-    if dtype == torch.float32:
+    assert_kernel_as_close(with_kernel, without, torch.stack(expected))
+
+
+def assert_kernel_as_close(with_kernel: torch.Tensor, without: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32: both within 1e-5 of a float64 softmax; bf16, where the torch paths round their
+    scores to bf16: the kernel at least as close as the torch path, and within 2e-2."""
+    errors = [(out.double() - expected).abs().max() for out in (with_kernel, without)]
+    if with_kernel.dtype == torch.float32:
         assert max(errors) < 1e-5
     else:
         assert errors[0] <= errors[1] and errors[0] < 2e-2
@@ -134,17 +140,93 @@ def test_inputs_the_kernel_cannot_read_go_to_the_torch_path():
                                    1.0) is None  # 4 query heads over 3 KV heads
 
 
+def prefill_case(dtype, block_size=16, heads=9, kv_heads=3, dim=64, seed=0):
+    """Chunks of four sequences over their cached contexts: a whole prompt, a chunk after a
+    prefix, a chunk whose queries skip positions (as a prompt after spans does), a long context
+    (its keys split across tasks) and a chunk of one query."""
+    lens = [40, block_size + 3, 1500, 7, 300]
+    q_positions = [torch.arange(40), torch.tensor([block_size + 1, block_size + 2]),
+                   torch.tensor([3, 9, 200, 201, 202, 900, 1499]), torch.tensor([6]), torch.arange(260, 300)]
+    cache, tables, contexts = paged(lens, block_size, kv_heads, dim, dtype, seed)
+    starts = torch.tensor([0, *map(len, q_positions)]).cumsum(0)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(int(starts[-1]), heads, dim, generator=gen).to(dtype)
+    return q, cache, tables, contexts, starts, torch.cat(q_positions), torch.tensor(lens)
+
+
 @needs_kernel
-def test_greedy_decode_is_the_same_with_and_without_the_kernel(default_model_path, monkeypatch):
-    """The real model in float32, three prompts decoding together: the same greedy tokens, and
-    logprobs within 1e-3."""
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 5e-5), (torch.bfloat16, 2**-8)])
+@pytest.mark.parametrize("block_size, heads, kv_heads, dim", [(16, 9, 3, 64), (4, 4, 4, 16), (8, 12, 2, 128),
+                                                              (16, 14, 2, 64), (16, 3, 1, 20)])
+def test_prefill_kernel_equals_the_reference(dtype, tolerance, block_size, heads, kv_heads, dim):
+    """Each query sees its context's keys up to its own position; float32 within the error of
+    float32 arithmetic over these contexts (the torch path's too), bf16 within the output's
+    rounding. A head size that is no multiple of 8 and groups of 1 to 7 heads included."""
+    q, cache, tables, contexts, starts, positions, lens = prefill_case(dtype, block_size, heads, kv_heads, dim)
+    out = cpu_kernel.paged_prefill(q, cache[0], cache[1], tables, starts, positions, lens, 0.3)
+    assert out.dtype == dtype and out.shape == q.shape
+    for i, (keys, values) in enumerate(contexts):
+        rows = slice(int(starts[i]), int(starts[i + 1]))
+        expected = reference(q[rows].float(), keys.float(), values.float(), positions[rows], 0.3)
+        torch.testing.assert_close(out[rows].double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def prefill_meta(q_positions: list[torch.Tensor], lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
+    """A step of prefill chunks (and decode tokens: one position), each query written at its
+    position's slot."""
+    slots = [int(tables[i, p // 16]) * 16 + p % 16 for i, ps in enumerate(q_positions) for p in ps.tolist()]
+    return AttentionMetadata(slot_mapping=torch.tensor(slots), query_lens=[len(p) for p in q_positions],
+                             context_lens=lens, block_tables=tables, context_lens_tensor=torch.tensor(lens),
+                             positions=torch.cat(q_positions))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefill_step_gives_what_the_torch_path_gives(monkeypatch, dtype):
+    """TorchAttention over a step mixing prefill chunks (a long one, a short one over a short
+    context, which the torch path pads into one call with the decode token) and a decode token,
+    with the kernels and without them: both close to a float64 softmax, the kernel at least as
+    close (float32: within 1e-5 of each other)."""
+    lens = [300, 20, 41]
+    q_positions = [torch.arange(250, 300), torch.arange(0, 20), torch.tensor([40])]
+    cache, tables, _ = paged(lens, 16, 2, 32, dtype, seed=2)
+    rows = sum(map(len, q_positions))
+    q, k, v = (torch.randn(rows, n, 32).to(dtype) for n in (6, 2, 2))
+    with_kernel = TorchAttention().forward(q, k, v, cache, prefill_meta(q_positions, lens, tables), 0.2)
+    monkeypatch.setattr(torch_ref, "paged_prefill", lambda *args: None)
+    monkeypatch.setattr(torch_ref, "paged_decode", lambda *args: None)
+    without = TorchAttention().forward(q, k, v, cache, prefill_meta(q_positions, lens, tables), 0.2)
+    expected, start = [], 0
+    for i, (n, positions) in enumerate(zip(lens, q_positions)):  # the cache now holds the step's keys too
+        keys, values = (part[tables[i]].flatten(0, 1)[:n].float() for part in cache)
+        expected.append(reference(q[start:start + len(positions)].float(), keys, values, positions, 0.2))
+        start += len(positions)
+    assert_kernel_as_close(with_kernel, without, torch.cat(expected))
+
+
+@needs_kernel
+def test_prefill_positions_outside_the_context_are_refused():
+    q, cache, tables, _, starts, positions, lens = prefill_case(torch.float32)
+    with pytest.raises(RuntimeError, match="paged_prefill failed"):
+        cpu_kernel.paged_prefill(q, cache[0], cache[1], tables, starts, positions + 10, lens, 1.0)
+    with pytest.raises(RuntimeError, match="paged_prefill failed"):  # rows that are not the queries'
+        cpu_kernel.paged_prefill(q, cache[0], cache[1], tables, starts - 1, positions, lens, 1.0)
+
+
+@needs_kernel
+def test_greedy_generation_is_the_same_with_and_without_the_kernels(default_model_path, monkeypatch):
+    """The real model in float32, three prompts together, one of them prefilled in chunks over
+    its cached keys: the same greedy tokens, and logprobs within 1e-3."""
     from spanserve import LLM, SamplingParams
 
-    prompts = ["The capital of France is", "List three colours:", "def fibonacci(n):"]
+    prompts = ["The capital of France is", "List three colours:",
+               "Summarize this: " + " ".join(f"Item {i} costs {i * 7 % 13} dollars." for i in range(30))]
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
-    llm = LLM(model=str(default_model_path), dtype="float32", num_blocks=64)
+    llm = LLM(model=str(default_model_path), dtype="float32", num_blocks=96, max_num_batched_tokens=128,
+              enable_prefix_caching=False)
     with_kernel = llm.generate(prompts, params)
     monkeypatch.setattr(torch_ref, "paged_decode", lambda *args: None)
+    monkeypatch.setattr(torch_ref, "paged_prefill", lambda *args: None)
     without = llm.generate(prompts, params)
     for a, b in zip(with_kernel, without):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -1,4 +1,5 @@
-"""Decode attention over the paged cache in one C call on CPU (csrc/paged_decode.c).
+"""Attention over the paged cache in one C call on CPU: decode (csrc/paged_decode.c) and prefill
+chunks (csrc/paged_prefill.c).
 
 The torch path gathers every decoding sequence's keys and values into padded copies, then runs
 two matmuls and a masked softmax: per layer, several ops and two copies of the whole context
@@ -6,10 +7,14 @@ two matmuls and a masked softmax: per layer, several ops and two copies of the w
 sequence with an online softmax in float32, on the OpenMP threads torch uses: attention 11-12
 ms a step against 19-21 for 8 sequences of mixed length decoding here.
 
-It is compiled on first use with the system C compiler (gcc or $CC, -march=native for this CPU)
-into spanserve's cache directory, and called through ctypes: no Python headers, no build
-step at install. Without a compiler, or with SPANSERVE_CPU_KERNELS=0, decode keeps the torch
-path; the reason is logged once.
+The prefill kernel is flash attention over the same blocks: the queries of a chunk, each seeing
+the keys up to its position, with no gathered copy of the context and no score matrix or mask
+(the torch path's two matmuls, mask and softmax passes over [queries x keys]).
+
+Both are compiled on first use with the system C compiler (gcc or $CC, -march=native for this
+CPU) into one library in spanserve's cache directory, and called through ctypes: no Python
+headers, no build step at install. Without a compiler, or with SPANSERVE_CPU_KERNELS=0,
+attention keeps the torch path; the reason is logged once.
 """
 
 import ctypes
@@ -28,7 +33,9 @@ from spanserve.models.loader import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_decode.c", CSRC / "paged_prefill.c"]
+HEADERS = [CSRC / "common.h"]
 # Compiled with -ffast-math (for glibc's vector expf), linked without it: gcc 12 links a shared
 # library built with it to code that sets flush-to-zero for the whole process at load.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
@@ -37,7 +44,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what the kernel reads and writ
 MAX_DIM = 512  # its merge buffer (paged_decode.c)
 
 _lock = threading.Lock()
-_kernel: ctypes._CFuncPtr | None = None
+_kernel: ctypes.CDLL | None = None  # the library, its entry points typed
 _tried = False
 
 
@@ -55,12 +62,42 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     q, tables, lens = q.contiguous(), block_tables.long().contiguous(), context_lens.long().contiguous()
     out = torch.empty_like(q)
     num_seqs, heads, dim = q.shape
-    status = kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
-                    lens.data_ptr(), num_seqs, tables.shape[1], heads, k_cache.shape[2], dim, k_cache.shape[1],
-                    scale, DTYPES[q.dtype])
-    if status != 0:  # -1 shapes, -2 context lengths, -3 out of memory
-        raise RuntimeError(f"paged_decode failed ({status}): q {tuple(q.shape)} over a cache of {tuple(k_cache.shape)}")
+    status = kernel.paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                                 tables.data_ptr(), lens.data_ptr(), num_seqs, tables.shape[1], heads, k_cache.shape[2],
+                                 dim, k_cache.shape[1], scale, DTYPES[q.dtype])
+    _raise_on(status, "paged_decode", q, k_cache)
     return out
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  query_starts: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
+                  scale: float, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Attention of the query rows q [T, heads, D] of B sequences (sequence b owns rows
+    query_starts[b] .. query_starts[b + 1] - 1, [B + 1]), query t seeing its sequence's cached keys
+    0 .. positions[t] ([T]) of the first context_lens[b] (block_tables [B, max_blocks]), into `out`
+    (contiguous, like q) or a new tensor. None where the kernel cannot run it: the caller then takes
+    the torch path."""
+    if not _fits(q, k_cache, v_cache):
+        return None
+    kernel = load()
+    if kernel is None:
+        return None
+    q, tables = q.contiguous(), block_tables.long().contiguous()
+    starts, positions, lens = (t.long().contiguous() for t in (query_starts, positions, context_lens))
+    if out is None or not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
+        out = torch.empty_like(q)
+    rows, heads, dim = q.shape
+    status = kernel.paged_prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                                  tables.data_ptr(), starts.data_ptr(), positions.data_ptr(), lens.data_ptr(),
+                                  len(lens), rows, tables.shape[1], heads, k_cache.shape[2], dim, k_cache.shape[1],
+                                  scale, DTYPES[q.dtype])
+    _raise_on(status, "paged_prefill", q, k_cache)
+    return out
+
+
+def _raise_on(status: int, name: str, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    if status != 0:  # -1 shapes, -2 lengths or positions, -3 out of memory
+        raise RuntimeError(f"{name} failed ({status}): q {tuple(q.shape)} over a cache of {tuple(k_cache.shape)}")
 
 
 def _fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -71,40 +108,43 @@ def _fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool
 
 
 def load():
-    """The compiled kernel's entry point, built on first call; None if it cannot be."""
+    """The compiled kernels (a library with typed entry points), built on first call; None if they
+    cannot be."""
     global _kernel, _tried
     if _tried:  # decided: no lock on the hot path (every decode layer asks)
         return _kernel
     with _lock:
         if not _tried:
             if os.environ.get("SPANSERVE_CPU_KERNELS", "1") == "0":
-                log.info("SPANSERVE_CPU_KERNELS=0: decode attention takes the torch path")
+                log.info("SPANSERVE_CPU_KERNELS=0: attention takes the torch path")
             else:
                 try:
                     path = build()
-                    _kernel = _entry_point(ctypes.CDLL(str(path)))
-                    log.info("decode attention: the C kernel %s", path)
+                    _kernel = _typed(ctypes.CDLL(str(path)))
+                    log.info("decode and prefill attention: the C kernels %s", path)
                 except (OSError, subprocess.CalledProcessError, RuntimeError) as exc:
-                    log.warning("the C decode kernel could not be built (%s); decode attention takes the torch "
+                    log.warning("the C attention kernels could not be built (%s); attention takes the torch "
                                 "path", str(exc).strip()[-500:])
             _tried = True  # after _kernel: a thread that sees it set sees the kernel too
         return _kernel
 
 
 def build() -> Path:
-    """Compile the kernel for this CPU unless a build of the same source and flags is cached."""
+    """Compile the kernels for this CPU unless a build of the same sources and flags is cached."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("no C compiler found (install gcc or set CC)")
     identity = " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_features()])  # -march=native: per CPU
-    digest = hashlib.sha256(SOURCE.read_bytes() + identity.encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"paged_decode-{digest}.so"
+    code = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
+    digest = hashlib.sha256(code + identity.encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"paged_attention-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builds: the last rename wins
-        built, objects = Path(tmp) / target.name, Path(tmp) / "paged_decode.o"
-        for step in ([*COMPILE_FLAGS, str(SOURCE), "-o", str(objects)], [str(objects), *LINK_FLAGS, "-o", str(built)]):
+        built, objects = Path(tmp) / target.name, [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        steps = [[*COMPILE_FLAGS, str(source), "-o", str(obj)] for source, obj in zip(SOURCES, objects)]
+        for step in [*steps, [*map(str, objects), *LINK_FLAGS, "-o", str(built)]]:
             result = subprocess.run([compiler, *step], capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {result.stderr}")
@@ -122,9 +162,9 @@ def _cpu_features() -> str:
         return ""
 
 
-def _entry_point(lib: ctypes.CDLL):
-    fn = lib.paged_decode
-    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [pointer] * 6 + [i64, i64, i32, i32, i32, i32, ctypes.c_float, i32]
-    fn.restype = i32
-    return fn
+def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.paged_decode.argtypes = [pointer] * 6 + [i64, i64, i32, i32, i32, i32, f32, i32]
+    lib.paged_prefill.argtypes = [pointer] * 8 + [i64, i64, i64, i32, i32, i32, i32, f32, i32]
+    lib.paged_decode.restype = lib.paged_prefill.restype = i32
+    return lib

@@ -1,4 +1,6 @@
 """Reference attention in plain PyTorch: matmuls for prefill and SDPA for decode on CPU; SDPA on other devices.
+On CPU, the C kernels (cpu_kernel.py) take decode tokens and prefill chunks whose keys are read as
+cached; the torch paths stay as their reference and fallback.
 Sequences whose queries reweight span keys (APE's SpanShare) take the matmul paths everywhere:
 the reweighting needs each query's scores before its softmax."""
 
@@ -6,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from spanserve.attention.backend import AttentionBackend, AttentionMetadata
-from spanserve.attention.cpu_kernel import paged_decode
+from spanserve.attention.cpu_kernel import paged_decode, paged_prefill
 from spanserve.threads import attention_threads
 
 # Sequences computing at most this many queries in a step (decode tokens, short prefill chunks
@@ -27,28 +29,59 @@ class TorchAttention(AttentionBackend):
         starts = [0]
         for q_len in meta.query_lens:
             starts.append(starts[-1] + q_len)
+        out = torch.empty_like(q)
+        rest = self._prefill_kernel(q, k_cache, v_cache, meta, scale, starts, out)
+        if not rest:
+            return out
         # Decode tokens and short prefill chunks go through one padded, masked call, even
         # beside long prefills: per-sequence calls would cost more than their work.
-        short = [i for i, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens))
-                 if q_len == 1 or (q_len <= BATCH_MAX_QUERIES and ctx <= BATCH_MAX_CONTEXT)]
+        short = [i for i in rest if meta.query_lens[i] == 1 or
+                 (meta.query_lens[i] <= BATCH_MAX_QUERIES and meta.context_lens[i] <= BATCH_MAX_CONTEXT)]
         if len(short) < 2:
             short = []
         if len(short) == len(meta.query_lens):
             with attention_threads(q.shape[1] * sum(meta.context_lens)):
                 return self._batched(q, meta.positions, k_cache, v_cache, meta, scale, short)
-        out = torch.empty_like(q)
         if short:
-            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in short]).to(q.device)
+            rows = _rows_of(short, starts, q.device)
             with attention_threads(q.shape[1] * sum(meta.context_lens[i] for i in short)):
                 out[rows] = self._batched(q[rows], meta.positions[rows], k_cache, v_cache, meta, scale, short)
         skip = set(short)
-        for i in range(len(meta.query_lens)):
+        for i in rest:
             if i not in skip:
                 rows = slice(starts[i], starts[i + 1])
                 with attention_threads(meta.query_lens[i] * q.shape[1] * meta.context_lens[i]):
                     out[rows] = self._one_sequence(i, q[rows], k[rows], v[rows], meta.positions[rows],
                                                    k_cache, v_cache, meta, scale)
         return out
+
+    def _prefill_kernel(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, starts: list[int],
+                        out: torch.Tensor) -> list[int]:
+        """The step's prefill chunks whose keys are read as cached (no rotation, no span share), in
+        one call of the C kernel on CPU (cpu_kernel.paged_prefill), written into `out`. Returns the
+        sequences left to the other paths: all of them where the kernel cannot run."""
+        everyone = list(range(len(meta.query_lens)))
+        if q.device.type != "cpu":
+            return everyone
+        chunks = [i for i in everyone if meta.query_lens[i] > 1
+                  and (meta.key_rotation is None or meta.key_rotation[i] is None)
+                  and (meta.span_share is None or meta.span_share[i] is None)]
+        if not chunks:
+            return everyone
+        whole = len(chunks) == len(everyone)
+        rows = None if whole else _rows_of(chunks, starts, q.device)
+        lens = [meta.context_lens[i] for i in chunks]
+        index = torch.tensor(chunks, device=meta.block_tables.device)
+        query_starts = torch.tensor([0, *(meta.query_lens[i] for i in chunks)]).cumsum(0)
+        with attention_threads(q.shape[1] * sum(meta.query_lens[i] * meta.context_lens[i] for i in chunks)):
+            result = paged_prefill(q if whole else q[rows], k_cache, v_cache, meta.block_tables[index], query_starts,
+                                   meta.positions if whole else meta.positions[rows], torch.tensor(lens), scale,
+                                   out if whole else None)
+        if result is None:
+            return everyone
+        if result is not out:  # a part of the step, or an `out` the kernel could not write in place
+            out[slice(None) if whole else rows] = result
+        return [i for i in everyone if i not in set(chunks)]
 
     def _one_sequence(self, i, q, k, v, positions, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         q_len, ctx_len = len(q), meta.context_lens[i]
@@ -108,6 +141,11 @@ class TorchAttention(AttentionBackend):
         out = _grouped_queries(q[rows].view(len(seqs), width, *q.shape[1:]), keys, values, mask[:, None], scale, shares)
         valid = (torch.arange(width)[None, :] < torch.tensor(q_lens)[:, None]).flatten().to(q.device)
         return out.flatten(0, 1)[valid]
+
+
+def _rows_of(seqs: list[int], starts: list[int], device) -> torch.Tensor:
+    """The query rows of sequences `seqs`, in order (starts: each sequence's first row)."""
+    return torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs]).to(device)
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, seqs: list[int], scale: float, rotations=None):

@@ -16,10 +16,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__SSE__)
-#include <xmmintrin.h>
-#define FLUSH_DENORMALS 0x8040u /* MXCSR flush-to-zero and denormals-are-zero */
-#endif
+
+#include "common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -45,30 +43,6 @@ typedef struct {
 typedef struct { /* one thread's scratch */
     float *query, *key, *value, *weight;
 } Scratch;
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-/* n values from element `index` of a float32 or bfloat16 array, as float32. */
-static inline void load(const void *base, int64_t index, int n, int dtype, float *dst) {
-    if (dtype == 0) {
-        memcpy(dst, (const float *)base + index, n * sizeof(float));
-    } else {
-        const uint16_t *src = (const uint16_t *)base + index;
-        for (int i = 0; i < n; i++) dst[i] = bf16_to_float(src[i]);
-    }
-}
 
 static inline void prefetch_block(const Args *a, int64_t block) {
     size_t bytes = (size_t)a->block_size * a->kv_heads * a->dim * (a->dtype == 0 ? 4 : 2);
@@ -152,7 +126,7 @@ static void chunk(const Args *a, Scratch *s, int64_t seq, int64_t start, int64_t
     int groups = heads / a->kv_heads, width = dim + 2, converts = !BF16_PATH(a);
     const int64_t *table = a->block_tables + seq * a->max_blocks;
     if (converts) {  /* the queries as scaled float32 rows */
-        load(a->q, seq * heads * dim, heads * dim, a->dtype, s->query);
+        load_floats(a->q, seq * heads * dim, heads * dim, a->dtype, s->query);
         for (int i = 0; i < heads * dim; i++) s->query[i] *= a->scale;
     }
     for (int h = 0; h < heads; h++) {
@@ -165,7 +139,7 @@ static void chunk(const Args *a, Scratch *s, int64_t seq, int64_t start, int64_t
         int64_t block = table[first / bs];
         int n = end - first < bs ? (int)(end - first) : bs;
         if (first + bs < end) prefetch_block(a, table[first / bs + 1]);
-        if (converts) load(a->k_cache, block * bs * row, n * row, a->dtype, s->key); /* [n][kv_heads][dim] */
+        if (converts) load_floats(a->k_cache, block * bs * row, n * row, a->dtype, s->key); /* [n][kv_heads][dim] */
         for (int h = 0; h < heads; h++) {
             float *weight = s->weight + h * bs, *st = state + h * width;
             float top = head_scores(a, s, seq, block, h, n, weight);
@@ -180,7 +154,7 @@ static void chunk(const Args *a, Scratch *s, int64_t seq, int64_t start, int64_t
                 st[dim + 1] += weight[t];
             }
         }
-        load(a->v_cache, block * bs * row, n * row, a->dtype, s->value);
+        load_floats(a->v_cache, block * bs * row, n * row, a->dtype, s->value);
         for (int t = 0; t < n; t++) {
             for (int h = 0; h < heads; h++) {
                 const float *value = s->value + t * row + (h / groups) * dim;
@@ -207,12 +181,8 @@ static void merge(const Args *a, int64_t seq, const float *states, int64_t num_c
             total += st[dim + 1] * factor;
             for (int d = 0; d < dim; d++) acc[d] += st[d] * factor;
         }
-        int64_t out = (seq * a->heads + h) * dim;
-        for (int d = 0; d < dim; d++) {
-            float x = total > 0.0f ? acc[d] / total : 0.0f;
-            if (a->dtype == 0) ((float *)a->out)[out + d] = x;
-            else ((uint16_t *)a->out)[out + d] = float_to_bf16(x);
-        }
+        for (int d = 0; d < dim; d++) acc[d] = total > 0.0f ? acc[d] / total : 0.0f;
+        store_floats(a->out, (seq * a->heads + h) * dim, dim, a->dtype, acc);
     }
 }
 
@@ -239,12 +209,7 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
     int failed = states == NULL; /* out of memory: nothing is computed, the caller raises */
 #pragma omp parallel if (!failed)
     {
-#if defined(FLUSH_DENORMALS)
-        /* Keys far below a sequence's top score get weights that underflow to denormals, and
-         * arithmetic on those is 10-100x slower: flush them to zero while the kernel runs. */
-        unsigned int csr = _mm_getcsr();
-        _mm_setcsr(csr | FLUSH_DENORMALS);
-#endif
+        FLUSH_DENORMALS_BEGIN
         int row = kv_heads * dim;
         Scratch s = {malloc(heads * dim * sizeof(float)), malloc(block_size * row * sizeof(float)),
                      malloc(block_size * row * sizeof(float)), malloc(heads * block_size * sizeof(float))};
@@ -266,9 +231,7 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
         free(s.key);
         free(s.value);
         free(s.weight);
-#if defined(FLUSH_DENORMALS)
-        _mm_setcsr(csr);
-#endif
+        FLUSH_DENORMALS_END
     }
     free(states);
     free(first_chunk);

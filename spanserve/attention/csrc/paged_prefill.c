@@ -1,0 +1,341 @@
+/* Prefill attention over a paged KV cache on CPU: the queries of a chunk (a prompt, the part of
+ * one after a prefix-cache hit, a session's question) attend to their sequence's cached keys,
+ * each query to the keys up to its own position, read from the cache blocks where they are with
+ * an online softmax (flash attention): no gathered copy of the context, no score matrix, no mask.
+ *
+ * A unit is one tile of a sequence's query tokens with one KV head. Its rows are the tile's
+ * tokens times that KV head's query heads, so grouped heads share every key they read. Rows are
+ * the vector lanes, 16 to a row group: queries are transposed once per task into [dim][16]
+ * columns, and for 16 keys at a time a row group's scores are 16 vectors of FMAs over dim with
+ * each key element broadcast, so the softmax's running max, sum and rescale are vector ops over
+ * rows and no horizontal sum is ever needed. A unit with few siblings is split into ranges of
+ * keys (tasks), merged afterwards as in flash decoding, so a short question over a long context
+ * still feeds every thread.
+ *
+ * The arithmetic is written once with GCC vector extensions (gcc and clang): compiled with
+ * -march=native they become AVX-512, AVX2 or NEON code. Scores and sums are float32.
+ *
+ * Layouts (contiguous): q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D];
+ * block_tables [B, max_blocks] int64; query_starts [B + 1] int64 (sequence b owns query rows
+ * query_starts[b] .. query_starts[b + 1] - 1); positions [T] int64 (query t sees keys
+ * 0 .. positions[t]); context_lens [B] int64. dtype: 0 float32, 1 bfloat16.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#define LANES 16      /* rows of a row group, keys of a key group */
+#define TILE_ROWS 64  /* rows of a unit (tokens x grouped heads), at least one token */
+#define SPLIT_KEYS 256 /* fewest keys in a split task */
+/* Finite stand-ins for minus infinity (fast math assumes no infinities): a running max before any
+ * key, and the score of a key a row does not see, so far below it that its weight is 0 even
+ * for a row that has seen no key. */
+#define NO_MAX (-1e20f)
+#define MASKED (-1e30f)
+
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    void *out;
+    const int64_t *block_tables, *query_starts, *positions, *context_lens;
+    int64_t max_blocks;
+    int heads, kv_heads, dim, block_size, dtype, groups, tile_tokens, row_groups;
+    float scale;
+} Args;
+
+typedef struct {
+    int64_t seq, row0, kend; /* first query row; keys 0 .. kend - 1 are seen by some row */
+    int tokens, kv_head, first_task, num_tasks;
+} Unit;
+
+typedef struct {
+    int unit;
+    int64_t kbegin, kend;
+} Task;
+
+typedef struct { /* one thread's scratch */
+    vf *queries;          /* [row_groups][dim] */
+    vi *rows_pos;         /* [row_groups] */
+    int64_t *min_pos;     /* [row_groups]: the least position of a row group's real rows */
+    float *keys, *values; /* [LANES][dim] */
+} Scratch;
+
+static inline vf splat(float x) { return (vf){0} + x; }
+static inline vi splat_int(int32_t x) { return (vi){0} + x; }
+
+static inline vf vmax(vf a, vf b) {
+    vi a_wins = a > b;
+    return (vf)((a_wins & (vi)a) | (~a_wins & (vi)b));
+}
+
+static inline vf pick(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+/* e^x for x <= 0 (scores minus their running max), to float32's precision: x = n ln2 + f with
+ * |f| <= ln2 / 2 (ln2 in two parts, so f is exact), e^f by its Taylor polynomial, 2^n by
+ * building the exponent. 0 below -87 (e^-87 ~ 1e-38, float32's smallest normal). */
+static inline vf vexp(vf x) {
+    vi tiny = x < splat(-87.0f);
+    x = vmax(x, splat(-87.0f));
+    x = -vmax(-x, splat(0.0f));
+    vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi); /* x <= 0: rounds to nearest */
+    vf whole = __builtin_convertvector(n, vf);
+    vf f = x - whole * 0.693359375f + whole * 2.12194440e-4f;
+    vf p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
+    return (vf)(~tiny & (vi)(p * (vf)((n + 127) << 23)));
+}
+
+static inline float lane_sum(vf x) {
+    float total = 0.0f;
+    for (int i = 0; i < LANES; i++) total += x[i];
+    return total;
+}
+
+/* The cache row of key `key` of sequence `seq`, KV head `kv`, as an element index. */
+static inline int64_t key_index(const Args *a, int64_t seq, int64_t key, int kv) {
+    int64_t block = a->block_tables[seq * a->max_blocks + key / a->block_size];
+    return ((block * a->block_size + key % a->block_size) * a->kv_heads + kv) * a->dim;
+}
+
+/* Keys and values kbegin .. kbegin + n - 1 of one KV head into float32 panels [LANES][dim];
+ * missing keys are zeros. */
+static void load_panels(const Args *a, const Scratch *s, int64_t seq, int kv, int64_t kbegin, int n) {
+    for (int t = 0; t < LANES; t++) {
+        if (t < n) {
+            int64_t index = key_index(a, seq, kbegin + t, kv);
+            load_floats(a->k_cache, index, a->dim, a->dtype, s->keys + t * a->dim);
+            load_floats(a->v_cache, index, a->dim, a->dtype, s->values + t * a->dim);
+        } else {
+            memset(s->keys + t * a->dim, 0, a->dim * sizeof(float));
+            memset(s->values + t * a->dim, 0, a->dim * sizeof(float));
+        }
+    }
+}
+
+/* A unit's queries as scaled float32 columns, lane r of row group g holding row 16 g + r
+ * (token r / groups of the tile, query head r % groups of the KV head), with each row's position;
+ * padding rows are zeros that see every key (their sums are never read). */
+static void load_queries(const Args *a, const Scratch *s, const Unit *u) {
+    int dim = a->dim, rows = u->tokens * a->groups;
+    float row[512];
+    for (int g = 0; g < a->row_groups; g++) {
+        for (int d = 0; d < dim; d++) s->queries[g * dim + d] = splat(0.0f);
+        s->rows_pos[g] = splat_int(INT32_MAX);
+        s->min_pos[g] = INT32_MAX;
+    }
+    for (int r = 0; r < rows; r++) {
+        int64_t token = u->row0 + r / a->groups;
+        int head = u->kv_head * a->groups + r % a->groups;
+        load_floats(a->q, (token * a->heads + head) * dim, dim, a->dtype, row);
+        vf *column = s->queries + (r / LANES) * dim;
+        for (int d = 0; d < dim; d++) column[d][r % LANES] = row[d] * a->scale;
+        s->rows_pos[r / LANES][r % LANES] = (int32_t)a->positions[token];
+        s->min_pos[r / LANES] = a->positions[token] < s->min_pos[r / LANES] ? a->positions[token] : s->min_pos[r / LANES];
+    }
+}
+
+/* One row group over 16 keys from `kbegin` (n of them real): scores, the online softmax update
+ * of state (acc [dim] vectors, then max, sum) and the weighted values. Inlined per head size
+ * below, so that the common sizes address the panels at constant offsets. */
+static inline __attribute__((always_inline)) void row_group_step_dim(const Scratch *s, int g, int64_t kbegin, int n,
+                                                                     vf *state, int dim) {
+    const vf *queries = s->queries + g * dim;
+    vf scores[LANES];
+    for (int t = 0; t < LANES; t++) scores[t] = splat(0.0f);
+    for (int d = 0; d < dim; d++) {
+        vf q = queries[d];
+#pragma GCC unroll 16
+        for (int t = 0; t < LANES; t++) scores[t] += q * s->keys[t * dim + d];
+    }
+    if (kbegin + LANES > s->min_pos[g] || n < LANES) { /* some row does not see some key */
+        vi pos = s->rows_pos[g];
+        for (int t = 0; t < LANES; t++)
+            scores[t] = pick((pos >= splat_int((int32_t)(kbegin + t))) & splat_int(t < n ? -1 : 0), scores[t],
+                             splat(MASKED));
+    }
+    vf top[LANES / 2]; /* the max over keys, as a tree */
+    for (int t = 0; t < LANES / 2; t++) top[t] = vmax(scores[t], scores[t + LANES / 2]);
+    for (int w = LANES / 4; w > 0; w /= 2)
+        for (int t = 0; t < w; t++) top[t] = vmax(top[t], top[t + w]);
+    vf *acc = state, *max = state + dim, *sum = state + dim + 1;
+    vf new_max = vmax(*max, top[0]), rescale = vexp(*max - new_max), total = splat(0.0f);
+    for (int t = 0; t < LANES; t++) {
+        scores[t] = vexp(scores[t] - new_max);
+        total += scores[t];
+    }
+    *max = new_max;
+    *sum = *sum * rescale + total;
+    int d = 0;
+    for (; d + 8 <= dim; d += 8) { /* 8 independent sums in registers, each value broadcast */
+        vf x[8];
+        for (int j = 0; j < 8; j++) x[j] = acc[d + j] * rescale;
+        for (int t = 0; t < LANES; t++) {
+            const float *value = s->values + t * dim + d;
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) x[j] += scores[t] * value[j];
+        }
+        for (int j = 0; j < 8; j++) acc[d + j] = x[j];
+    }
+    for (; d < dim; d++) {
+        vf x = acc[d] * rescale;
+        for (int t = 0; t < LANES; t++) x += scores[t] * s->values[t * dim + d];
+        acc[d] = x;
+    }
+}
+
+static void row_group_step(const Args *a, const Scratch *s, int g, int64_t kbegin, int n, vf *state) {
+    switch (a->dim) {
+    case 64: row_group_step_dim(s, g, kbegin, n, state, 64); break;
+    case 128: row_group_step_dim(s, g, kbegin, n, state, 128); break;
+    default: row_group_step_dim(s, g, kbegin, n, state, a->dim);
+    }
+}
+
+/* Task `task`: its unit's rows over keys [kbegin, kend), into state [row_groups][dim + 2]. */
+static void run_task(const Args *a, const Scratch *s, const Unit *u, const Task *task, vf *state) {
+    int width = a->dim + 2;
+    load_queries(a, s, u);
+    int64_t last_pos = 0; /* the largest position of the unit's rows */
+    for (int r = 0; r < u->tokens; r++) {
+        int64_t p = a->positions[u->row0 + r];
+        last_pos = p > last_pos ? p : last_pos;
+    }
+    for (int g = 0; g < a->row_groups; g++) {
+        vf *st = state + g * width;
+        for (int d = 0; d < a->dim; d++) st[d] = splat(0.0f);
+        st[a->dim] = splat(NO_MAX);
+        st[a->dim + 1] = splat(0.0f);
+    }
+    int row_groups = (u->tokens * a->groups + LANES - 1) / LANES;
+    for (int64_t k = task->kbegin; k < task->kend && k <= last_pos; k += LANES) {
+        int n = task->kend - k < LANES ? (int)(task->kend - k) : LANES;
+        load_panels(a, s, u->seq, u->kv_head, k, n);
+        for (int g = 0; g < row_groups; g++) row_group_step(a, s, g, k, n, state + g * width);
+    }
+}
+
+/* Unit u's task states merged into its output rows. */
+static void merge(const Args *a, const Unit *u, const vf *states, int64_t task_stride) {
+    int dim = a->dim, width = dim + 2, rows = u->tokens * a->groups;
+    for (int r = 0; r < rows; r++) {
+        int g = r / LANES, lane = r % LANES;
+        float top = NO_MAX, total = 0.0f, row[512];
+        for (int t = 0; t < u->num_tasks; t++) {
+            float m = states[(u->first_task + t) * task_stride + g * width + dim][lane];
+            top = m > top ? m : top;
+        }
+        memset(row, 0, dim * sizeof(float));
+        for (int t = 0; t < u->num_tasks; t++) {
+            const vf *st = states + (u->first_task + t) * task_stride + g * width;
+            float factor = expf(st[dim][lane] - top);
+            total += st[dim + 1][lane] * factor;
+            for (int d = 0; d < dim; d++) row[d] += st[d][lane] * factor;
+        }
+        for (int d = 0; d < dim; d++) row[d] = total > 0.0f ? row[d] / total : 0.0f;
+        int64_t token = u->row0 + r / a->groups;
+        int head = u->kv_head * a->groups + r % a->groups;
+        store_floats(a->out, (token * a->heads + head) * dim, dim, a->dtype, row);
+    }
+}
+
+/* The units of every sequence (checked: -2 on a bad length), and how many tasks each gets. */
+static Unit *plan_units(const Args *a, int64_t num_seqs, int64_t *num_units, int64_t *num_tasks) {
+    int64_t count = 0;
+    for (int64_t b = 0; b < num_seqs; b++)
+        count += (a->query_starts[b + 1] - a->query_starts[b] + a->tile_tokens - 1) / a->tile_tokens;
+    count *= a->kv_heads;
+    Unit *units = malloc((count ? count : 1) * sizeof(Unit));
+    if (units == NULL) return NULL;
+    int64_t i = 0;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        for (int64_t row = a->query_starts[b]; row < a->query_starts[b + 1]; row += a->tile_tokens) {
+            int64_t end = row + a->tile_tokens < a->query_starts[b + 1] ? row + a->tile_tokens : a->query_starts[b + 1];
+            int64_t kend = 0;
+            for (int64_t t = row; t < end; t++) kend = a->positions[t] + 1 > kend ? a->positions[t] + 1 : kend;
+            for (int kv = 0; kv < a->kv_heads; kv++)
+                units[i++] = (Unit){b, row, kend, (int)(end - row), kv, 0, 1};
+        }
+    }
+    /* Few units for the threads: split each into ranges of at least SPLIT_KEYS keys. */
+    int64_t want = count >= 4 * omp_get_max_threads() ? 1 : (4 * omp_get_max_threads() + count - 1) / (count ? count : 1);
+    int64_t tasks = 0;
+    for (i = 0; i < count; i++) {
+        int64_t pieces = (units[i].kend + SPLIT_KEYS - 1) / SPLIT_KEYS;
+        units[i].num_tasks = (int)(pieces < want ? (pieces > 0 ? pieces : 1) : want);
+        units[i].first_task = (int)tasks;
+        tasks += units[i].num_tasks;
+    }
+    *num_units = count;
+    *num_tasks = tasks;
+    return units;
+}
+
+static int check(const Args *a, int64_t num_seqs, int64_t num_rows) {
+    if (a->kv_heads <= 0 || a->heads % a->kv_heads || a->dim <= 0 || a->dim > 512 || a->block_size <= 0 ||
+        (a->dtype != 0 && a->dtype != 1))
+        return -1;
+    if (a->query_starts[0] != 0 || a->query_starts[num_seqs] != num_rows) return -2;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        int64_t ctx = a->context_lens[b];
+        if (ctx <= 0 || ctx > a->max_blocks * a->block_size || a->query_starts[b + 1] < a->query_starts[b]) return -2;
+        for (int64_t t = a->query_starts[b]; t < a->query_starts[b + 1]; t++)
+            if (a->positions[t] < 0 || a->positions[t] >= ctx) return -2;
+    }
+    return 0;
+}
+
+int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void *out, const int64_t *block_tables,
+                  const int64_t *query_starts, const int64_t *positions, const int64_t *context_lens,
+                  int64_t num_seqs, int64_t num_rows, int64_t max_blocks, int heads, int kv_heads, int dim,
+                  int block_size, float scale, int dtype) {
+    Args a = {q, k_cache, v_cache, out, block_tables, query_starts, positions, context_lens, max_blocks,
+              heads, kv_heads, dim, block_size, dtype, 0, 0, 0, scale};
+    int status = check(&a, num_seqs, num_rows);
+    if (status != 0) return status;
+    a.groups = heads / kv_heads;
+    a.tile_tokens = TILE_ROWS / a.groups > 0 ? TILE_ROWS / a.groups : 1;
+    a.row_groups = (a.tile_tokens * a.groups + LANES - 1) / LANES;
+    int64_t num_units, num_tasks, task_stride = (int64_t)a.row_groups * (dim + 2);
+    Unit *units = plan_units(&a, num_seqs, &num_units, &num_tasks);
+    Task *tasks = units ? malloc((num_tasks ? num_tasks : 1) * sizeof(Task)) : NULL;
+    vf *states = tasks ? aligned_alloc(64, (num_tasks ? num_tasks : 1) * task_stride * sizeof(vf)) : NULL;
+    int failed = states == NULL; /* out of memory: nothing is computed, the caller raises */
+    for (int64_t u = 0; !failed && u < num_units; u++) {
+        int64_t piece = (units[u].kend + units[u].num_tasks - 1) / units[u].num_tasks;
+        piece = (piece + LANES - 1) / LANES * LANES;
+        for (int t = 0; t < units[u].num_tasks; t++) {
+            int64_t begin = t * piece, end = begin + piece < units[u].kend ? begin + piece : units[u].kend;
+            tasks[units[u].first_task + t] = (Task){(int)u, begin, end > begin ? end : begin};
+        }
+    }
+#pragma omp parallel if (!failed)
+    {
+        FLUSH_DENORMALS_BEGIN
+        Scratch s = {aligned_alloc(64, a.row_groups * dim * sizeof(vf)), aligned_alloc(64, a.row_groups * sizeof(vi)),
+                     malloc(a.row_groups * sizeof(int64_t)), malloc(LANES * dim * sizeof(float)),
+                     malloc(LANES * dim * sizeof(float))};
+        if (!s.queries || !s.rows_pos || !s.min_pos || !s.keys || !s.values) failed = 1;
+        /* Latest tasks first: in a causal prompt they see the most keys, so the threads end together. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = num_tasks - 1; i >= 0; i--)
+            if (!failed) run_task(&a, &s, &units[tasks[i].unit], &tasks[i], states + i * task_stride);
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t u = 0; u < num_units; u++)
+            if (!failed) merge(&a, &units[u], states, task_stride);
+        free(s.queries);
+        free(s.rows_pos);
+        free(s.min_pos);
+        free(s.keys);
+        free(s.values);
+        FLUSH_DENORMALS_END
+    }
+    free(states);
+    free(tasks);
+    free(units);
+    return failed ? -3 : 0;
+}
