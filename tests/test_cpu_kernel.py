@@ -100,6 +100,7 @@ def fresh_kernel(monkeypatch, tmp_path):
     """The kernel as if never loaded, built into an empty cache directory."""
     monkeypatch.setattr(cpu_kernel, "_tried", False)
     monkeypatch.setattr(cpu_kernel, "_kernel", None)
+    monkeypatch.setattr(cpu_kernel, "_allowed", frozenset(cpu_kernel.KERNELS))
     monkeypatch.setenv("SPANSERVE_CACHE_DIR", str(tmp_path))
 
 
@@ -115,6 +116,21 @@ def test_without_a_compiler_decode_takes_the_torch_path_and_says_why(fresh_kerne
 def test_spanserve_cpu_kernels_0_turns_it_off(fresh_kernel, monkeypatch):
     monkeypatch.setenv("SPANSERVE_CPU_KERNELS", "0")
     assert cpu_kernel.load() is None
+
+
+@needs_kernel
+def test_spanserve_cpu_kernels_can_keep_one_kernel(fresh_kernel, monkeypatch):
+    """=decode: decode takes the kernel, prefill chunks the torch path (to compare the two)."""
+    monkeypatch.setenv("SPANSERVE_CPU_KERNELS", "decode")
+    q, cache, tables, _, starts, positions, lens = prefill_case(torch.float32)
+    assert cpu_kernel.paged_prefill(q, cache[0], cache[1], tables, starts, positions, lens, 1.0) is None
+    assert cpu_kernel.paged_decode(q[:5], cache[0], cache[1], tables, lens, 1.0) is not None
+
+
+def test_an_unknown_spanserve_cpu_kernels_value_is_an_error(fresh_kernel, monkeypatch):
+    monkeypatch.setenv("SPANSERVE_CPU_KERNELS", "decode,flash")
+    with pytest.raises(ValueError, match="SPANSERVE_CPU_KERNELS='decode,flash'"):
+        cpu_kernel.load()
 
 
 @needs_kernel

@@ -14,7 +14,8 @@ the keys up to its position, with no gathered copy of the context and no score m
 Both are compiled on first use with the system C compiler (gcc or $CC, -march=native for this
 CPU) into one library in spanserve's cache directory, and called through ctypes: no Python
 headers, no build step at install. Without a compiler, or with SPANSERVE_CPU_KERNELS=0,
-attention keeps the torch path; the reason is logged once.
+attention keeps the torch path; the reason is logged once. SPANSERVE_CPU_KERNELS=decode (or
+prefill) keeps one kernel and gives the other's work to the torch path, to compare them.
 """
 
 import ctypes
@@ -43,8 +44,11 @@ LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what the kernel reads and writes
 MAX_DIM = 512  # its merge buffer (paged_decode.c)
 
+KERNELS = ("decode", "prefill")  # what SPANSERVE_CPU_KERNELS may name
+
 _lock = threading.Lock()
 _kernel: ctypes.CDLL | None = None  # the library, its entry points typed
+_allowed: frozenset[str] = frozenset(KERNELS)
 _tried = False
 
 
@@ -56,7 +60,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     the caller then takes the torch path."""
     if not _fits(q, k_cache, v_cache):
         return None
-    kernel = load()
+    kernel = load("decode")
     if kernel is None:
         return None
     q, tables, lens = q.contiguous(), block_tables.long().contiguous(), context_lens.long().contiguous()
@@ -79,7 +83,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     the torch path."""
     if not _fits(q, k_cache, v_cache):
         return None
-    kernel = load()
+    kernel = load("prefill")
     if kernel is None:
         return None
     q, tables = q.contiguous(), block_tables.long().contiguous()
@@ -107,26 +111,46 @@ def _fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool
             and dim <= MAX_DIM)
 
 
-def load():
+def load(name: str | None = None):
     """The compiled kernels (a library with typed entry points), built on first call; None if they
-    cannot be."""
-    global _kernel, _tried
-    if _tried:  # decided: no lock on the hot path (every decode layer asks)
-        return _kernel
-    with _lock:
-        if not _tried:
-            if os.environ.get("SPANSERVE_CPU_KERNELS", "1") == "0":
-                log.info("SPANSERVE_CPU_KERNELS=0: attention takes the torch path")
-            else:
-                try:
-                    path = build()
-                    _kernel = _typed(ctypes.CDLL(str(path)))
-                    log.info("decode and prefill attention: the C kernels %s", path)
-                except (OSError, subprocess.CalledProcessError, RuntimeError) as exc:
-                    log.warning("the C attention kernels could not be built (%s); attention takes the torch "
-                                "path", str(exc).strip()[-500:])
-            _tried = True  # after _kernel: a thread that sees it set sees the kernel too
-        return _kernel
+    cannot be, or if `name` (decode, prefill) is not one SPANSERVE_CPU_KERNELS lets run. A value
+    it does not know is an error (ValueError), raised at the engine's start."""
+    global _kernel, _allowed, _tried
+    if not _tried:
+        with _lock:
+            if not _tried:
+                _allowed = _kernels_allowed(os.environ.get("SPANSERVE_CPU_KERNELS", "1"))
+                if not _allowed:
+                    log.info("SPANSERVE_CPU_KERNELS=0: attention takes the torch path")
+                else:
+                    _kernel = _built()
+                _tried = True  # after _kernel: a thread that sees it set sees the kernel too
+    # decided: no lock on the hot path (every attention layer asks)
+    return _kernel if name is None or name in _allowed else None
+
+
+def _kernels_allowed(value: str) -> frozenset[str]:
+    value = value.strip().lower()
+    if value in ("", "1"):
+        return frozenset(KERNELS)
+    names = frozenset(part.strip() for part in value.split(",")) - {""}
+    if value == "0" or not names:
+        return frozenset()
+    if not names <= set(KERNELS):
+        raise ValueError(f"SPANSERVE_CPU_KERNELS={value!r}: use 1 (all), 0 (none) or a comma list of "
+                         f"{', '.join(KERNELS)}")
+    return names
+
+
+def _built() -> ctypes.CDLL | None:
+    try:
+        path = build()
+        log.info("attention kernels (%s): %s", ", ".join(sorted(_allowed)), path)
+        return _typed(ctypes.CDLL(str(path)))
+    except (OSError, subprocess.CalledProcessError, RuntimeError) as exc:
+        log.warning("the C attention kernels could not be built (%s); attention takes the torch path",
+                    str(exc).strip()[-500:])
+        return None
 
 
 def build() -> Path:

@@ -139,21 +139,39 @@ static void load_queries(const Args *a, const Scratch *s, const Unit *u) {
     }
 }
 
-/* One row group over 16 keys from `kbegin` (n of them real): scores, the online softmax update
- * of state (acc [dim] vectors, then max, sum) and the weighted values. Inlined per head size
- * below, so that the common sizes address the panels at constant offsets. */
-static inline __attribute__((always_inline)) void row_group_step_dim(const Scratch *s, int g, int64_t kbegin, int n,
-                                                                     vf *state, int dim) {
-    const vf *queries = s->queries + g * dim;
-    vf scores[LANES];
-    for (int t = 0; t < LANES; t++) scores[t] = splat(0.0f);
-    for (int d = 0; d < dim; d++) {
-        vf q = queries[d];
+/* Up to MAX_GROUPS row groups are stepped together, so that a key element broadcast once serves
+ * each of them and a query column or weight vector loaded once serves several keys: the sums
+ * below are kept in registers, about 16 vectors of them. */
+#define MAX_GROUPS 4
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* Scores of row groups [0, groups) against panel keys k0 .. k0 + keys - 1, into scores[g][key]. */
+ALWAYS_INLINE void score_keys(const vf *queries, const float *panel, int dim, int groups, int k0, int keys,
+                              vf scores[MAX_GROUPS][LANES]) {
+    vf sums[MAX_GROUPS][LANES];
+#pragma GCC unroll 4
+    for (int g = 0; g < groups; g++)
 #pragma GCC unroll 16
-        for (int t = 0; t < LANES; t++) scores[t] += q * s->keys[t * dim + d];
+        for (int j = 0; j < keys; j++) sums[g][j] = splat(0.0f);
+    for (int d = 0; d < dim; d++) {
+#pragma GCC unroll 16
+        for (int j = 0; j < keys; j++) {
+            vf key = splat(panel[(k0 + j) * dim + d]);
+#pragma GCC unroll 4
+            for (int g = 0; g < groups; g++) sums[g][j] += queries[g * dim + d] * key;
+        }
     }
-    if (kbegin + LANES > s->min_pos[g] || n < LANES) { /* some row does not see some key */
-        vi pos = s->rows_pos[g];
+#pragma GCC unroll 4
+    for (int g = 0; g < groups; g++)
+#pragma GCC unroll 16
+        for (int j = 0; j < keys; j++) scores[g][k0 + j] = sums[g][j];
+}
+
+/* The online softmax of one row group over 16 keys from `kbegin` (n of them real): scores become
+ * weights, the running max and sum in state move on; returns the factor that rescales what the
+ * sum of values held before. */
+ALWAYS_INLINE vf softmax_step(vf scores[LANES], vi pos, int64_t min_pos, int64_t kbegin, int n, vf *max, vf *sum) {
+    if (kbegin + LANES > min_pos || n < LANES) { /* some row does not see some key */
         for (int t = 0; t < LANES; t++)
             scores[t] = pick((pos >= splat_int((int32_t)(kbegin + t))) & splat_int(t < n ? -1 : 0), scores[t],
                              splat(MASKED));
@@ -162,7 +180,6 @@ static inline __attribute__((always_inline)) void row_group_step_dim(const Scrat
     for (int t = 0; t < LANES / 2; t++) top[t] = vmax(scores[t], scores[t + LANES / 2]);
     for (int w = LANES / 4; w > 0; w /= 2)
         for (int t = 0; t < w; t++) top[t] = vmax(top[t], top[t + w]);
-    vf *acc = state, *max = state + dim, *sum = state + dim + 1;
     vf new_max = vmax(*max, top[0]), rescale = vexp(*max - new_max), total = splat(0.0f);
     for (int t = 0; t < LANES; t++) {
         scores[t] = vexp(scores[t] - new_max);
@@ -170,29 +187,61 @@ static inline __attribute__((always_inline)) void row_group_step_dim(const Scrat
     }
     *max = new_max;
     *sum = *sum * rescale + total;
-    int d = 0;
-    for (; d + 8 <= dim; d += 8) { /* 8 independent sums in registers, each value broadcast */
-        vf x[8];
-        for (int j = 0; j < 8; j++) x[j] = acc[d + j] * rescale;
-        for (int t = 0; t < LANES; t++) {
-            const float *value = s->values + t * dim + d;
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) x[j] += scores[t] * value[j];
-        }
-        for (int j = 0; j < 8; j++) acc[d + j] = x[j];
-    }
-    for (; d < dim; d++) {
-        vf x = acc[d] * rescale;
-        for (int t = 0; t < LANES; t++) x += scores[t] * s->values[t * dim + d];
-        acc[d] = x;
-    }
+    return rescale;
 }
 
-static void row_group_step(const Args *a, const Scratch *s, int g, int64_t kbegin, int n, vf *state) {
-    switch (a->dim) {
-    case 64: row_group_step_dim(s, g, kbegin, n, state, 64); break;
-    case 128: row_group_step_dim(s, g, kbegin, n, state, 128); break;
-    default: row_group_step_dim(s, g, kbegin, n, state, a->dim);
+/* Dimensions d0 .. d0 + width - 1 of each row group's sum of values: rescaled, plus the 16 keys'
+ * weighted values (each value element broadcast once for every row group). */
+ALWAYS_INLINE void weigh_values(const float *panel, int dim, int groups, int d0, int width,
+                                vf weights[MAX_GROUPS][LANES], const vf *rescale, vf *state, int stride) {
+    vf sums[MAX_GROUPS][8];
+#pragma GCC unroll 4
+    for (int g = 0; g < groups; g++)
+#pragma GCC unroll 8
+        for (int j = 0; j < width; j++) sums[g][j] = state[g * stride + d0 + j] * rescale[g];
+    for (int t = 0; t < LANES; t++) {
+#pragma GCC unroll 8
+        for (int j = 0; j < width; j++) {
+            vf value = splat(panel[t * dim + d0 + j]);
+#pragma GCC unroll 4
+            for (int g = 0; g < groups; g++) sums[g][j] += weights[g][t] * value;
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < groups; g++)
+#pragma GCC unroll 8
+        for (int j = 0; j < width; j++) state[g * stride + d0 + j] = sums[g][j];
+}
+
+/* Row groups g0 .. g0 + groups - 1 over the 16 panel keys from `kbegin`, their states (each
+ * [dim] sums of values, then max, sum) at state, `stride` vectors apart. */
+ALWAYS_INLINE void step_groups(const Scratch *s, int g0, int groups, int64_t kbegin, int n, vf *state, int dim) {
+    int stride = dim + 2, keys = groups == 1 ? 16 : groups == 2 ? 8 : 4, width = groups <= 2 ? 8 : 4;
+    vf scores[MAX_GROUPS][LANES], rescale[MAX_GROUPS];
+    for (int k0 = 0; k0 < LANES; k0 += keys) score_keys(s->queries + g0 * dim, s->keys, dim, groups, k0, keys, scores);
+    for (int g = 0; g < groups; g++)
+        rescale[g] = softmax_step(scores[g], s->rows_pos[g0 + g], s->min_pos[g0 + g], kbegin, n,
+                                  state + g * stride + dim, state + g * stride + dim + 1);
+    int d = 0;
+    for (; d + width <= dim; d += width) weigh_values(s->values, dim, groups, d, width, scores, rescale, state, stride);
+    for (; d < dim; d++) weigh_values(s->values, dim, groups, d, 1, scores, rescale, state, stride);
+}
+
+/* step_groups compiled for each count of row groups and the common head sizes, whose panels are
+ * then read at constant offsets. */
+#define STEP_FOR_DIM(groups) \
+    case groups: \
+        if (dim == 64) step_groups(s, g0, groups, kbegin, n, state, 64); \
+        else if (dim == 128) step_groups(s, g0, groups, kbegin, n, state, 128); \
+        else step_groups(s, g0, groups, kbegin, n, state, dim); \
+        break;
+
+static void step(const Scratch *s, int g0, int groups, int64_t kbegin, int n, vf *state, int dim) {
+    switch (groups) {
+        STEP_FOR_DIM(1)
+        STEP_FOR_DIM(2)
+        STEP_FOR_DIM(3)
+        STEP_FOR_DIM(4)
     }
 }
 
@@ -215,7 +264,8 @@ static void run_task(const Args *a, const Scratch *s, const Unit *u, const Task 
     for (int64_t k = task->kbegin; k < task->kend && k <= last_pos; k += LANES) {
         int n = task->kend - k < LANES ? (int)(task->kend - k) : LANES;
         load_panels(a, s, u->seq, u->kv_head, k, n);
-        for (int g = 0; g < row_groups; g++) row_group_step(a, s, g, k, n, state + g * width);
+        for (int g = 0; g < row_groups; g += MAX_GROUPS)
+            step(s, g, row_groups - g < MAX_GROUPS ? row_groups - g : MAX_GROUPS, k, n, state + g * width, a->dim);
     }
 }
 
