@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_attention import reference
 
-from spanserve.attention import AttentionMetadata, cpu_kernel, torch_ref
+from spanserve.attention import AttentionMetadata, KeyRotation, cpu_kernel, torch_ref
 from spanserve.attention.torch_ref import TorchAttention
 
 needs_kernel = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler: the kernel is not built")
@@ -187,6 +187,29 @@ def test_prefill_kernel_equals_the_reference(dtype, tolerance, block_size, heads
         torch.testing.assert_close(out[rows].double(), expected, rtol=tolerance, atol=tolerance)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 5e-5), (torch.bfloat16, 2**-8)])
+def test_prefill_kernel_rotates_moved_keys_as_it_reads_them(dtype, tolerance):
+    """Span keys cached at the positions they were computed at: the first keys of some sequences
+    move by their own angles (KeyRotation, as the runner makes them), the cache is left as it
+    was, and each query sees the moved keys."""
+    q, cache, tables, contexts, starts, positions, lens = prefill_case(dtype)
+    before = cache.clone()
+    gen = torch.Generator().manual_seed(5)
+    rotations = [None] * len(contexts)
+    for i, moved in ((0, 33), (2, 1200), (4, 17)):
+        angles = torch.rand(moved, 32, generator=gen) * 6.28
+        rotations[i] = KeyRotation.from_angles(angles.cos(), angles.sin(), 3)
+    out = cpu_kernel.paged_prefill(q, cache[0], cache[1], tables, starts, positions, lens, 0.3,
+                                   rotations=cpu_kernel.key_rotations(rotations))
+    assert torch.equal(cache, before)
+    for i, (keys, values) in enumerate(contexts):
+        rows = slice(int(starts[i]), int(starts[i + 1]))
+        keys = keys.float() if rotations[i] is None else rotations[i].apply(keys.float())
+        expected = reference(q[rows].float(), keys, values.float(), positions[rows], 0.3)
+        torch.testing.assert_close(out[rows].double(), expected, rtol=tolerance, atol=tolerance)
+
+
 def prefill_meta(q_positions: list[torch.Tensor], lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
     """A step of prefill chunks (and decode tokens: one position), each query written at its
     position's slot."""
@@ -199,22 +222,31 @@ def prefill_meta(q_positions: list[torch.Tensor], lens: list[int], tables: torch
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prefill_step_gives_what_the_torch_path_gives(monkeypatch, dtype):
-    """TorchAttention over a step mixing prefill chunks (a long one, a short one over a short
-    context, which the torch path pads into one call with the decode token) and a decode token,
-    with the kernels and without them: both close to a float64 softmax, the kernel at least as
-    close (float32: within 1e-5 of each other)."""
+    """TorchAttention over a step mixing prefill chunks (a long one whose first 100 keys move, as
+    span keys do; a short one over a short context, which the torch path pads into one call with
+    the decode token) and a decode token, with the kernels and without them: both close to a
+    float64 softmax, the kernel at least as close (float32: within 1e-5 of each other)."""
     lens = [300, 20, 41]
     q_positions = [torch.arange(250, 300), torch.arange(0, 20), torch.tensor([40])]
     cache, tables, _ = paged(lens, 16, 2, 32, dtype, seed=2)
     rows = sum(map(len, q_positions))
     q, k, v = (torch.randn(rows, n, 32).to(dtype) for n in (6, 2, 2))
-    with_kernel = TorchAttention().forward(q, k, v, cache, prefill_meta(q_positions, lens, tables), 0.2)
+    angles = torch.rand(100, 16) * 6.28
+    moved = KeyRotation.from_angles(angles.cos(), angles.sin(), 2)
+
+    def step():
+        meta = prefill_meta(q_positions, lens, tables)
+        meta.key_rotation = [moved, None, None]
+        return TorchAttention().forward(q, k, v, cache, meta, 0.2)
+
+    with_kernel = step()
     monkeypatch.setattr(torch_ref, "paged_prefill", lambda *args: None)
     monkeypatch.setattr(torch_ref, "paged_decode", lambda *args: None)
-    without = TorchAttention().forward(q, k, v, cache, prefill_meta(q_positions, lens, tables), 0.2)
+    without = step()
     expected, start = [], 0
     for i, (n, positions) in enumerate(zip(lens, q_positions)):  # the cache now holds the step's keys too
         keys, values = (part[tables[i]].flatten(0, 1)[:n].float() for part in cache)
+        keys = moved.apply(keys) if i == 0 else keys
         expected.append(reference(q[start:start + len(positions)].float(), keys, values, positions, 0.2))
         start += len(positions)
     assert_kernel_as_close(with_kernel, without, torch.cat(expected))

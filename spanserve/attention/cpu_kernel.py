@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from spanserve.attention.backend import KeyRotation
 from spanserve.models.loader import cache_dir
 
 log = logging.getLogger(__name__)
@@ -75,12 +76,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   query_starts: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
-                  scale: float, out: torch.Tensor | None = None) -> torch.Tensor | None:
+                  scale: float, out: torch.Tensor | None = None,
+                  rotations: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """Attention of the query rows q [T, heads, D] of B sequences (sequence b owns rows
     query_starts[b] .. query_starts[b + 1] - 1, [B + 1]), query t seeing its sequence's cached keys
     0 .. positions[t] ([T]) of the first context_lens[b] (block_tables [B, max_blocks]), into `out`
-    (contiguous, like q) or a new tensor. None where the kernel cannot run it: the caller then takes
-    the torch path."""
+    (contiguous, like q) or a new tensor. `rotations` (from key_rotations): angles that move each
+    sequence's first keys as they are read. None where the kernel cannot run it: the caller then
+    takes the torch path."""
     if not _fits(q, k_cache, v_cache):
         return None
     kernel = load("prefill")
@@ -91,12 +94,25 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if out is None or not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
         out = torch.empty_like(q)
     rows, heads, dim = q.shape
+    rot_starts, rot_cos, rot_sin = (t.data_ptr() for t in rotations) if rotations is not None else (None,) * 3
     status = kernel.paged_prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                   tables.data_ptr(), starts.data_ptr(), positions.data_ptr(), lens.data_ptr(),
-                                  len(lens), rows, tables.shape[1], heads, k_cache.shape[2], dim, k_cache.shape[1],
-                                  scale, DTYPES[q.dtype])
+                                  rot_starts, rot_cos, rot_sin, len(lens), rows, tables.shape[1], heads,
+                                  k_cache.shape[2], dim, k_cache.shape[1], scale, DTYPES[q.dtype])
     _raise_on(status, "paged_prefill", q, k_cache)
     return out
+
+
+def key_rotations(rotations: list[KeyRotation | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """paged_prefill's `rotations` for sequences whose first keys move by these KeyRotations (None:
+    none move): each sequence's rows in one table of angles, and those tables. None if none move."""
+    if all(r is None for r in rotations):
+        return None
+    lens = [len(r) if r is not None else 0 for r in rotations]
+    starts = torch.tensor([0, *lens]).cumsum(0)
+    moving = [r for r in rotations if r is not None]
+    cos, sin = (torch.cat([getattr(r, name) for r in moving]).float().contiguous() for name in ("half_cos", "half_sin"))
+    return starts, cos, sin
 
 
 def _raise_on(status: int, name: str, q: torch.Tensor, k_cache: torch.Tensor) -> None:
@@ -189,6 +205,6 @@ def _cpu_features() -> str:
 def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.paged_decode.argtypes = [pointer] * 6 + [i64, i64, i32, i32, i32, i32, f32, i32]
-    lib.paged_prefill.argtypes = [pointer] * 8 + [i64, i64, i64, i32, i32, i32, i32, f32, i32]
+    lib.paged_prefill.argtypes = [pointer] * 11 + [i64, i64, i64, i32, i32, i32, i32, f32, i32]
     lib.paged_decode.restype = lib.paged_prefill.restype = i32
     return lib

@@ -1,6 +1,6 @@
 """Reference attention in plain PyTorch: matmuls for prefill and SDPA for decode on CPU; SDPA on other devices.
-On CPU, the C kernels (cpu_kernel.py) take decode tokens and prefill chunks whose keys are read as
-cached; the torch paths stay as their reference and fallback.
+On CPU, the C kernels (cpu_kernel.py) take decode tokens over keys read as cached and prefill
+chunks (span keys rotated as they are read); the torch paths stay as their reference and fallback.
 Sequences whose queries reweight span keys (APE's SpanShare) take the matmul paths everywhere:
 the reweighting needs each query's scores before its softmax."""
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from spanserve.attention.backend import AttentionBackend, AttentionMetadata
-from spanserve.attention.cpu_kernel import paged_decode, paged_prefill
+from spanserve.attention.cpu_kernel import key_rotations, paged_decode, paged_prefill
 from spanserve.threads import attention_threads
 
 # Sequences computing at most this many queries in a step (decode tokens, short prefill chunks
@@ -57,26 +57,20 @@ class TorchAttention(AttentionBackend):
 
     def _prefill_kernel(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, starts: list[int],
                         out: torch.Tensor) -> list[int]:
-        """The step's prefill chunks whose keys are read as cached (no rotation, no span share), in
-        one call of the C kernel on CPU (cpu_kernel.paged_prefill), written into `out`. Returns the
-        sequences left to the other paths: all of them where the kernel cannot run."""
+        """The step's prefill chunks (their span keys rotated as they are read; not APE's span
+        share), in one call of the C kernel on CPU (cpu_kernel.paged_prefill), written into `out`.
+        Returns the sequences left to the other paths: all of them where the kernel cannot run."""
         everyone = list(range(len(meta.query_lens)))
         if q.device.type != "cpu":
             return everyone
-        chunks = [i for i in everyone if meta.query_lens[i] > 1
-                  and (meta.key_rotation is None or meta.key_rotation[i] is None)
-                  and (meta.span_share is None or meta.span_share[i] is None)]
-        if not chunks:
+        plan = _prefill_plan(meta, starts, q.device)
+        if plan is None:
             return everyone
-        whole = len(chunks) == len(everyone)
-        rows = None if whole else _rows_of(chunks, starts, q.device)
-        lens = [meta.context_lens[i] for i in chunks]
-        index = torch.tensor(chunks, device=meta.block_tables.device)
-        query_starts = torch.tensor([0, *(meta.query_lens[i] for i in chunks)]).cumsum(0)
-        with attention_threads(q.shape[1] * sum(meta.query_lens[i] * meta.context_lens[i] for i in chunks)):
-            result = paged_prefill(q if whole else q[rows], k_cache, v_cache, meta.block_tables[index], query_starts,
-                                   meta.positions if whole else meta.positions[rows], torch.tensor(lens), scale,
-                                   out if whole else None)
+        chunks, rows, tables, query_starts, positions, lens, work = plan
+        whole = rows is None
+        with attention_threads(q.shape[1] * work):
+            result = paged_prefill(q if whole else q[rows], k_cache, v_cache, tables, query_starts, positions, lens,
+                                   scale, out if whole else None, _step_rotations(meta, chunks))
         if result is None:
             return everyone
         if result is not out:  # a part of the step, or an `out` the kernel could not write in place
@@ -141,6 +135,39 @@ class TorchAttention(AttentionBackend):
         out = _grouped_queries(q[rows].view(len(seqs), width, *q.shape[1:]), keys, values, mask[:, None], scale, shares)
         valid = (torch.arange(width)[None, :] < torch.tensor(q_lens)[:, None]).flatten().to(q.device)
         return out.flatten(0, 1)[valid]
+
+
+def _prefill_plan(meta: AttentionMetadata, starts: list[int], device):
+    """What the prefill kernel reads of a step, the same in every layer, so made once per step: the
+    chunks it takes (prefill chunks, not APE's span share), their query rows (None: all of the
+    step's), block tables, query starts, positions and context lengths, and their work (queries x
+    keys); None if it takes none."""
+    key = "prefill_plan"
+    if key not in meta.derived:
+        chunks = [i for i, q_len in enumerate(meta.query_lens)
+                  if q_len > 1 and (meta.span_share is None or meta.span_share[i] is None)]
+        plan = None
+        if chunks:
+            whole = len(chunks) == len(meta.query_lens)
+            rows = None if whole else _rows_of(chunks, starts, device)
+            index = torch.tensor(chunks, device=meta.block_tables.device)
+            query_starts = torch.tensor([0, *(meta.query_lens[i] for i in chunks)]).cumsum(0)
+            plan = (chunks, rows, meta.block_tables[index].contiguous(), query_starts,
+                    meta.positions if whole else meta.positions[rows].contiguous(),
+                    torch.tensor([meta.context_lens[i] for i in chunks]),
+                    sum(meta.query_lens[i] * meta.context_lens[i] for i in chunks))
+        meta.derived[key] = plan
+    return meta.derived[key]
+
+
+def _step_rotations(meta: AttentionMetadata, seqs: list[int]):
+    """cpu_kernel.key_rotations of sequences `seqs`: the same in every layer, so made once per step."""
+    if not meta.key_rotation:
+        return None
+    key = ("prefill_rotations", tuple(seqs))
+    if key not in meta.derived:
+        meta.derived[key] = key_rotations([meta.key_rotation[i] for i in seqs])
+    return meta.derived[key]
 
 
 def _rows_of(seqs: list[int], starts: list[int], device) -> torch.Tensor:

@@ -18,7 +18,10 @@
  * Layouts (contiguous): q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D];
  * block_tables [B, max_blocks] int64; query_starts [B + 1] int64 (sequence b owns query rows
  * query_starts[b] .. query_starts[b + 1] - 1); positions [T] int64 (query t sees keys
- * 0 .. positions[t]); context_lens [B] int64. dtype: 0 float32, 1 bfloat16.
+ * 0 .. positions[t]); context_lens [B] int64. dtype: 0 float32, 1 bfloat16. Optionally rot_starts
+ * [B + 1] int64 and rot_cos, rot_sin [rows, D / 2] float32: sequence b's first rot_starts[b + 1] -
+ * rot_starts[b] keys are rotated by the angles of rows rot_starts[b] .. as they are read (span
+ * keys reused at new positions), so that shared blocks are never rewritten.
  */
 #include <math.h>
 #include <omp.h>
@@ -44,6 +47,8 @@ typedef struct {
     const void *q, *k_cache, *v_cache;
     void *out;
     const int64_t *block_tables, *query_starts, *positions, *context_lens;
+    const int64_t *rot_starts;       /* NULL, or [B + 1]: sequence b's rotated keys' rows in rot_cos */
+    const float *rot_cos, *rot_sin;  /* [rows][dim / 2] */
     int64_t max_blocks;
     int heads, kv_heads, dim, block_size, dtype, groups, tile_tokens, row_groups;
     float scale;
@@ -102,14 +107,29 @@ static inline int64_t key_index(const Args *a, int64_t seq, int64_t key, int kv)
     return ((block * a->block_size + key % a->block_size) * a->kv_heads + kv) * a->dim;
 }
 
-/* Keys and values kbegin .. kbegin + n - 1 of one KV head into float32 panels [LANES][dim];
- * missing keys are zeros. */
+/* Key `key` of sequence `seq` (float32, [dim]) rotated in place by its angles, if it has any:
+ * span keys cached at the positions they were computed at, attended from others (RoPE's
+ * rotate-half layout, the sine's sign folded in, as KeyRotation stores them). */
+static void rotate_key(const Args *a, int64_t seq, int64_t key, float *row) {
+    if (a->rot_starts == NULL || key >= a->rot_starts[seq + 1] - a->rot_starts[seq]) return;
+    int half = a->dim / 2;
+    const float *cos = a->rot_cos + (a->rot_starts[seq] + key) * half, *sin = a->rot_sin + (a->rot_starts[seq] + key) * half;
+    for (int i = 0; i < half; i++) {
+        float x = row[i], y = row[i + half];
+        row[i] = x * cos[i] - y * sin[i];
+        row[i + half] = y * cos[i] + x * sin[i];
+    }
+}
+
+/* Keys and values kbegin .. kbegin + n - 1 of one KV head into float32 panels [LANES][dim], the
+ * keys rotated where they move; missing keys are zeros. */
 static void load_panels(const Args *a, const Scratch *s, int64_t seq, int kv, int64_t kbegin, int n) {
     for (int t = 0; t < LANES; t++) {
         if (t < n) {
             int64_t index = key_index(a, seq, kbegin + t, kv);
             load_floats(a->k_cache, index, a->dim, a->dtype, s->keys + t * a->dim);
             load_floats(a->v_cache, index, a->dim, a->dtype, s->values + t * a->dim);
+            rotate_key(a, seq, kbegin + t, s->keys + t * a->dim);
         } else {
             memset(s->keys + t * a->dim, 0, a->dim * sizeof(float));
             memset(s->values + t * a->dim, 0, a->dim * sizeof(float));
@@ -330,9 +350,11 @@ static int check(const Args *a, int64_t num_seqs, int64_t num_rows) {
         (a->dtype != 0 && a->dtype != 1))
         return -1;
     if (a->query_starts[0] != 0 || a->query_starts[num_seqs] != num_rows) return -2;
+    if (a->rot_starts != NULL && (a->rot_starts[0] != 0 || a->dim % 2)) return -2;
     for (int64_t b = 0; b < num_seqs; b++) {
         int64_t ctx = a->context_lens[b];
         if (ctx <= 0 || ctx > a->max_blocks * a->block_size || a->query_starts[b + 1] < a->query_starts[b]) return -2;
+        if (a->rot_starts != NULL && a->rot_starts[b + 1] < a->rot_starts[b]) return -2;
         for (int64_t t = a->query_starts[b]; t < a->query_starts[b + 1]; t++)
             if (a->positions[t] < 0 || a->positions[t] >= ctx) return -2;
     }
@@ -341,10 +363,11 @@ static int check(const Args *a, int64_t num_seqs, int64_t num_rows) {
 
 int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void *out, const int64_t *block_tables,
                   const int64_t *query_starts, const int64_t *positions, const int64_t *context_lens,
-                  int64_t num_seqs, int64_t num_rows, int64_t max_blocks, int heads, int kv_heads, int dim,
-                  int block_size, float scale, int dtype) {
-    Args a = {q, k_cache, v_cache, out, block_tables, query_starts, positions, context_lens, max_blocks,
-              heads, kv_heads, dim, block_size, dtype, 0, 0, 0, scale};
+                  const int64_t *rot_starts, const float *rot_cos, const float *rot_sin, int64_t num_seqs,
+                  int64_t num_rows, int64_t max_blocks, int heads, int kv_heads, int dim, int block_size, float scale,
+                  int dtype) {
+    Args a = {q, k_cache, v_cache, out, block_tables, query_starts, positions, context_lens, rot_starts, rot_cos,
+              rot_sin, max_blocks, heads, kv_heads, dim, block_size, dtype, 0, 0, 0, scale};
     int status = check(&a, num_seqs, num_rows);
     if (status != 0) return status;
     a.groups = heads / kv_heads;

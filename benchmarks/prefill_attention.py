@@ -1,0 +1,115 @@
+"""Prefill attention on CPU: the C kernel (attention/csrc/paged_prefill.c) against the torch path
+it replaces (a head-major gather of the cached context, two matmuls and a masked softmax), on the
+same queries over the same paged cache, taking turns so the machine's noise hits both alike.
+
+Cases are the chunks the engine meets, at the head shapes of the models we judge on: a session's
+question over its cached data (34 query tokens), a prompt after a prefix-cache hit, and a whole
+prompt. Each time is the best of --repeats calls; the error is each path's largest difference
+from a float64 softmax over the same inputs (accuracy beside speed).
+
+    spanserve bench prefill_attention [--dtype float32|bfloat16|both] [--repeats 10]
+"""
+
+import argparse
+import sys
+import time
+
+from benchmarks import harness
+
+# name, query heads, kv heads, head dim, context tokens, query tokens (the context's last ones)
+CASES = [
+    ("SmolLM2: question, 34 over 7.5k", 9, 3, 64, 7500, 34),
+    ("Qwen 0.5B: question, 34 over 7.7k", 14, 2, 64, 7700, 34),
+    ("Qwen 1.5B: question, 34 over 7.7k", 12, 2, 128, 7700, 34),
+    ("SmolLM2: 512 after a 3.5k prefix", 9, 3, 64, 4096, 512),
+    ("SmolLM2: whole prompt, 2,048", 9, 3, 64, 2048, 2048),
+    ("Qwen 0.5B: whole prompt, 2,048", 14, 2, 64, 2048, 2048),
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/prefill_attention.json)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    threads = harness.configure_threads(args.threads)
+    import torch
+
+    from spanserve.attention import cpu_kernel
+    if cpu_kernel.load("prefill") is None:
+        sys.exit("the C prefill kernel is not available here (no compiler, or SPANSERVE_CPU_KERNELS)")
+    dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
+    rows, table = [], []
+    for dtype_name in dtypes:
+        for case in CASES:
+            row = _measure(case, getattr(torch, dtype_name), args.repeats)
+            rows.append({"dtype": dtype_name, **row})
+            table.append([dtype_name, row["case"], f"{row['torch_ms']:.2f}", f"{row['kernel_ms']:.2f}",
+                          f"{row['speedup']:.2f}x", f"{row['torch_error']:.1e}", f"{row['kernel_error']:.1e}"])
+    harness.print_table(["dtype", "case", "torch ms", "kernel ms", "speedup", "torch max err", "kernel max err"],
+                        table, title=f"prefill attention, one layer, {threads} threads")
+    result = {"benchmark": "prefill_attention", "threads": threads, "repeats": args.repeats, "rows": rows,
+              "machine": harness.machine_info()}
+    harness.write_json(result, path=args.out or harness.result_path("prefill_attention"))
+    return result
+
+
+def _measure(case: tuple, dtype, repeats: int) -> dict:
+    import torch
+
+    from spanserve.attention import cpu_kernel
+    from spanserve.attention.torch_ref import _matmul_attention, gather_head_major, head_major_rows
+
+    name, heads, kv_heads, dim, context, queries = case
+    gen = torch.Generator().manual_seed(0)
+    blocks = -(-context // 16)
+    cache = (torch.randn(2, blocks + 8, 16, kv_heads, dim, generator=gen) * 2).to(dtype)
+    table = torch.randperm(blocks + 8, generator=gen)[:blocks][None]  # scattered blocks, as a pool hands them out
+    q = torch.randn(queries, heads, dim, generator=gen).to(dtype)
+    positions, scale = torch.arange(context - queries, context), dim**-0.5
+    starts, lens = torch.tensor([0, queries]), torch.tensor([context])
+    rows = head_major_rows(table[0], context, 16, kv_heads)
+
+    def kernel():
+        return cpu_kernel.paged_prefill(q, cache[0], cache[1], table, starts, positions, lens, scale)
+
+    def torch_path():
+        keys, values = gather_head_major(cache[0], cache[1], table[0], context, None, rows)
+        return _matmul_attention(q, keys, values, positions, scale)
+
+    times = {"kernel": [], "torch": []}
+    for _ in range(repeats + 1):  # the first of each warms up
+        for label, fn in (("kernel", kernel), ("torch", torch_path)):
+            start = time.perf_counter()
+            fn()
+            times[label].append(time.perf_counter() - start)
+    expected = _reference(q, cache, table[0], context, positions, scale)
+    best = {label: min(t[1:]) * 1e3 for label, t in times.items()}
+    return {"case": name, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "context": context,
+            "queries": queries, "kernel_ms": best["kernel"], "torch_ms": best["torch"],
+            "speedup": best["torch"] / best["kernel"],
+            "kernel_error": float((kernel().double() - expected).abs().max()),
+            "torch_error": float((torch_path().double() - expected).abs().max())}
+
+
+def _reference(q, cache, table, context: int, positions, scale: float):
+    """Each query over the keys up to its position: an explicit softmax in float64."""
+    import torch
+
+    keys, values = (part[table].flatten(0, 1)[:context].double() for part in cache)
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
+    hidden = torch.arange(context)[None, :] > positions[:, None]
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden[None], float("-inf")).softmax(-1), values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.cli_main("prefill_attention", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
