@@ -88,17 +88,11 @@ static inline vf vexp(vf x) {
     vi tiny = x < splat(-87.0f);
     x = vmax(x, splat(-87.0f));
     x = -vmax(-x, splat(0.0f));
-    vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi); /* x <= 0: rounds to nearest */
+    vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi); /* x <= 0: truncating x log2(e) - 1/2 rounds to nearest */
     vf whole = __builtin_convertvector(n, vf);
     vf f = x - whole * 0.693359375f + whole * 2.12194440e-4f;
     vf p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
     return (vf)(~tiny & (vi)(p * (vf)((n + 127) << 23)));
-}
-
-static inline float lane_sum(vf x) {
-    float total = 0.0f;
-    for (int i = 0; i < LANES; i++) total += x[i];
-    return total;
 }
 
 /* The cache row of key `key` of sequence `seq`, KV head `kv`, as an element index. */
