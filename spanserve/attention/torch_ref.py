@@ -75,7 +75,8 @@ class TorchAttention(AttentionBackend):
             return everyone
         if result is not out:  # a part of the step, or an `out` the kernel could not write in place
             out[slice(None) if whole else rows] = result
-        return [i for i in everyone if i not in set(chunks)]
+        taken = set(chunks)
+        return [i for i in everyone if i not in taken]
 
     def _one_sequence(self, i, q, k, v, positions, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         q_len, ctx_len = len(q), meta.context_lens[i]

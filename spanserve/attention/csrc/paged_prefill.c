@@ -261,21 +261,15 @@ static void step(const Scratch *s, int g0, int groups, int64_t kbegin, int n, vf
 
 /* Task `task`: its unit's rows over keys [kbegin, kend), into state [row_groups][dim + 2]. */
 static void run_task(const Args *a, const Scratch *s, const Unit *u, const Task *task, vf *state) {
-    int width = a->dim + 2;
+    int width = a->dim + 2, row_groups = (u->tokens * a->groups + LANES - 1) / LANES;
     load_queries(a, s, u);
-    int64_t last_pos = 0; /* the largest position of the unit's rows */
-    for (int r = 0; r < u->tokens; r++) {
-        int64_t p = a->positions[u->row0 + r];
-        last_pos = p > last_pos ? p : last_pos;
-    }
-    for (int g = 0; g < a->row_groups; g++) {
+    for (int g = 0; g < row_groups; g++) {
         vf *st = state + g * width;
         for (int d = 0; d < a->dim; d++) st[d] = splat(0.0f);
         st[a->dim] = splat(NO_MAX);
         st[a->dim + 1] = splat(0.0f);
     }
-    int row_groups = (u->tokens * a->groups + LANES - 1) / LANES;
-    for (int64_t k = task->kbegin; k < task->kend && k <= last_pos; k += LANES) {
+    for (int64_t k = task->kbegin; k < task->kend; k += LANES) { /* kend: past the unit's last position */
         int n = task->kend - k < LANES ? (int)(task->kend - k) : LANES;
         load_panels(a, s, u->seq, u->kv_head, k, n);
         for (int g = 0; g < row_groups; g += MAX_GROUPS)
@@ -307,7 +301,7 @@ static void merge(const Args *a, const Unit *u, const vf *states, int64_t task_s
     }
 }
 
-/* The units of every sequence (checked: -2 on a bad length), and how many tasks each gets. */
+/* The units of every sequence (checked already), and how many tasks each gets. */
 static Unit *plan_units(const Args *a, int64_t num_seqs, int64_t *num_units, int64_t *num_tasks) {
     int64_t count = 0;
     for (int64_t b = 0; b < num_seqs; b++)
