@@ -266,7 +266,7 @@ def cmd_serve(args) -> None:
 
 
 BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu", "soak", "span_decode", "quant",
-           "session", "sparse", "prefill_attention"]
+           "session", "sparse", "prefill_attention", "linear_layout"]
 
 
 def cmd_query(args) -> None:

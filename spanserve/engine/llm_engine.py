@@ -26,7 +26,7 @@ from spanserve.errors import (
 )
 from spanserve.kv.hashing import extend_block_hashes
 from spanserve.kv.manager import KVCacheManager
-from spanserve.models import quant
+from spanserve.models import layout, quant
 from spanserve.models.config import ModelConfig
 from spanserve.models.loader import load_model, load_tokenizer, resolve_model
 from spanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -119,6 +119,8 @@ class LLMEngine:
                            max_positions=self.max_model_len, random_weights=config.load_format == "dummy")
         if config.quantization:
             quant.quantize(model, config.quantization)
+        if layout.wants_input_major(self.dtype, self.device):
+            layout.store_input_major(model)  # after quantize, which leaves no float32 Linear
         num_blocks = config.num_blocks or self._blocks_for_budget(cfg)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
