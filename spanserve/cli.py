@@ -58,7 +58,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights of the model's shape (benchmarks)")
     g.add_argument("--quantization", default=None,
-                   help="int8 or int4: weight-only quantized projections and LM head (CPU; faster decode)")
+                   help="int8 or int4: weight-only quantized projections and LM head (CPU; faster decode); "
+                        "w8a8: int8 weights and activations (CPU; faster prefill where float GEMMs are slow)")
 
 
 def engine_config(args) -> EngineConfig:

@@ -39,7 +39,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: the Triton kernel on CUDA (where installed), else torch
     enforce_eager: bool = False  # CUDA: no decode graphs (as vLLM's flag)
     load_format: str = "auto"  # dummy: random weights of the model's shape, for benchmarks (as vLLM's)
-    quantization: str | None = None  # int8 or int4: weight-only quantized projections on CPU (models/quant.py)
+    quantization: str | None = None  # int8, int4 (weight-only) or w8a8: quantized projections on CPU (models/quant.py)
     seed: int = 0
     # Defaults for requests with position-independent spans (pic/link.py).
     # auto: comb where an encoder plug-in ships for the model (or comb_plugin names one), else none,

@@ -45,6 +45,29 @@ def test_int4_linear_computes_the_dequantized_product(rows, dtype):
     assert ((dequantized.view_as(groups) - groups).abs() <= 0.5 * steps + rounding).all()
 
 
+@pytest.mark.parametrize("rows", [1, quant.W8A8_MIN_ROWS - 1, quant.W8A8_MIN_ROWS, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_linear_multiplies_int8_activations_from_its_row_threshold(rows, dtype):
+    """Below W8A8_MIN_ROWS rows: Int8Linear's weight-only product. From there: each row quantized to
+    int8 with its own scale (largest magnitude -> 127), times the same int8 weights, computed
+    exactly here in float64 as the reference."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40, bias=True).to(dtype)
+    q = quant.W8A8Linear(linear)
+    x = torch.randn(rows, 96).to(dtype)
+    x[:, 5] *= 20  # an outlier channel: its row scales must follow it
+    if rows < quant.W8A8_MIN_ROWS:
+        torch.testing.assert_close(q(x), quant.Int8Linear.forward(q, x), rtol=0, atol=0)
+        return
+    step = x.double().abs().amax(1, keepdim=True) / 127
+    ints = (x.double() / step).round()
+    weight = q.qweight.double() * q.scale.double()[:, None]
+    expected = (ints @ weight.t()) * step + linear.bias.detach().double()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 * float(expected.abs().max())
+    torch.testing.assert_close(q(x).double(), expected, atol=tol, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+    assert q(x).dtype == dtype
+
+
 def test_int4_reads_back_weights_on_its_grid_exactly():
     """Weights that lie on a 4-bit grid survive packing and unpacking bit for bit: the packed
     layout is read back in the right order (rows, lanes, nibbles, column pairs)."""
@@ -67,6 +90,8 @@ def test_int4_refuses_inputs_it_cannot_group():
 
 @pytest.mark.parametrize("method, kind", [("int8", quant.Int8Linear), ("int4", quant.Int4Linear)])
 def test_the_engine_quantized_equals_the_engine_with_the_dequantized_weights(tiny_llama_path, method, kind):
+    """(w8a8 differs from its dequantized weights by the activations' rounding: see its own test and
+    the engine test below.)"""
     prompts = [{"prompt_token_ids": random_prompt(n, seed=n)} for n in (7, 40)]
     quantized = LLM(model=str(tiny_llama_path), dtype="float32", quantization=method, num_blocks=64)
     assert isinstance(quantized.engine.runner.model.layers[0].mlp.down_proj, kind)
@@ -82,6 +107,22 @@ def test_the_engine_quantized_equals_the_engine_with_the_dequantized_weights(tin
         ref = [lp[t] for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
         # the packed kernels read the float32 model's activations as bf16 (quant.kernel_dtype)
         torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), atol=2e-2, rtol=0)
+
+
+def test_the_w8a8_engine_stays_near_the_float32_engine(tiny_llama_path):
+    """End to end, prefill (many rows: int8 activations) and batched decode: first-token logprobs
+    within int8 activations' rounding, and the quantized layers in place."""
+    prompts = [{"prompt_token_ids": random_prompt(30 + n, seed=n)} for n in range(10)]
+    w8a8 = LLM(model=str(tiny_llama_path), dtype="float32", quantization="w8a8", num_blocks=64)
+    assert isinstance(w8a8.engine.runner.model.layers[0].self_attn.qkv_proj, quant.W8A8Linear)
+    reference = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=64)
+    outs = [llm.generate(prompts, greedy(1, logprobs=5)) for llm in (w8a8, reference)]
+    deltas = []
+    for a, b in zip(*outs):
+        token, top = b.outputs[0].token_ids[0], a.outputs[0].logprobs[0]
+        if token in top:
+            deltas.append(abs(top[token] - b.outputs[0].logprobs[0][token]))
+    assert len(deltas) >= 8 and max(deltas) < 0.02  # measured: at most 0.005
 
 
 def test_a_float32_model_runs_the_packed_kernels_on_bf16_activations():
