@@ -40,6 +40,85 @@ static inline void store_floats(void *base, int64_t index, int n, int dtype, con
     }
 }
 
+/* Vectors of LANES float32s, written once with GCC vector extensions: the compiler maps them to
+ * the CPU's registers (AVX-512: one; AVX2 or NEON: two or four). */
+#define LANES 16
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+
+/* Finite stand-ins for minus infinity (fast math assumes no infinities): a running max before any
+ * key, and the score of a key a row does not see, so far below it that its weight is 0 even
+ * for a row that has seen no key. */
+#define NO_MAX (-1e20f)
+#define MASKED (-1e30f)
+
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
+
+static inline vf splat(float x) { return (vf){0} + x; }
+static inline vi splat_int(int32_t x) { return (vi){0} + x; }
+
+static inline vf vmax(vf a, vf b) {
+    vi a_wins = a > b;
+    return (vf)((a_wins & (vi)a) | (~a_wins & (vi)b));
+}
+
+static inline vf pick(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+/* e^x for x <= 0 (scores minus their running max), to float32's precision: x = n ln2 + f with
+ * |f| <= ln2 / 2 (ln2 in two parts, so f is exact), e^f by its Taylor polynomial, 2^n by
+ * building the exponent. 0 below -87 (e^-87 ~ 1e-38, float32's smallest normal). */
+static inline vf vexp(vf x) {
+    vi tiny = x < splat(-87.0f);
+    x = vmax(x, splat(-87.0f));
+    x = -vmax(-x, splat(0.0f));
+    vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi); /* x <= 0: truncating x log2(e) - 1/2 rounds to nearest */
+    vf whole = __builtin_convertvector(n, vf);
+    vf f = x - whole * 0.693359375f + whole * 2.12194440e-4f;
+    vf p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
+    return (vf)(~tiny & (vi)(p * (vf)((n + 127) << 23)));
+}
+
+/* LANES floats from p, which need not be aligned. */
+static inline vf load_vf(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float sum_of(vf v) {
+    float total = 0.0f;
+    for (int i = 0; i < LANES; i++) total += v[i];
+    return total;
+}
+
+static inline float max_of(vf v) {
+    float top = v[0];
+    for (int i = 1; i < LANES; i++) top = v[i] > top ? v[i] : top;
+    return top;
+}
+
+/* Lane t of the result: the sum of v[t]'s lanes. A transposing tree: each level adds the two
+ * halves of every block of lanes while packing two vectors' blocks into one, so 16 sums take 15
+ * adds and 30 shuffles where one reduction each would take about 130 ops. */
+static inline vf sum_lanes(const vf v[LANES]) {
+    vf halves[8], quarters[4], eighths[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7: v[2i]'s 8 partial sums, 8-15: v[2i + 1]'s */
+        halves[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                    SHUFFLE(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++) /* blocks of 4 lanes: v[4i] .. v[4i + 3] */
+        quarters[i] = SHUFFLE(halves[2 * i], halves[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                      SHUFFLE(halves[2 * i], halves[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++) /* blocks of 2 lanes: v[8i] .. v[8i + 7] */
+        eighths[i] = SHUFFLE(quarters[2 * i], quarters[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                     SHUFFLE(quarters[2 * i], quarters[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUFFLE(eighths[0], eighths[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SHUFFLE(eighths[0], eighths[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 /* Keys far below a query's top score get weights that underflow to denormals, and arithmetic on
  * those is 10-100x slower: each kernel thread flushes them to zero while it runs, and only then
  * (the sampler needs denormal temperatures). */

@@ -31,17 +31,10 @@
 
 #include "common.h"
 
-#define LANES 16      /* rows of a row group, keys of a key group */
+/* A row group is LANES rows (one vector's lanes); a key group, LANES keys. */
+
 #define TILE_ROWS 64  /* rows of a unit (tokens x grouped heads), at least one token */
 #define SPLIT_KEYS 256 /* fewest keys in a split task */
-/* Finite stand-ins for minus infinity (fast math assumes no infinities): a running max before any
- * key, and the score of a key a row does not see, so far below it that its weight is 0 even
- * for a row that has seen no key. */
-#define NO_MAX (-1e20f)
-#define MASKED (-1e30f)
-
-typedef float vf __attribute__((vector_size(4 * LANES)));
-typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 
 typedef struct {
     const void *q, *k_cache, *v_cache;
@@ -70,30 +63,6 @@ typedef struct { /* one thread's scratch */
     int64_t *min_pos;     /* [row_groups]: the least position of a row group's real rows */
     float *keys, *values; /* [LANES][dim] */
 } Scratch;
-
-static inline vf splat(float x) { return (vf){0} + x; }
-static inline vi splat_int(int32_t x) { return (vi){0} + x; }
-
-static inline vf vmax(vf a, vf b) {
-    vi a_wins = a > b;
-    return (vf)((a_wins & (vi)a) | (~a_wins & (vi)b));
-}
-
-static inline vf pick(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
-
-/* e^x for x <= 0 (scores minus their running max), to float32's precision: x = n ln2 + f with
- * |f| <= ln2 / 2 (ln2 in two parts, so f is exact), e^f by its Taylor polynomial, 2^n by
- * building the exponent. 0 below -87 (e^-87 ~ 1e-38, float32's smallest normal). */
-static inline vf vexp(vf x) {
-    vi tiny = x < splat(-87.0f);
-    x = vmax(x, splat(-87.0f));
-    x = -vmax(-x, splat(0.0f));
-    vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi); /* x <= 0: truncating x log2(e) - 1/2 rounds to nearest */
-    vf whole = __builtin_convertvector(n, vf);
-    vf f = x - whole * 0.693359375f + whole * 2.12194440e-4f;
-    vf p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
-    return (vf)(~tiny & (vi)(p * (vf)((n + 127) << 23)));
-}
 
 /* The cache row of key `key` of sequence `seq`, KV head `kv`, as an element index. */
 static inline int64_t key_index(const Args *a, int64_t seq, int64_t key, int kv) {
