@@ -60,41 +60,21 @@ static inline void prefetch_block(const Args *a, int64_t block) {
 }
 
 #if defined(BF16_DOT)
-/* Lane t of the result: the sum of v[t]'s 16 lanes (a transposing tree of adds, 45 ops for 16
- * sums where one reduction each would take about 130). */
-static inline __m512 sum_lanes16(const __m512 v[16]) {
-    __m512 pairs[8], quads[4], halves[2];
-    for (int i = 0; i < 8; i++)  /* per 128-bit lane: rows 2i and 2i+1, two partial sums each */
-        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: rows 4i..4i+3, one partial sum each */
-        __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    for (int i = 0; i < 2; i++)  /* fold the four 128-bit lanes of rows 8i..8i+7 to two */
-        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
-                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
-                         _mm512_shuffle_f32x4(halves[0], halves[1], 0xdd));
-}
-
 /* Scaled scores of query head h (bf16, `query`) against the n <= 16 bf16 keys of one KV head from
  * `keys` (a row of `stride` values per token), into scores[0..n). */
 static inline void bf16_scores(const uint16_t *query, const uint16_t *keys, int64_t stride, int n, int dim,
                                float scale, float *scores) {
-    __m512 partial[16];
-    for (int t = 0; t < 16; t++) {
+    vf partial[LANES];
+    for (int t = 0; t < LANES; t++) {
         __m512 acc = _mm512_setzero_ps();
         if (t < n)
             for (int d = 0; d < dim; d += 32)
                 acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(query + d),
                                        (__m512bh)_mm512_loadu_si512(keys + t * stride + d));
-        partial[t] = acc;
+        partial[t] = (vf)acc;
     }
-    float all[16];
-    _mm512_storeu_ps(all, _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale)));
-    memcpy(scores, all, n * sizeof(float));
+    vf all = sum_lanes(partial) * scale;
+    memcpy(scores, &all, n * sizeof(float));
 }
 #endif
 
