@@ -55,16 +55,6 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def relay(model, input_major: bool) -> None:
-    """Every float32 Linear's weight in one layout, in place; shapes and values stay."""
-    import torch
-
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            weight = module.weight.data
-            module.weight.data = weight.t().contiguous().t() if input_major else weight.contiguous()
-
-
 def _projections(model) -> dict:
     layer = model.layers[0]
     return {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
@@ -96,6 +86,7 @@ def _gemms(model, row_counts: list[int], repeats: int) -> list[dict]:
 
 def _engine(llm, args) -> dict:
     from spanserve import SamplingParams
+    from spanserve.models.layout import store_weights
 
     model = llm.engine.runner.model
     vocab = llm.engine.model_config.vocab_size
@@ -112,7 +103,7 @@ def _engine(llm, args) -> dict:
     outputs = {}
     for i in range(args.repeats + 1):  # the first round warms up
         for layout in LAYOUTS:
-            relay(model, layout == "input_major")
+            store_weights(model, input_major=layout == "input_major")
             for key, batch in (("decode_b1", prompts[:1]), (f"decode_b{args.batch}", prompts)):
                 start = time.perf_counter()
                 outs = llm.generate(batch, decode)
@@ -120,7 +111,7 @@ def _engine(llm, args) -> dict:
                 outputs.setdefault(layout, {})[key] = [o.outputs[0].token_ids for o in outs]
             out = llm.generate(questions[layout][i], SamplingParams(max_tokens=1))[0]
             runs[layout]["question_ms"].append(out.metrics.ttft_s * 1e3)
-    relay(model, True)  # the engine's own layout back
+    store_weights(model, input_major=True)  # the engine's own layout back
     measures = []
     for key, label, better in (("decode_b1", "decode tok/s, batch 1", max),
                                (f"decode_b{args.batch}", f"decode tok/s, batch {args.batch}", max),

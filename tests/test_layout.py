@@ -40,8 +40,8 @@ def test_outputs_match_the_checkpoint_layout(model, request):
     prompts = [{"prompt_token_ids": random_prompt(20 + i, seed=i)} for i in range(12)]
     params = greedy(8, logprobs=3)
     input_major = llm.generate(prompts, params)
-    for linear in _linears(llm):
-        linear.weight.data = linear.weight.data.contiguous()
+    layout.store_weights(llm.engine.runner.model, input_major=False)
+    assert all(linear.weight.is_contiguous() for linear in _linears(llm))
     row_major = llm.generate(prompts, params)
     for a, b in zip(input_major, row_major):
         x, y = a.outputs[0], b.outputs[0]

@@ -21,9 +21,11 @@ def wants_input_major(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 @torch.no_grad()
-def store_input_major(model: nn.Module) -> None:
-    """Relay every Linear's weight input-major in place. A tied LM head shares its storage with the
-    embedding, whose lookups then gather strided rows (0.1 ms for 16 tokens here)."""
+def store_weights(model: nn.Module, input_major: bool = True) -> None:
+    """Relay every Linear's weight in place: input-major, or back to the checkpoint's row-major
+    (`input_major=False`, for comparisons). Shapes and values stay. A tied LM head shares its
+    storage with the embedding, whose lookups then gather strided rows (0.1 ms for 16 tokens here)."""
     for module in model.modules():
-        if isinstance(module, nn.Linear) and module.weight.is_contiguous():
-            module.weight.data = module.weight.data.t().contiguous().t()
+        if isinstance(module, nn.Linear):
+            weight = module.weight.data
+            module.weight.data = weight.t().contiguous().t() if input_major else weight.contiguous()
