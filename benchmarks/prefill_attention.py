@@ -1,4 +1,4 @@
-"""Prefill attention on CPU: the C kernel (attention/csrc/paged_prefill.c) against the torch path
+"""Prefill attention on CPU: the C kernel (csrc/paged_prefill.c) against the torch path
 it replaces (a head-major gather of the cached context, two matmuls and a masked softmax), on the
 same queries over the same paged cache, taking turns so the machine's noise hits both alike.
 

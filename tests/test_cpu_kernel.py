@@ -1,4 +1,4 @@
-"""The C attention kernels (attention/csrc/paged_decode.c, paged_prefill.c) against a plain softmax
+"""The C attention kernels (csrc/paged_decode.c, paged_prefill.c) against a plain softmax
 attention, the torch paths they stand in for, and their fallbacks."""
 
 import logging
@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_attention import reference
 
+from spanserve import native
 from spanserve.attention import AttentionMetadata, KeyRotation, cpu_kernel, torch_ref
 from spanserve.attention.torch_ref import TorchAttention
 
@@ -103,6 +104,8 @@ def fresh_kernel(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernel, "_tried", False)
     monkeypatch.setattr(cpu_kernel, "_kernel", None)
     monkeypatch.setattr(cpu_kernel, "_allowed", frozenset(cpu_kernel.KERNELS))
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failure", None)
     monkeypatch.setenv("SPANSERVE_CACHE_DIR", str(tmp_path))
 
 
@@ -137,8 +140,8 @@ def test_an_unknown_spanserve_cpu_kernels_value_is_an_error(fresh_kernel, monkey
 
 @needs_kernel
 def test_a_build_is_cached_by_source_and_flags(fresh_kernel):
-    first = cpu_kernel.build()
-    assert first.exists() and cpu_kernel.build() == first
+    first = native.build()
+    assert first.exists() and native.build() == first
     assert cpu_kernel.load() is not None
 
 

@@ -5,6 +5,7 @@ weights, and what cannot run is refused at start."""
 import pytest
 import torch
 from helpers import greedy, random_prompt
+import torch.nn.functional as F
 from torch import nn
 
 from spanserve import LLM, InvalidRequestError
@@ -45,42 +46,49 @@ def test_int4_linear_computes_the_dequantized_product(rows, dtype):
     assert ((dequantized.view_as(groups) - groups).abs() <= 0.5 * steps + rounding).all()
 
 
-@pytest.mark.parametrize("rows", [1, quant.W8A8_MIN_ROWS - 1, quant.W8A8_MIN_ROWS, 200])
+# rows: one, a partial tile of the kernel's 6, whole tiles and a remainder; 136 input channels would
+# not make whole blocks, so 128 and 192; 40 and 70 output channels leave padding in the last tile
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 200])
+@pytest.mark.parametrize("shape", [(128, 40), (192, 70)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w8a8_linear_multiplies_int8_activations_from_its_row_threshold(rows, dtype):
-    """Below W8A8_MIN_ROWS rows: Int8Linear's weight-only product. From there: each row quantized to
-    int8 with its own scale (largest magnitude -> 127), times the same int8 weights, computed
-    exactly here in float64 as the reference."""
-    torch.manual_seed(0)
-    linear = nn.Linear(96, 40, bias=True).to(dtype)
+def test_w8a8_linear_multiplies_blockwise_int8_activations_by_int8_weights(rows, shape, dtype):
+    """Each row is quantized per block of 64 input channels (largest magnitude -> 127, rounded half
+    to even), times the int8 weights, scaled back: the reference computes exactly that in float64."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(*shape, bias=True).to(dtype)
     q = quant.W8A8Linear(linear)
-    x = torch.randn(rows, 96).to(dtype)
-    x[:, 5] *= 20  # an outlier channel: its row scales must follow it
-    if rows < quant.W8A8_MIN_ROWS:
-        torch.testing.assert_close(q(x), quant.Int8Linear.forward(q, x), rtol=0, atol=0)
-        return
-    step = x.double().abs().amax(1, keepdim=True) / 127
-    ints = (x.double() / step).round()
-    weight = q.qweight.double() * q.scale.double()[:, None]
-    expected = (ints @ weight.t()) * step + linear.bias.detach().double()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2 * float(expected.abs().max())
-    torch.testing.assert_close(q(x).double(), expected, atol=tol, rtol=1e-5 if dtype == torch.float32 else 1e-2)
-    assert q(x).dtype == dtype
+    x = torch.randn(rows, shape[0]).to(dtype)
+    x[:, 5] *= 20  # an outlier channel: only its own block's scale follows it
+    x[0, 64:128] = 0  # an all-zero block
+    blocks = x.float().view(rows, -1, quant.W8A8_BLOCK)
+    top = blocks.abs().amax(-1, keepdim=True)
+    ints = (blocks * torch.where(top > 0, 127 / top, torch.zeros_like(top))).round().clamp(-127, 127).double()
+    weight = q.qweight.double().view(shape[1], -1, quant.W8A8_BLOCK)
+    sums = torch.einsum("rbk,obk->rob", ints, weight) * (top.double() / 127).view(rows, 1, -1)
+    expected = sums.sum(-1) * q.scale[: shape[1]].double() + linear.bias.detach().double()
+    got = q(x)
+    assert got.dtype == dtype and got.shape == (rows, shape[1])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2 * float(expected.abs().max())
+    torch.testing.assert_close(got.double(), expected, atol=tol, rtol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
-def test_int4_reads_back_weights_on_its_grid_exactly():
-    """Weights that lie on a 4-bit grid survive packing and unpacking bit for bit: the packed
-    layout is read back in the right order (rows, lanes, nibbles, column pairs)."""
-    gen = torch.Generator().manual_seed(1)
-    rows, cols = 128, 64
-    q = torch.randint(0, 16, (rows, cols), generator=gen).float()
-    q[:, :: quant.INT4_GROUP], q[:, 1 :: quant.INT4_GROUP] = 0, 15  # each group spans the whole grid
-    low = torch.randint(-8, 8, (rows, cols // quant.INT4_GROUP, 1), generator=gen).float() / 4
-    weight = (low + q.view(rows, -1, quant.INT4_GROUP) * 0.125).view(rows, cols)
-    linear = nn.Linear(cols, rows, bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(weight)
-    assert torch.equal(quant.Int4Linear(linear).dequantized(), weight)
+def test_w8a8_outliers_cost_only_their_block():
+    """An outlier channel 100x the rest, in one of 8 blocks: per-block scales keep the other blocks'
+    activations fine, where one scale per row rounds most of the row to zero. The rounding errors
+    add up in quadrature: one block's against eight is about 1 / sqrt(8) of the error."""
+    torch.manual_seed(0)
+    q = quant.W8A8Linear(nn.Linear(512, 64, bias=False))
+    x = torch.randn(4, 512)
+    x[:, 3] *= 100
+    weight = q.qweight.float() * q.scale[:64, None]
+    step = x.abs().amax(1, keepdim=True) / 127
+    per_row_error = (F.linear((x / step).round() * step, weight) - F.linear(x, weight)).abs().mean()
+    assert (q(x) - F.linear(x, weight)).abs().mean() < 0.5 * per_row_error  # measured 0.37
+
+
+def test_w8a8_refuses_inputs_it_cannot_block():
+    with pytest.raises(InvalidRequestError, match="divisible by 64"):
+        quant.W8A8Linear(nn.Linear(96, 64))
 
 
 def test_int4_refuses_inputs_it_cannot_group():
@@ -156,3 +164,14 @@ def _dequantized(module) -> torch.Tensor:
     if isinstance(module, quant.Int8Linear):
         return module.qweight.float() * module.scale.float()[:, None]
     return module.dequantized().float()
+
+
+def test_w8a8_without_its_c_kernel_is_refused_at_start(tiny_llama_path, monkeypatch, tmp_path):
+    from spanserve import native
+
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failure", None)
+    monkeypatch.setenv("SPANSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(InvalidRequestError, match="w8a8.*could not be built"):
+        LLM(model=str(tiny_llama_path), num_blocks=64, quantization="w8a8")

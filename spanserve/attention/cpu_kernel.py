@@ -11,37 +11,24 @@ The prefill kernel is flash attention over the same blocks: the queries of a chu
 the keys up to its position, with no gathered copy of the context and no score matrix or mask
 (the torch path's two matmuls, mask and softmax passes over [queries x keys]).
 
-Both are compiled on first use with the system C compiler (gcc or $CC, -march=native for this
-CPU) into one library in spanserve's cache directory, and called through ctypes: no Python
-headers, no build step at install. Without a compiler, or with SPANSERVE_CPU_KERNELS=0,
-attention keeps the torch path; the reason is logged once. SPANSERVE_CPU_KERNELS=decode (or
-prefill) keeps one kernel and gives the other's work to the torch path, to compare them.
+Both come from spanserve's C library (spanserve/native.py), built on first use. Without a
+compiler, or with SPANSERVE_CPU_KERNELS=0, attention keeps the torch path; the reason is logged
+once. SPANSERVE_CPU_KERNELS=decode (or prefill) keeps one kernel and gives the other's work to the
+torch path, to compare them.
 """
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
+from spanserve import native
 from spanserve.attention.backend import KeyRotation
-from spanserve.models.loader import cache_dir
 
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_decode.c", CSRC / "paged_prefill.c"]
-HEADERS = [CSRC / "common.h"]
-# Compiled with -ffast-math (for glibc's vector expf), linked without it: gcc 12 links a shared
-# library built with it to code that sets flush-to-zero for the whole process at load.
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
-LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what the kernel reads and writes
 MAX_DIM = 512  # its merge buffer (paged_decode.c)
 
@@ -160,51 +147,9 @@ def _kernels_allowed(value: str) -> frozenset[str]:
 
 def _built() -> ctypes.CDLL | None:
     try:
-        path = build()
-        log.info("attention kernels (%s): %s", ", ".join(sorted(_allowed)), path)
-        return _typed(ctypes.CDLL(str(path)))
-    except (OSError, subprocess.CalledProcessError, RuntimeError) as exc:
-        log.warning("the C attention kernels could not be built (%s); attention takes the torch path",
-                    str(exc).strip()[-500:])
+        lib = native.library()
+        log.info("attention kernels: %s", ", ".join(sorted(_allowed)))
+        return lib
+    except native.NativeUnavailable as exc:
+        log.warning("the C attention kernels could not be built (%s); attention takes the torch path", exc)
         return None
-
-
-def build() -> Path:
-    """Compile the kernels for this CPU unless a build of the same sources and flags is cached."""
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise RuntimeError("no C compiler found (install gcc or set CC)")
-    identity = " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_features()])  # -march=native: per CPU
-    code = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
-    digest = hashlib.sha256(code + identity.encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"paged_attention-{digest}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builds: the last rename wins
-        built, objects = Path(tmp) / target.name, [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
-        steps = [[*COMPILE_FLAGS, str(source), "-o", str(obj)] for source, obj in zip(SOURCES, objects)]
-        for step in [*steps, [*map(str, objects), *LINK_FLAGS, "-o", str(built)]]:
-            result = subprocess.run([compiler, *step], capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {result.stderr}")
-        os.replace(built, target)
-    return target
-
-
-def _cpu_features() -> str:
-    """The CPU's feature flags (Linux), so that a cache directory shared by machines keeps one
-    build per kind of CPU."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line for line in info if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
-
-
-def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
-    pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.paged_decode.argtypes = [pointer] * 6 + [i64, i64, i32, i32, i32, i32, f32, i32]
-    lib.paged_prefill.argtypes = [pointer] * 11 + [i64, i64, i64, i32, i32, i32, i32, f32, i32]
-    lib.paged_decode.restype = lib.paged_prefill.restype = i32
-    return lib

@@ -1,5 +1,5 @@
-"""Quantized projections on CPU: weight-only int8 and int4 for decode, and w8a8 (int8 weights and
-int8 activations) for prefill on CPUs whose float GEMM is slow.
+"""Quantized projections on CPU: weight-only int8 and int4, and w8a8 (int8 weights and int8
+activations), the fastest of the three at every batch size on a CPU with VNNI.
 
 A decode step of a small model reads every weight once for a few rows of activations: its cost is
 the weight bytes. int8 weights with one scale per output channel halve them; int4 weights with a
@@ -9,10 +9,13 @@ rows (a prefill chunk) those kernels lose to the bf16 GEMM, so such calls dequan
 the fly and use the GEMM. Activations, the KV cache, norms and the embedding stay in the model's
 dtype; a float32 model's activations enter the packed kernels as bf16 (kernel_dtype).
 
-w8a8 keeps int8's weights and, for calls of many rows, quantizes the activations too, one scale
-per token, so the product is int8 by int8 (VNNI on x86): on a CPU without bf16 instructions that
-is 3-5x the float32 GEMM's rate. It trades accuracy for it (per-token scales lose more than
-weight-only int8: `spanserve bench quant` reports both).
+w8a8 keeps int8's weights and quantizes the activations too, in spanserve's own C kernel
+(csrc/int8_gemm.c), one scale per row and block of 64 input channels, so the product is int8 by
+int8 (VNNI on x86). Per-block scales keep an outlier channel from flattening its whole row, what
+per-token scales (torch._int_mm, session 28) lost. 30 SmolLM2 layers' projections with cold
+weights on a 2-core Xeon without bf16 (session 29): 11-13 against 38 ms (float32) for one row,
+29-34 against 67-70 for 26, 311-344 against 497-564 for 512. `spanserve bench quant` reports the
+drift beside the speed.
 """
 
 import functools
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spanserve import native
 from spanserve.errors import InvalidRequestError
 
 QUANTIZATIONS = ("int8", "int4", "w8a8")
@@ -31,11 +35,11 @@ PACKED_MAX_ROWS = 128
 # The int4 kernel's time grows with every row; beyond this many, dequantizing for the GEMM wins
 # (session 26, SmolLM2's 30 layers: 39.7 against 60.9 ms at 64 rows, 78.1 against 69.6 at 128).
 INT4_PACKED_MAX_ROWS = 64
-# From this many rows a w8a8 call multiplies int8 activations (torch._int_mm). SmolLM2's gate/up
-# on a 2-core Xeon without bf16 instructions: 0.24 ms at 16 rows against 0.68 (packed kernel, bf16
-# rows) and 0.37 (float32 GEMM); at 512 rows 2.8 against 7.2 ms (float32). Fewer rows keep the
-# packed weight-only kernel, as fast or faster there: each row's cost is reading the weights.
-W8A8_MIN_ROWS = 8
+# w8a8: input channels sharing one activation scale, and the output channels its kernel computes
+# together (csrc/int8_gemm.c's QBLOCK and TILE_PANELS x PANEL)
+W8A8_BLOCK = 64
+W8A8_TILE = 32
+_GEMM_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 INT4_GROUP = 32  # input channels sharing one scale and offset
 INT4_LANES = 64  # a weight's rows are padded to this, a multiple of every packed layout's block
 
@@ -72,21 +76,41 @@ class Int8Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-class W8A8Linear(Int8Linear):
-    """Int8Linear's weights; from W8A8_MIN_ROWS rows the activations are int8 too, with one
-    symmetric scale per token (dynamic: each row's largest magnitude maps to 127)."""
+class W8A8Linear(nn.Module):
+    """int8 weights, one scale per output channel, times activations quantized to int8 per row and
+    block of W8A8_BLOCK input channels, in spanserve's C kernel (csrc/int8_gemm.c: AVX-512 VNNI
+    where the CPU has it). The weights are packed for it once: panels of 16 output channels, 4
+    input channels per int32 lane, with each block's share of the activations' +128 offset."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if self.in_features % W8A8_BLOCK:
+            raise InvalidRequestError(f"quantization 'w8a8' needs input sizes divisible by {W8A8_BLOCK}; "
+                                      f"this model has a projection of {self.in_features}")
+        weight = linear.weight.detach().float()
+        scale = weight.abs().amax(1).clamp_min(1e-12) / 127
+        qweight = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        rows = -(-self.out_features // W8A8_TILE) * W8A8_TILE
+        padded = F.pad(qweight, (0, 0, 0, rows - self.out_features))
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", F.pad(scale, (0, rows - self.out_features)).contiguous())
+        panels, cols = rows // 16, self.in_features
+        self.register_buffer("packed", padded.view(panels, 16, cols // 4, 4).transpose(1, 2).contiguous())
+        sums = padded.view(panels, 16, cols // W8A8_BLOCK, W8A8_BLOCK).sum(-1, dtype=torch.int32)
+        self.register_buffer("comp", (128 * sums).transpose(1, 2).contiguous())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] < W8A8_MIN_ROWS:
-            return super().forward(x)
-        rows = rows.float()
-        step = rows.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
-        q = (rows / step).round_().clamp_(-127, 127).to(torch.int8)
-        out = torch._int_mm(q, self.qweight.t()).float().mul_(step).mul_(self.scale)
-        if self.bias is not None:
-            out += self.bias
-        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+        status = native.library().int8_gemm(
+            rows.data_ptr(), self.packed.data_ptr(), self.comp.data_ptr(), self.scale.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows.shape[0],
+            self.out_features, self.scale.shape[0], self.in_features, _GEMM_DTYPES[x.dtype])
+        if status != 0:  # -1 shapes (checked at construction), -3 out of memory
+            raise RuntimeError(f"int8_gemm failed ({status}) for {tuple(rows.shape)} x {self.out_features}")
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 class Int4Linear(nn.Module):
@@ -168,6 +192,12 @@ def check(method: str, device: torch.device, dtype: torch.dtype) -> None:
                                   f"{device.type}")
     if dtype not in (torch.bfloat16, torch.float32):
         raise InvalidRequestError(f"quantization {method!r} needs bfloat16 or float32 activations, not {dtype}")
+    if method == "w8a8":
+        try:
+            native.library()
+        except native.NativeUnavailable as exc:
+            raise InvalidRequestError(f"quantization 'w8a8' runs in spanserve's C kernel, which could not be "
+                                      f"built here: {exc}") from None
 
 
 def quantize(model: nn.Module, method: str = "int8") -> None:

@@ -1,0 +1,92 @@
+"""spanserve's C kernels (csrc/): attention over the paged cache and the w8a8 projection.
+
+They are compiled on first use with the system C compiler (gcc or $CC, -march=native for this
+CPU) into one library in spanserve's cache directory, and called through ctypes: no Python
+headers, no build step at install. A build is cached by its sources, flags and the CPU's
+features, so a cache directory shared by machines keeps one per kind of CPU.
+"""
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "int8_gemm.c"]
+HEADERS = [CSRC / "common.h"]
+# Compiled with -ffast-math (for glibc's vector expf), linked without it: gcc 12 links a shared
+# library built with it to code that sets flush-to-zero for the whole process at load.
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failure: str | None = None  # why the library could not be built, once tried
+
+
+class NativeUnavailable(RuntimeError):
+    """The kernels could not be built here (no compiler, or it failed)."""
+
+
+def library() -> ctypes.CDLL:
+    """The compiled kernels with typed entry points, built on the first call (seconds, once per
+    machine). Raises NativeUnavailable, with the reason, if they cannot be built; the outcome is
+    kept, so a failed build is not retried on every call."""
+    global _library, _failure
+    if _library is None and _failure is None:
+        with _lock:
+            if _library is None and _failure is None:
+                try:
+                    _library = _typed(ctypes.CDLL(str(build())))
+                except (OSError, subprocess.CalledProcessError, RuntimeError) as exc:
+                    _failure = str(exc).strip()[-500:]
+    if _library is None:
+        raise NativeUnavailable(_failure)
+    return _library
+
+
+def build() -> Path:
+    """Compile the kernels for this CPU unless a build of the same sources and flags is cached."""
+    from spanserve.models.loader import cache_dir  # (models imports the attention kernels, which import this)
+
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (install gcc or set CC)")
+    identity = " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_features()])  # -march=native: per CPU
+    code = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
+    digest = hashlib.sha256(code + identity.encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"spanserve-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builds: the last rename wins
+        built, objects = Path(tmp) / target.name, [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        steps = [[*COMPILE_FLAGS, str(source), "-o", str(obj)] for source, obj in zip(SOURCES, objects)]
+        for step in [*steps, [*map(str, objects), *LINK_FLAGS, "-o", str(built)]]:
+            result = subprocess.run([compiler, *step], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {result.stderr}")
+        os.replace(built, target)
+    return target
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags (Linux)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.paged_decode.argtypes = [pointer] * 6 + [i64, i64, i32, i32, i32, i32, f32, i32]
+    lib.paged_prefill.argtypes = [pointer] * 11 + [i64, i64, i64, i32, i32, i32, i32, f32, i32]
+    lib.int8_gemm.argtypes = [pointer] * 6 + [i64, i64, i64, i64, i32]
+    lib.paged_decode.restype = lib.paged_prefill.restype = lib.int8_gemm.restype = i32
+    return lib
