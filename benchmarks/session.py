@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(e.g. block_topk), their answers checked against the dense ones")
     parser.add_argument("--sparse-budget", type=int, default=1024, help="tokens the sparse flow attends to")
     parser.add_argument("--quantization", default=None,
-                        help="our engine's weights: int8 or int4 (llama.cpp reads the GGUF's own 4-bit blocks)")
+                        help="our engine's weights: int8, int4 or w8a8 (llama.cpp reads the GGUF's own blocks)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/session-<model>.json)")
 
 

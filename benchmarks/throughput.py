@@ -274,7 +274,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=2048,
                         help="spanserve max_num_batched_tokens (>= 2048 keeps a 2k prefill in one chunk)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quantization", default=None, help="our engine's weights: int8 or int4 (default: dtype)")
+    parser.add_argument("--quantization", default=None, help="our weights: int8, int4 or w8a8 (default: dtype)")
     parser.add_argument("--no-chart", action="store_true")
 
 

@@ -4,8 +4,8 @@ weights, and what cannot run is refused at start."""
 
 import pytest
 import torch
-from helpers import greedy, random_prompt
 import torch.nn.functional as F
+from helpers import greedy, random_prompt
 from torch import nn
 
 from spanserve import LLM, InvalidRequestError
@@ -63,7 +63,7 @@ def test_w8a8_linear_multiplies_blockwise_int8_activations_by_int8_weights(rows,
     blocks = x.float().view(rows, -1, quant.W8A8_BLOCK)
     top = blocks.abs().amax(-1, keepdim=True)
     ints = (blocks * torch.where(top > 0, 127 / top, torch.zeros_like(top))).round().clamp(-127, 127).double()
-    weight = q.qweight.double().view(shape[1], -1, quant.W8A8_BLOCK)
+    weight = q.int8_weight().double().view(shape[1], -1, quant.W8A8_BLOCK)
     sums = torch.einsum("rbk,obk->rob", ints, weight) * (top.double() / 127).view(rows, 1, -1)
     expected = sums.sum(-1) * q.scale[: shape[1]].double() + linear.bias.detach().double()
     got = q(x)
@@ -80,7 +80,7 @@ def test_w8a8_outliers_cost_only_their_block():
     q = quant.W8A8Linear(nn.Linear(512, 64, bias=False))
     x = torch.randn(4, 512)
     x[:, 3] *= 100
-    weight = q.qweight.float() * q.scale[:64, None]
+    weight = q.int8_weight().float() * q.scale[:64, None]
     step = x.abs().amax(1, keepdim=True) / 127
     per_row_error = (F.linear((x / step).round() * step, weight) - F.linear(x, weight)).abs().mean()
     assert (q(x) - F.linear(x, weight)).abs().mean() < 0.5 * per_row_error  # measured 0.37

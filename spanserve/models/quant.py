@@ -93,7 +93,6 @@ class W8A8Linear(nn.Module):
         qweight = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
         rows = -(-self.out_features // W8A8_TILE) * W8A8_TILE
         padded = F.pad(qweight, (0, 0, 0, rows - self.out_features))
-        self.register_buffer("qweight", qweight)
         self.register_buffer("scale", F.pad(scale, (0, rows - self.out_features)).contiguous())
         panels, cols = rows // 16, self.in_features
         self.register_buffer("packed", padded.view(panels, 16, cols // 4, 4).transpose(1, 2).contiguous())
@@ -111,6 +110,11 @@ class W8A8Linear(nn.Module):
         if status != 0:  # -1 shapes (checked at construction), -3 out of memory
             raise RuntimeError(f"int8_gemm failed ({status}) for {tuple(rows.shape)} x {self.out_features}")
         return out.view(*x.shape[:-1], self.out_features)
+
+    def int8_weight(self) -> torch.Tensor:
+        """The int8 weight [out_features, in_features], read back from the packed panels."""
+        panels, groups = self.packed.shape[:2]
+        return self.packed.transpose(1, 2).reshape(panels * 16, groups * 4)[: self.out_features]
 
 
 class Int4Linear(nn.Module):
