@@ -85,9 +85,7 @@ class W8A8Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        if self.in_features % W8A8_BLOCK:
-            raise InvalidRequestError(f"quantization 'w8a8' needs input sizes divisible by {W8A8_BLOCK}; "
-                                      f"this model has a projection of {self.in_features}")
+        _require_divisible("w8a8", self.in_features, W8A8_BLOCK)
         weight = linear.weight.detach().float()
         scale = weight.abs().amax(1).clamp_min(1e-12) / 127
         qweight = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
@@ -124,9 +122,7 @@ class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        if self.in_features % INT4_GROUP:
-            raise InvalidRequestError(f"quantization 'int4' needs input sizes divisible by {INT4_GROUP}; "
-                                      f"this model has a projection of {self.in_features}")
+        _require_divisible("int4", self.in_features, INT4_GROUP)
         rows = -(-self.out_features // INT4_LANES) * INT4_LANES
         weight = F.pad(linear.weight.detach().float(), (0, 0, 0, rows - self.out_features))
         groups = weight.view(rows, -1, INT4_GROUP)
@@ -184,6 +180,13 @@ def packed_block_rows() -> int:
     if middle_row not in (8, 16, 32):
         raise RuntimeError(f"unrecognized packed int4 layout in this torch build (middle row {middle_row})")
     return 2 * middle_row
+
+
+def _require_divisible(method: str, in_features: int, multiple: int) -> None:
+    """A method whose kernel takes input channels in groups of `multiple` refuses other sizes."""
+    if in_features % multiple:
+        raise InvalidRequestError(f"quantization {method!r} needs input sizes divisible by {multiple}; "
+                                  f"this model has a projection of {in_features}")
 
 
 def check(method: str, device: torch.device, dtype: torch.dtype) -> None:
