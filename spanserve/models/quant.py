@@ -61,7 +61,8 @@ class Int8Linear(nn.Module):
         weight = linear.weight.detach().float()
         # the scale as the kernel reads it, so that both paths below multiply by the same weight
         scale = (weight.abs().amax(1).clamp_min(1e-12) / 127).to(kernel_dtype(linear.weight.dtype))
-        self.register_buffer("qweight", (weight / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8))
+        qweight = (weight / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self.register_buffer("qweight", qweight.contiguous())  # the kernel's need, whatever the weight's layout
         self.register_buffer("scale", scale)
         self.bias = linear.bias
 

@@ -1,0 +1,75 @@
+"""Quantized projections on CPU, in one process: the model's own weights, every decoder layer's
+projections and the LM head, called one after another as a forward pass calls them (so the weights
+come cold from memory, not from cache), for --rows rows of random activations. Float32 (the
+engine's input-major layout) against each of --methods, taking turns, best of --repeats. Beside
+each time, the error of its outputs against float32's (mean |difference| over mean |float32|,
+averaged over the projections): accuracy beside speed.
+
+    spanserve bench projections [--model M] [--rows 1,8,26,64,512] [--methods int8,int4,w8a8]
+"""
+
+import argparse
+import sys
+import time
+
+from benchmarks import harness
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model (default: the embedded SmolLM2)")
+    parser.add_argument("--rows", default="1,8,26,64,512", help="row counts")
+    parser.add_argument("--methods", default="int8,int4,w8a8", help="quantizations to compare with float32")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/projections.json)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    threads = harness.configure_threads(args.threads)
+    import torch
+
+    from spanserve import LLM
+    from spanserve.models import quant
+
+    llm = LLM(model=args.model, dtype="float32", num_blocks=64)
+    model = llm.engine.runner.model
+    linears = [p for layer in model.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)] + [model.lm_head]
+    kinds = {"int8": quant.Int8Linear, "int4": quant.Int4Linear, "w8a8": quant.W8A8Linear}
+    methods = [m for m in args.methods.split(",") if m]
+    stacks = {"float32": linears, **{m: [kinds[m](p) for p in linears] for m in methods}}
+    rows = []
+    with torch.no_grad():
+        for count in (int(r) for r in args.rows.split(",")):
+            x = {size: torch.randn(count, size) for size in {p.in_features for p in linears}}
+            times = {name: [] for name in stacks}
+            for _ in range(args.repeats + 1):  # the first round warms up
+                for name, stack in stacks.items():
+                    start = time.perf_counter()
+                    for p in stack:
+                        p(x[p.in_features])
+                    times[name].append(time.perf_counter() - start)
+            best = {name: min(t[1:]) * 1e3 for name, t in times.items()}
+            reference = [p(x[p.in_features]) for p in linears]
+            errors = {m: sum(float((q(x[q.in_features]) - r).abs().mean() / r.abs().mean())
+                             for q, r in zip(stacks[m], reference)) / len(linears) for m in methods}
+            rows.append({"rows": count, "float32_ms": best["float32"],
+                         **{f"{m}_ms": best[m] for m in methods}, **{f"{m}_error": errors[m] for m in methods}})
+    result = {"benchmark": "projections", "model": args.model or "SmolLM2-135M-Instruct", "threads": threads,
+              "projections": len(linears), "methods": methods, "rows": rows, "machine": harness.machine_info()}
+    harness.print_table(["rows", "float32 ms", *[f"{m} ms (error)" for m in methods]],
+                        [[r["rows"], f"{r['float32_ms']:.1f}",
+                          *[f"{r[f'{m}_ms']:.1f} ({r['float32_ms'] / r[f'{m}_ms']:.2f}x, {r[f'{m}_error']:.4f})"
+                            for m in methods]] for r in rows],
+                        title=f"{len(linears)} projections of {result['model']}, {threads} threads, "
+                              f"best of {args.repeats}")
+    harness.write_json(result, path=args.out or harness.result_path("projections"))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.cli_main("projections", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
