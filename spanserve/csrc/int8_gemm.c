@@ -32,9 +32,12 @@
 #define PANEL 16      /* output channels of one packed panel: one vector of int32 sums */
 #define TILE_PANELS 2 /* panels a tile computes, sharing each activation broadcast */
 #define MAX_ROWS 6    /* rows a tile steps together, sharing each weight vector: 2 x 6 x 2 sums in registers */
-/* Multiply-adds worth waking another thread for: an OpenMP team's start costs about 0.1 ms here
- * (threads asleep between calls, OMP_WAIT_POLICY=PASSIVE), a 576 x 3072 matvec 0.09 ms on one. */
-#define WORK_PER_THREAD (1 << 25)
+/* Multiply-adds worth another thread. With weights cold from memory, as in a forward pass, a
+ * second thread pays even for one row: it streams weights too. SmolLM2's 121 projections at one
+ * row took 10.0 ms with both threads from 64k multiply-adds, 13.7 ms from 1M and 15.8 ms from 32M
+ * (`spanserve bench projections`, session 29, threads spinning between calls). Below this, a
+ * call is too small for a thread's start. */
+#define WORK_PER_THREAD (1 << 18)
 
 typedef struct {
     const uint8_t *xq;    /* [M][K] */
