@@ -12,10 +12,10 @@ dtype; a float32 model's activations enter the packed kernels as bf16 (kernel_dt
 w8a8 keeps int8's weights and quantizes the activations too, in spanserve's own C kernel
 (csrc/int8_gemm.c), one scale per row and block of 64 input channels, so the product is int8 by
 int8 (VNNI on x86). Per-block scales keep an outlier channel from flattening its whole row, what
-per-token scales (torch._int_mm, session 28) lost. 30 SmolLM2 layers' projections with cold
-weights on a 2-core Xeon without bf16 (session 29): 11-13 against 38 ms (float32) for one row,
-29-34 against 67-70 for 26, 311-344 against 497-564 for 512. `spanserve bench quant` reports the
-drift beside the speed.
+per-token scales (torch._int_mm, session 28) lost. SmolLM2's 121 projections with cold weights on
+a 2-core Xeon without bf16 (session 29, `spanserve bench projections`): 12.1 against 30.2 ms
+(float32) for one row, 29.0 against 82.2 for 26, 465 against 736 for 512. `spanserve bench
+quant` reports the drift beside the speed.
 """
 
 import functools
