@@ -35,9 +35,11 @@ def paged(lens, block_size, kv_heads, dim, dtype, seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2**-8)])
-# dims that are multiples of 16 take the vector path (blocks of 32: two key groups each), 20 the scalar one
+# dims that are multiples of 16 take the vector path (blocks of 32: two key groups each), 20 the scalar
+# one; groups of 1 to 7 query heads per KV head (weighed 3 at a time: 7 = 3 + 3 + 1, 4 = 3 + 1)
 @pytest.mark.parametrize("block_size, heads, kv_heads, dim",
-                         [(16, 9, 3, 64), (4, 4, 4, 16), (8, 12, 2, 128), (32, 6, 2, 32), (16, 4, 2, 20)])
+                         [(16, 9, 3, 64), (4, 4, 4, 16), (8, 12, 2, 128), (32, 6, 2, 32), (16, 4, 2, 20),
+                          (16, 14, 2, 64), (16, 16, 4, 32)])
 def test_kernel_equals_the_reference(dtype, tolerance, block_size, heads, kv_heads, dim):
     """Contexts of one key, part of a block, and several chunks of 16 blocks (merged by flash
     decoding), each query seeing its whole context; in bf16, within the rounding of the output

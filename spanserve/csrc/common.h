@@ -89,16 +89,24 @@ static inline vf load_vf(const float *p) {
     return v;
 }
 
-static inline float sum_of(vf v) {
-    float total = 0.0f;
-    for (int i = 0; i < LANES; i++) total += v[i];
-    return total;
+/* The lanes 0, 1, .., LANES - 1. */
+static inline vi lane_ids(void) { return (vi){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+
+/* The sum and max of v's lanes: halves folded onto each other, 4 shuffles (not 15 scalar steps). */
+static inline float hsum(vf v) {
+    v += SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
 }
 
-static inline float max_of(vf v) {
-    float top = v[0];
-    for (int i = 1; i < LANES; i++) top = v[i] > top ? v[i] : top;
-    return top;
+static inline float hmax(vf v) {
+    v = vmax(v, SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = vmax(v, SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = vmax(v, SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return v[0];
 }
 
 /* Lane t of the result: the sum of v[t]'s lanes. A transposing tree: each level adds the two

@@ -151,21 +151,23 @@ static void chunk(const Args *a, Scratch *s, int64_t seq, int64_t start, int64_t
     }
 }
 
-/* Query head h's online softmax over one key group: scores of its scaled query `q` (dim / LANES
+/* Query head h's online softmax over one key group: scores of its scaled query `q` (chunks
  * vectors) against n <= LANES keys (rows `stride` floats apart), the weights into `weight`, and
- * the running max, sum and weighted values `sums` rescaled to a new max. */
-static void group_weights(const vf *q, const float *keys, int64_t stride, int n, int chunks, float *max, float *sum,
-                          vf *sums, vf *weight) {
+ * the running max, sum and weighted values `sums` rescaled to a new max. Inlined with `chunks` a
+ * constant where the head size is a common one, so every loop over it unrolls. */
+static inline __attribute__((always_inline)) void group_weights(const vf *q, const float *keys, int64_t stride, int n,
+                                                                int chunks, float *max, float *sum, vf *sums, vf *weight) {
     vf partial[LANES];
-    for (int t = 0; t < LANES; t++) {
-        vf acc = splat(0.0f);
-        if (t < n)
-            for (int c = 0; c < chunks; c++) acc += q[c] * load_vf(keys + t * stride + c * LANES);
+#pragma GCC unroll 16
+    for (int t = 0; t < LANES; t++) { /* keys past n read the first one again, then are masked */
+        const float *key = keys + (t < n ? t : 0) * stride;
+        vf acc = q[0] * load_vf(key);
+        for (int c = 1; c < chunks; c++) acc += q[c] * load_vf(key + c * LANES);
         partial[t] = acc;
     }
     vf scores = sum_lanes(partial);
-    for (int t = n; t < LANES; t++) scores[t] = MASKED;
-    float top = max_of(scores);
+    if (n < LANES) scores = pick(lane_ids() < n, scores, splat(MASKED));
+    float top = hmax(scores);
     if (top > *max) { /* a new maximum: rescale what came before */
         float rescale = expf(*max - top);
         *sum *= rescale;
@@ -173,17 +175,46 @@ static void group_weights(const vf *q, const float *keys, int64_t stride, int n,
         *max = top;
     }
     *weight = vexp(scores - *max);
-    *sum += sum_of(*weight);
+    *sum += hsum(*weight);
+}
+
+/* The weighted values of n <= LANES keys (value rows `stride` floats apart) added to the sums of
+ * `heads` query heads (their weights, their sums `chunks` vectors apart): each value vector is
+ * loaded once for all of them, and their sums stay in registers over the keys, heads x chunks
+ * independent chains. */
+static inline __attribute__((always_inline)) void weigh_values(const float *values, int64_t stride, int n, int chunks,
+                                                               int heads, const vf *weights, vf *sums) {
+    vf acc[heads][chunks];
+    for (int h = 0; h < heads; h++)
+        for (int c = 0; c < chunks; c++) acc[h][c] = sums[h * chunks + c];
+    for (int t = 0; t < n; t++)
+        for (int c = 0; c < chunks; c++) {
+            vf value = load_vf(values + t * stride + c * LANES);
+            for (int h = 0; h < heads; h++) acc[h][c] += weights[h][t] * value;
+        }
+    for (int h = 0; h < heads; h++)
+        for (int c = 0; c < chunks; c++) sums[h * chunks + c] = acc[h][c];
+}
+
+/* weigh_values for the `heads` query heads of one KV head, up to 3 at a time (at most 24 sums in
+ * registers for a head size of 128). */
+static inline __attribute__((always_inline)) void weigh_group(const float *values, int64_t stride, int n, int chunks,
+                                                              int heads, const vf *weights, vf *sums) {
+    int h = 0;
+    for (; h + 3 <= heads; h += 3) weigh_values(values, stride, n, chunks, 3, weights + h, sums + h * chunks);
+    if (heads - h == 2) weigh_values(values, stride, n, chunks, 2, weights + h, sums + h * chunks);
+    if (heads - h == 1) weigh_values(values, stride, n, chunks, 1, weights + h, sums + h * chunks);
 }
 
 /* chunk() where LANES_PATH holds: LANES keys at a time, scores as vectors over keys (a lane-sum
- * tree per group), vector exponentials, values weighed with each value row loaded once for all of
- * its query heads. float32 caches are read in place, bf16 ones converted a block at a time. No
- * software prefetch: here the hardware's is enough, and prefetching each next block line by line
- * made this path 2-2.6x slower (a 2-core Xeon, 8 sequences of 400-2,000 keys). */
-static void chunk_lanes(const Args *a, Scratch *s, int64_t seq, int64_t start, int64_t end, float *state) {
+ * tree per group), vector exponentials, values weighed a KV head's query heads together with
+ * their sums in registers. float32 caches are read in place, bf16 ones converted a block at a
+ * time. No software prefetch: the hardware's is enough (prefetching the next block, spread over
+ * this one's steps, gained 2% from memory and lost 12% from cache here). */
+static inline __attribute__((always_inline)) void lanes_path(const Args *a, Scratch *s, int64_t seq, int64_t start,
+                                                             int64_t end, float *state, int chunks) {
     int heads = a->heads, dim = a->dim, bs = a->block_size, row = a->kv_heads * dim;
-    int groups = heads / a->kv_heads, chunks = dim / LANES, width = dim + 2;
+    int groups = heads / a->kv_heads, width = dim + 2, in_place = a->dtype == 0;
     const int64_t *table = a->block_tables + seq * a->max_blocks;
     vf *q = (vf *)s->query, *sums = s->sums, weights[MAX_HEADS];
     float max[MAX_HEADS], sum[MAX_HEADS];
@@ -197,7 +228,7 @@ static void chunk_lanes(const Args *a, Scratch *s, int64_t seq, int64_t start, i
         int64_t block = table[first / bs];
         int n = end - first < bs ? (int)(end - first) : bs;
         const float *keys = (const float *)a->k_cache + block * bs * row, *values = (const float *)a->v_cache + block * bs * row;
-        if (a->dtype != 0) {
+        if (!in_place) {
             load_floats(a->k_cache, block * bs * row, n * row, a->dtype, s->key);
             load_floats(a->v_cache, block * bs * row, n * row, a->dtype, s->value);
             keys = s->key, values = s->value;
@@ -208,11 +239,7 @@ static void chunk_lanes(const Args *a, Scratch *s, int64_t seq, int64_t start, i
                 const float *k = keys + t0 * row + kv * dim, *v = values + t0 * row + kv * dim;
                 for (int h = kv * groups; h < (kv + 1) * groups; h++)
                     group_weights(q + h * chunks, k, row, m, chunks, max + h, sum + h, sums + h * chunks, weights + h);
-                for (int t = 0; t < m; t++)
-                    for (int c = 0; c < chunks; c++) {
-                        vf value = load_vf(v + t * row + c * LANES);
-                        for (int h = kv * groups; h < (kv + 1) * groups; h++) sums[h * chunks + c] += weights[h][t] * value;
-                    }
+                weigh_group(v, row, m, chunks, groups, weights + kv * groups, sums + kv * groups * chunks);
             }
         }
     }
@@ -220,6 +247,15 @@ static void chunk_lanes(const Args *a, Scratch *s, int64_t seq, int64_t start, i
         memcpy(state + h * width, sums + h * chunks, dim * sizeof(float));
         state[h * width + dim] = max[h];
         state[h * width + dim + 1] = sum[h];
+    }
+}
+
+/* lanes_path with the head size known to the compiler for the common ones. */
+static void chunk_lanes(const Args *a, Scratch *s, int64_t seq, int64_t start, int64_t end, float *state) {
+    switch (a->dim) {
+    case 64: lanes_path(a, s, seq, start, end, state, 64 / LANES); break;
+    case 128: lanes_path(a, s, seq, start, end, state, 128 / LANES); break;
+    default: lanes_path(a, s, seq, start, end, state, a->dim / LANES);
     }
 }
 
