@@ -164,11 +164,12 @@ def test_inputs_the_kernel_cannot_read_go_to_the_torch_path():
 
 
 def prefill_case(dtype, block_size=16, heads=9, kv_heads=3, dim=64, seed=0):
-    """Chunks of four sequences over their cached contexts: a whole prompt, a chunk after a
-    prefix, a chunk whose queries skip positions (as a prompt after spans does), a long context
-    (its keys split across tasks) and a chunk of one query."""
-    lens = [40, block_size + 3, 1500, 7, 300]
-    q_positions = [torch.arange(40), torch.tensor([block_size + 1, block_size + 2]),
+    """Chunks of four sequences over their cached contexts: a whole prompt (in several tiles of
+    query rows at every group size), a chunk after a prefix, a chunk whose queries skip positions
+    (as a prompt after spans does), a long context (its keys split across tasks) and a chunk of
+    one query."""
+    lens = [300, block_size + 3, 1500, 7, 300]
+    q_positions = [torch.arange(300), torch.tensor([block_size + 1, block_size + 2]),
                    torch.tensor([3, 9, 200, 201, 202, 900, 1499]), torch.tensor([6]), torch.arange(260, 300)]
     cache, tables, contexts = paged(lens, block_size, kv_heads, dim, dtype, seed)
     starts = torch.tensor([0, *map(len, q_positions)]).cumsum(0)

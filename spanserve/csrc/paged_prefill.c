@@ -33,7 +33,7 @@
 
 /* A row group is LANES rows (one vector's lanes); a key group, LANES keys. */
 
-#define TILE_ROWS 64  /* rows of a unit (tokens x grouped heads), at least one token */
+#define TILE_ROWS 256  /* rows of a unit (tokens x grouped heads), at least one token */
 #define SPLIT_KEYS 256 /* fewest keys in a split task */
 
 typedef struct {
