@@ -1,4 +1,5 @@
-"""spanserve's C kernels (csrc/): attention over the paged cache and the w8a8 projection.
+"""spanserve's C kernels (csrc/): attention over the paged cache, the w8a8 projection and a
+layer's elementwise ops (RMSNorm, silu(gate) * up).
 
 They are compiled on first use with the system C compiler (gcc or $CC, -march=native for this
 CPU) into one library in spanserve's cache directory, and called through ctypes: no Python
@@ -16,7 +17,7 @@ import threading
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "int8_gemm.c"]
+SOURCES = [CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "int8_gemm.c", CSRC / "layer_ops.c"]
 HEADERS = [CSRC / "common.h"]
 # Compiled with -ffast-math (for glibc's vector expf), linked without it: gcc 12 links a shared
 # library built with it to code that sets flush-to-zero for the whole process at load.
@@ -88,5 +89,8 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.paged_decode.argtypes = [pointer] * 6 + [i64, i64, i32, i32, i32, i32, f32, i32]
     lib.paged_prefill.argtypes = [pointer] * 11 + [i64, i64, i64, i32, i32, i32, i32, f32, i32]
     lib.int8_gemm.argtypes = [pointer] * 6 + [i64, i64, i64, i64, i32]
-    lib.paged_decode.restype = lib.paged_prefill.restype = lib.int8_gemm.restype = i32
+    lib.rms_norm.argtypes = [pointer] * 3 + [i64, i64, f32, i32]
+    lib.silu_mul.argtypes = [pointer] * 2 + [i64, i64, i32]
+    for entry in (lib.paged_decode, lib.paged_prefill, lib.int8_gemm, lib.rms_norm, lib.silu_mul):
+        entry.restype = i32
     return lib

@@ -7,10 +7,10 @@ attention needs to know which token belongs to which sequence (AttentionMetadata
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from spanserve.attention import AttentionBackend, AttentionMetadata
+from spanserve.models import layer_ops
 from spanserve.models.config import ModelConfig
 from spanserve.models.rope import RotaryEmbedding
 
@@ -22,10 +22,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 (as the reference does), scale in the model dtype.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return layer_ops.rms_norm(x, self.weight, self.eps)  # normalized in float32, scaled in x's dtype
 
 
 class Attention(nn.Module):
@@ -80,8 +77,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
