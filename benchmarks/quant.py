@@ -6,6 +6,9 @@ greedy outputs (--answer tokens) that are identical, the mean length of the comm
 the mean |logprob difference| of the first answer token (both read the same prompt).
 
     spanserve bench quant [--model M] [--methods int8,int4]
+
+A method is a quantization, kv-bf16 (the KV cache in bf16: kv_cache_dtype), or both joined by +
+(w8a8+kv-bf16).
 """
 
 import argparse
@@ -32,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--answer", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", default="int8,int4", help="quantizations to compare with bf16")
+    parser.add_argument("--methods", default="int8,int4",
+                        help="quantizations, kv-bf16 or both joined by + (w8a8+kv-bf16), to compare with bf16")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/quant.json)")
 
 
@@ -42,7 +46,7 @@ def run(args: argparse.Namespace) -> dict:
 
     methods = args.methods.split(",")
     engines = {"bf16": LLM(model=args.model, kv_cache_memory_gb=1.0)}
-    engines.update({m: LLM(model=args.model, kv_cache_memory_gb=1.0, quantization=m) for m in methods})
+    engines.update({m: LLM(model=args.model, kv_cache_memory_gb=1.0, **engine_options(m)) for m in methods})
     vocab = engines["bf16"].engine.model_config.vocab_size
     rng = random.Random(0)
     tokens = lambda n: [rng.randrange(1000, vocab - 1) for _ in range(n)]  # noqa: E731
@@ -78,6 +82,17 @@ def run(args: argparse.Namespace) -> dict:
                               f"{args.answer}-token answers)")
     harness.write_json(result, path=args.out or harness.result_path("quant"))
     return result
+
+
+def engine_options(method: str) -> dict:
+    """The engine options of a method: `int8`, `kv-bf16`, `w8a8+kv-bf16`, ..."""
+    options = {}
+    for part in method.split("+"):
+        key, value = ("kv_cache_dtype", part[3:]) if part.startswith("kv-") else ("quantization", part)
+        if key in options:
+            sys.exit(f"method {method!r} names two of {key}")
+        options[key] = value
+    return options
 
 
 def _fmt(value) -> str:

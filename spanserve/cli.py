@@ -57,6 +57,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights of the model's shape (benchmarks)")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto: the model's dtype; bfloat16 under a float32 model (CPU): half the cache's bytes")
     g.add_argument("--quantization", default=None,
                    help="int8 or int4: weight-only quantized projections and LM head (CPU; faster decode); "
                         "w8a8: int8 weights and activations per block of 64 (CPU, our C kernel; fastest with VNNI)")
@@ -65,7 +67,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+        num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb, kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         background_chunk_tokens=args.background_chunk_tokens, sparse_flows=args.sparse_flow,
         session_tenant_share=args.session_tenant_share,

@@ -11,6 +11,7 @@ from spanserve.utils import strict_kwargs
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
            "float": torch.float32}
+KV_CACHE_DTYPES = (torch.bfloat16, torch.float32)  # what the CPU attention kernels read under any model dtype
 
 
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of the model's shape, nothing read
@@ -25,6 +26,10 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # KV pool size; default: from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0
+    # auto: the model's dtype. bfloat16 under a float32 model (CPU): half the bytes a decode step
+    # reads from the cache and twice the tokens in the same memory, keys and values rounded once
+    # as they are stored (vLLM's --kv-cache-dtype; llama.cpp keeps its cache in float16).
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 2048  # tokens per step: the chunked-prefill budget
     # Background work (session ingest) runs only in steps nothing else needs, this many tokens at a
@@ -92,11 +97,24 @@ class EngineConfig:
             raise InvalidRequestError(f"unknown load_format {self.load_format!r}; use auto or dummy")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}; use auto or one of {sorted(_DTYPES)}")
+        if self.kv_cache_dtype != "auto" and _DTYPES.get(self.kv_cache_dtype) not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use auto, bfloat16 or float32")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def torch_kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: the model's (auto), or one the attention kernels read under any
+        model dtype, on CPU; on CUDA the model's only (the Triton kernel reads its own dtype)."""
+        model = self.torch_dtype()
+        if self.kv_cache_dtype == "auto" or _DTYPES[self.kv_cache_dtype] == model:
+            return model
+        if self.torch_device().type != "cpu":
+            raise InvalidRequestError(f"kv_cache_dtype {self.kv_cache_dtype!r} under a {str(model)[6:]} model runs on "
+                                      "CPU only; use auto on CUDA")
+        return _DTYPES[self.kv_cache_dtype]
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

@@ -86,8 +86,8 @@ def _cpu_features() -> str:
 
 def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.paged_decode.argtypes = [pointer] * 6 + [i64, i64, i32, i32, i32, i32, f32, i32]
-    lib.paged_prefill.argtypes = [pointer] * 11 + [i64, i64, i64, i32, i32, i32, i32, f32, i32]
+    lib.paged_decode.argtypes = [pointer] * 6 + [i64, i64, i32, i32, i32, i32, f32, i32, i32]
+    lib.paged_prefill.argtypes = [pointer] * 11 + [i64, i64, i64, i32, i32, i32, i32, f32, i32, i32]
     lib.int8_gemm.argtypes = [pointer] * 6 + [i64, i64, i64, i64, i32]
     lib.rms_norm.argtypes = [pointer] * 3 + [i64, i64, f32, i32]
     lib.silu_mul.argtypes = [pointer] * 2 + [i64, i64, i32]

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from helpers import bench_args
 
 from benchmarks import quant
@@ -17,3 +18,10 @@ def test_quant_bench_compares_int8_and_int4_with_bf16(tiny_llama_path, tmp_path)
         drift = result["drift"][method]
         assert drift["prompts"] == len(quant.PROMPTS) and 0 <= drift["identical"] <= len(quant.PROMPTS)
         assert result["decode_ratio"][method] == result["best"][method]["decode"] / result["best"]["bf16"]["decode"]
+
+
+def test_a_method_may_name_the_kv_cache_dtype_too():
+    assert quant.engine_options("int4") == {"quantization": "int4"}
+    assert quant.engine_options("w8a8+kv-bf16") == {"quantization": "w8a8", "kv_cache_dtype": "bf16"}
+    with pytest.raises(SystemExit, match="names two of quantization"):
+        quant.engine_options("int8+int4")

@@ -91,7 +91,8 @@ class TorchAttention(AttentionBackend):
         first = meta.contiguous_from[i] if meta.contiguous_from else None
         if (on_cpu and (q_len > 1 or rotation is not None)) or share is not None:  # moved span keys too
             rows = None if first is not None else _step_rows(meta, i, k_cache)
-            keys, values = gather_head_major(k_cache, v_cache, meta.block_tables[i], ctx_len, first, rows)
+            gathered = gather_head_major(k_cache, v_cache, meta.block_tables[i], ctx_len, first, rows)
+            keys, values = _as_queries(q, *gathered)
             if rotation is not None:
                 # Elementwise and memory-bound: a second thread's wake-up cost more than it saved.
                 with attention_threads(0):
@@ -102,7 +103,7 @@ class TorchAttention(AttentionBackend):
             out = paged_decode(q, k_cache, v_cache, meta.block_tables[one], meta.context_lens_tensor[one], scale)
             if out is not None:
                 return out
-        keys, values = gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len, first)
+        keys, values = _as_queries(q, *gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len, first))
         if q_len == 1:
             return _single_query(q, keys, values, scale, rotation)
         if rotation is not None:
@@ -122,8 +123,8 @@ class TorchAttention(AttentionBackend):
         tables, lens = meta.block_tables[index], meta.context_lens_tensor[index]
         max_len = int(lens.max())
         tables = tables[:, : -(-max_len // block_size)]
-        keys = gather_blocks(k_cache, tables).flatten(1, 2)[:, :max_len]  # [B, L, kv_heads, D]
-        values = gather_blocks(v_cache, tables).flatten(1, 2)[:, :max_len]
+        keys, values = _as_queries(q, *(gather_blocks(cache, tables).flatten(1, 2)[:, :max_len]  # [B, L, kv_heads, D]
+                                        for cache in (k_cache, v_cache)))
         if rotations is not None and any(r is not None for r in rotations):
             keys = _rotate_padded(keys, rotations)
         shares = _padded_shares(meta, seqs, max_len, q.device)
@@ -190,8 +191,8 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, seqs: list[int], scale
             return out
     rows, mask = _decode_rows(meta, seqs, k_cache.shape[1], kv_heads)
     length = mask.shape[-1]
-    keys = torch.index_select(k_cache.view(-1, dim), 0, rows).view(num_seqs, kv_heads, length, dim)
-    values = torch.index_select(v_cache.view(-1, dim), 0, rows).view(num_seqs, kv_heads, length, dim)
+    keys, values = _as_queries(q, *(torch.index_select(cache.view(-1, dim), 0, rows)
+                                    .view(num_seqs, kv_heads, length, dim) for cache in (k_cache, v_cache)))
     for i, rotation in enumerate(rotations or ()):
         if rotation is not None:
             rotation.rotate_(keys[i], head_major=True)
@@ -226,9 +227,16 @@ def _decode_rows(meta: AttentionMetadata, seqs: list[int], block_size: int, kv_h
     return meta.derived[key]
 
 
+def _as_queries(q: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Keys or values gathered from the cache in the queries' dtype (a bf16 cache under a float32
+    model; no copy when they share it)."""
+    return tuple(t.to(q.dtype) for t in tensors)
+
+
 def store_kv(k_cache, v_cache, k, v, slot_mapping):
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    """Write a step's keys and values to their slots, rounded to the cache's dtype if it is narrower."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def gather_context(k_cache, v_cache, block_table, ctx_len, first_block=None):

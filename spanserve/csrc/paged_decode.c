@@ -9,7 +9,8 @@
  * threads torch uses (the same libgomp).
  *
  * Layouts (contiguous): q, out [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D];
- * block_tables [B, max_blocks] int64; context_lens [B] int64. dtype: 0 float32, 1 bfloat16.
+ * block_tables [B, max_blocks] int64; context_lens [B] int64. dtype (of q and out) and kv_dtype (of
+ * the cache, which may be narrower: bf16 keys for a float32 model): 0 float32, 1 bfloat16.
  */
 #include <float.h>
 #include <math.h>
@@ -26,7 +27,7 @@
 
 #define CHUNK_BLOCKS 16 /* blocks per task */
 #if defined(BF16_DOT)
-#define BF16_PATH(a) ((a)->dtype == 1 && (a)->dim % 32 == 0)
+#define BF16_PATH(a) ((a)->dtype == 1 && (a)->kv_dtype == 1 && (a)->dim % 32 == 0)
 #else
 #define BF16_PATH(a) 0
 #endif
@@ -36,7 +37,7 @@ typedef struct {
     void *out;
     const int64_t *block_tables, *context_lens;
     int64_t max_blocks;
-    int heads, kv_heads, dim, block_size, dtype;
+    int heads, kv_heads, dim, block_size, dtype, kv_dtype; /* of q and out; of the cache */
     float scale;
 } Args;
 
@@ -51,7 +52,7 @@ typedef struct { /* one thread's scratch */
 #define LANES_PATH(a) ((a)->dim % LANES == 0 && (a)->heads <= MAX_HEADS && !BF16_PATH(a))
 
 static inline void prefetch_block(const Args *a, int64_t block) {
-    size_t bytes = (size_t)a->block_size * a->kv_heads * a->dim * (a->dtype == 0 ? 4 : 2);
+    size_t bytes = (size_t)a->block_size * a->kv_heads * a->dim * (a->kv_dtype == 0 ? 4 : 2);
     const char *k = (const char *)a->k_cache + block * bytes, *v = (const char *)a->v_cache + block * bytes;
     for (size_t line = 0; line < bytes; line += 64) {
         __builtin_prefetch(k + line);
@@ -125,7 +126,7 @@ static void chunk(const Args *a, Scratch *s, int64_t seq, int64_t start, int64_t
         int64_t block = table[first / bs];
         int n = end - first < bs ? (int)(end - first) : bs;
         if (first + bs < end) prefetch_block(a, table[first / bs + 1]);
-        if (converts) load_floats(a->k_cache, block * bs * row, n * row, a->dtype, s->key); /* [n][kv_heads][dim] */
+        if (converts) load_floats(a->k_cache, block * bs * row, n * row, a->kv_dtype, s->key); /* [n][kv_heads][dim] */
         for (int h = 0; h < heads; h++) {
             float *weight = s->weight + h * bs, *st = state + h * width;
             float top = head_scores(a, s, seq, block, h, n, weight);
@@ -140,7 +141,7 @@ static void chunk(const Args *a, Scratch *s, int64_t seq, int64_t start, int64_t
                 st[dim + 1] += weight[t];
             }
         }
-        load_floats(a->v_cache, block * bs * row, n * row, a->dtype, s->value);
+        load_floats(a->v_cache, block * bs * row, n * row, a->kv_dtype, s->value);
         for (int t = 0; t < n; t++) {
             for (int h = 0; h < heads; h++) {
                 const float *value = s->value + t * row + (h / groups) * dim;
@@ -214,7 +215,7 @@ static inline __attribute__((always_inline)) void weigh_group(const float *value
 static inline __attribute__((always_inline)) void lanes_path(const Args *a, Scratch *s, int64_t seq, int64_t start,
                                                              int64_t end, float *state, int chunks) {
     int heads = a->heads, dim = a->dim, bs = a->block_size, row = a->kv_heads * dim;
-    int groups = heads / a->kv_heads, width = dim + 2, in_place = a->dtype == 0;
+    int groups = heads / a->kv_heads, width = dim + 2, in_place = a->kv_dtype == 0;
     const int64_t *table = a->block_tables + seq * a->max_blocks;
     vf *q = (vf *)s->query, *sums = s->sums, weights[MAX_HEADS];
     float max[MAX_HEADS], sum[MAX_HEADS];
@@ -229,8 +230,8 @@ static inline __attribute__((always_inline)) void lanes_path(const Args *a, Scra
         int n = end - first < bs ? (int)(end - first) : bs;
         const float *keys = (const float *)a->k_cache + block * bs * row, *values = (const float *)a->v_cache + block * bs * row;
         if (!in_place) {
-            load_floats(a->k_cache, block * bs * row, n * row, a->dtype, s->key);
-            load_floats(a->v_cache, block * bs * row, n * row, a->dtype, s->value);
+            load_floats(a->k_cache, block * bs * row, n * row, a->kv_dtype, s->key);
+            load_floats(a->v_cache, block * bs * row, n * row, a->kv_dtype, s->value);
             keys = s->key, values = s->value;
         }
         for (int t0 = 0; t0 < n; t0 += LANES) {
@@ -283,11 +284,12 @@ static void merge(const Args *a, int64_t seq, const float *states, int64_t num_c
 int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *out,
                  const int64_t *block_tables, const int64_t *context_lens, int64_t num_seqs,
                  int64_t max_blocks, int heads, int kv_heads, int dim, int block_size, float scale,
-                 int dtype) {
-    if (kv_heads <= 0 || heads % kv_heads || dim <= 0 || dim > 512 || block_size <= 0 || (dtype != 0 && dtype != 1))
+                 int dtype, int kv_dtype) {
+    if (kv_heads <= 0 || heads % kv_heads || dim <= 0 || dim > 512 || block_size <= 0 || (dtype != 0 && dtype != 1) ||
+        (kv_dtype != 0 && kv_dtype != 1))
         return -1;
     Args a = {q, k_cache, v_cache, out, block_tables, context_lens, max_blocks,
-              heads, kv_heads, dim, block_size, dtype, scale};
+              heads, kv_heads, dim, block_size, dtype, kv_dtype, scale};
     int64_t span = (int64_t)CHUNK_BLOCKS * block_size, *first_chunk = malloc((num_seqs + 1) * sizeof(int64_t));
     if (first_chunk == NULL) return -3;
     first_chunk[0] = 0;

@@ -18,7 +18,8 @@
  * Layouts (contiguous): q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D];
  * block_tables [B, max_blocks] int64; query_starts [B + 1] int64 (sequence b owns query rows
  * query_starts[b] .. query_starts[b + 1] - 1); positions [T] int64 (query t sees keys
- * 0 .. positions[t]); context_lens [B] int64. dtype: 0 float32, 1 bfloat16. Optionally rot_starts
+ * 0 .. positions[t]); context_lens [B] int64. dtype (q, out) and kv_dtype (the cache): 0 float32, 1
+ * bfloat16. Optionally rot_starts
  * [B + 1] int64 and rot_cos, rot_sin [rows, D / 2] float32: sequence b's first rot_starts[b + 1] -
  * rot_starts[b] keys are rotated by the angles of rows rot_starts[b] .. as they are read (span
  * keys reused at new positions), so that shared blocks are never rewritten.
@@ -43,7 +44,7 @@ typedef struct {
     const int64_t *rot_starts;       /* NULL, or [B + 1]: sequence b's rotated keys' rows in rot_cos */
     const float *rot_cos, *rot_sin;  /* [rows][dim / 2] */
     int64_t max_blocks;
-    int heads, kv_heads, dim, block_size, dtype, groups, tile_tokens, row_groups;
+    int heads, kv_heads, dim, block_size, dtype, kv_dtype, groups, tile_tokens, row_groups;
     float scale;
 } Args;
 
@@ -90,8 +91,8 @@ static void load_panels(const Args *a, const Scratch *s, int64_t seq, int kv, in
     for (int t = 0; t < LANES; t++) {
         if (t < n) {
             int64_t index = key_index(a, seq, kbegin + t, kv);
-            load_floats(a->k_cache, index, a->dim, a->dtype, s->keys + t * a->dim);
-            load_floats(a->v_cache, index, a->dim, a->dtype, s->values + t * a->dim);
+            load_floats(a->k_cache, index, a->dim, a->kv_dtype, s->keys + t * a->dim);
+            load_floats(a->v_cache, index, a->dim, a->kv_dtype, s->values + t * a->dim);
             rotate_key(a, seq, kbegin + t, s->keys + t * a->dim);
         } else {
             memset(s->keys + t * a->dim, 0, a->dim * sizeof(float));
@@ -304,7 +305,7 @@ static Unit *plan_units(const Args *a, int64_t num_seqs, int64_t *num_units, int
 
 static int check(const Args *a, int64_t num_seqs, int64_t num_rows) {
     if (a->kv_heads <= 0 || a->heads % a->kv_heads || a->dim <= 0 || a->dim > 512 || a->block_size <= 0 ||
-        (a->dtype != 0 && a->dtype != 1))
+        (a->dtype != 0 && a->dtype != 1) || (a->kv_dtype != 0 && a->kv_dtype != 1))
         return -1;
     if (a->query_starts[0] != 0 || a->query_starts[num_seqs] != num_rows) return -2;
     if (a->rot_starts != NULL && (a->rot_starts[0] != 0 || a->dim % 2)) return -2;
@@ -322,9 +323,9 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void 
                   const int64_t *query_starts, const int64_t *positions, const int64_t *context_lens,
                   const int64_t *rot_starts, const float *rot_cos, const float *rot_sin, int64_t num_seqs,
                   int64_t num_rows, int64_t max_blocks, int heads, int kv_heads, int dim, int block_size, float scale,
-                  int dtype) {
+                  int dtype, int kv_dtype) {
     Args a = {q, k_cache, v_cache, out, block_tables, query_starts, positions, context_lens, rot_starts, rot_cos,
-              rot_sin, max_blocks, heads, kv_heads, dim, block_size, dtype, 0, 0, 0, scale};
+              rot_sin, max_blocks, heads, kv_heads, dim, block_size, dtype, kv_dtype, 0, 0, 0, scale};
     int status = check(&a, num_seqs, num_rows);
     if (status != 0) return status;
     a.groups = heads / kv_heads;

@@ -112,6 +112,7 @@ class LLMEngine:
         self.model_config = cfg = ModelConfig.from_dir(path)
         self.max_model_len = self._max_model_len(cfg)
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
+        self.kv_dtype = config.torch_kv_cache_dtype()
         if config.quantization:
             quant.check(config.quantization, self.device, self.dtype)
         self.tokenizer = load_tokenizer(path)
@@ -126,7 +127,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.background_chunk_tokens)
         graph_batch = 0 if config.enforce_eager or self.device.type != "cuda" else config.max_num_seqs
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device,
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.kv_dtype, self.device,
                                   graph_batch=graph_batch, max_model_len=self.max_model_len,
                                   block_generation=self.kv.pool.generation)
         self.comb = find_plugin(model, config.comb_plugin)  # span encoder for link_policy="comb"
@@ -198,7 +199,7 @@ class LLMEngine:
 
     def _blocks_for_budget(self, cfg: ModelConfig) -> int:
         bytes_per_block = (2 * cfg.num_layers * self.config.block_size * cfg.num_kv_heads
-                           * cfg.head_dim * torch.finfo(self.dtype).bits // 8)
+                           * cfg.head_dim * torch.finfo(self.kv_dtype).bits // 8)
         return max(1, int(self.config.kv_cache_memory_gb * (1 << 30)) // bytes_per_block)
 
     # ---- requests in -------------------------------------------------------------------

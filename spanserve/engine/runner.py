@@ -25,17 +25,19 @@ FOCUS_ROWS = 8  # focus_select: the question's last tokens whose attention score
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, graph_batch: int = 0, max_model_len: int = 0,
+                 kv_dtype: torch.dtype, device: torch.device, graph_batch: int = 0, max_model_len: int = 0,
                  block_generation: torch.Tensor | None = None):
-        """graph_batch > 0: replay decode steps of up to that many sequences as CUDA graphs
-        (Triton backend only), for contexts up to max_model_len. block_generation: the pool's
-        per-block rewrite counts, which keep sparse flows' fields fresh."""
+        """kv_dtype: the cache's (the model's, or bf16 under a float32 model). graph_batch > 0:
+        replay decode steps of up to that many sequences as CUDA graphs (Triton backend only), for
+        contexts up to max_model_len. block_generation: the pool's per-block rewrite counts, which
+        keep sparse flows' fields fresh."""
         cfg = model.cfg
         self.model, self.block_size, self.device = model, block_size, device
+        self.model_dtype = model.embed_tokens.weight.dtype
         graphs = graph_batch > 0 and isinstance(model.layers[0].self_attn.backend, TritonAttention)
         self.kv_cache = torch.zeros(  # with graphs, one more block: the padding rows' scratch
             cfg.num_layers, 2, num_blocks + graphs, block_size, cfg.num_kv_heads, cfg.head_dim,
-            dtype=dtype, device=device,
+            dtype=kv_dtype, device=device,
         )
         model.bind_kv_cache(self.kv_cache)
         generation = block_generation if block_generation is not None else torch.zeros(num_blocks + 1, dtype=torch.long)
@@ -164,9 +166,10 @@ class ModelRunner:
         blocks = self._tensor(table[:num_blocks])  # rotated from key 0, as the rotation counts keys
         first = num_blocks - len(copies)  # the copies are the last blocks holding moved keys
         for layer in self.kv_cache:  # [2, num_blocks, block_size, kv_heads, head_dim]
-            keys = rotation.rotate_(layer[0, blocks].flatten(0, 1)).view(num_blocks, self.block_size, -1,
-                                                                         layer.shape[-1])
-            layer[0, blocks[first:]] = keys[first:]  # blocks before the first moved key stay untouched
+            # rotated in float32 and rounded once where the cache is narrower than the model
+            keys = layer[0, blocks].flatten(0, 1).to(self.model_dtype)
+            keys = rotation.rotate_(keys).view(num_blocks, self.block_size, -1, layer.shape[-1])
+            layer[0, blocks[first:]] = keys[first:].to(layer.dtype)  # blocks before the first moved key stay untouched
         layout.derived["settled_blocks"] = tuple(table[:num_blocks])
 
     @torch.inference_mode()

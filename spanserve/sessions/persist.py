@@ -30,7 +30,8 @@ def kv_identity(engine) -> dict:
     if "session_identity" not in engine.derived:
         engine.derived["session_identity"] = {
             "model": model_fingerprint(engine.runner.model), "dtype": str(engine.dtype).removeprefix("torch."),
-            "quantization": engine.config.quantization, "block_size": engine.config.block_size}
+            "quantization": engine.config.quantization, "block_size": engine.config.block_size,
+            "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch.")}
     return engine.derived["session_identity"]
 
 
