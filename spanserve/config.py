@@ -98,7 +98,8 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}; use auto or one of {sorted(_DTYPES)}")
         if self.kv_cache_dtype != "auto" and _DTYPES.get(self.kv_cache_dtype) not in KV_CACHE_DTYPES:
-            raise InvalidRequestError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use auto, bfloat16 or float32")
+            raise InvalidRequestError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one the attention kernels read; "
+                                      "use auto, bfloat16 or float32")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

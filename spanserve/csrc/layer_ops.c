@@ -29,7 +29,7 @@ int rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t
     int failed = 0;
 #pragma omp parallel for schedule(static) if (rows * dim >= 2 * ROWS_PER_THREAD_WORK)
     for (int64_t r = 0; r < rows; r++) {
-        float stack[1024], *row = dim <= 1024 ? stack : malloc(dim * sizeof(float));
+        float stack[8192], *row = dim <= 8192 ? stack : malloc(dim * sizeof(float)); /* hidden sizes up to 8k */
         if (row == NULL) {
             failed = 1;
             continue;
