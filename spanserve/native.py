@@ -16,6 +16,11 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch
+
+# The `dtype` codes every kernel takes for the tensors it reads and writes (common.h's load_floats).
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "int8_gemm.c", CSRC / "layer_ops.c"]
 HEADERS = [CSRC / "common.h"]

@@ -29,7 +29,6 @@ from spanserve.attention.backend import KeyRotation
 
 log = logging.getLogger(__name__)
 
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what the kernels read and write (a bf16 cache under float32 q too)
 MAX_DIM = 512  # its merge buffer (paged_decode.c)
 
 KERNELS = ("decode", "prefill", "layer")  # what SPANSERVE_CPU_KERNELS may name
@@ -56,7 +55,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_seqs, heads, dim = q.shape
     status = kernel.paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                  tables.data_ptr(), lens.data_ptr(), num_seqs, tables.shape[1], heads, k_cache.shape[2],
-                                 dim, k_cache.shape[1], scale, DTYPES[q.dtype], DTYPES[k_cache.dtype])
+                                 dim, k_cache.shape[1], scale, native.DTYPES[q.dtype],
+                                 native.DTYPES[k_cache.dtype])
     _raise_on(status, "paged_decode", q, k_cache)
     return out
 
@@ -85,8 +85,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     status = kernel.paged_prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                   tables.data_ptr(), starts.data_ptr(), positions.data_ptr(), lens.data_ptr(),
                                   rot_starts, rot_cos, rot_sin, len(lens), rows, tables.shape[1], heads,
-                                  k_cache.shape[2], dim, k_cache.shape[1], scale, DTYPES[q.dtype],
-                                  DTYPES[k_cache.dtype])
+                                  k_cache.shape[2], dim, k_cache.shape[1], scale, native.DTYPES[q.dtype],
+                                  native.DTYPES[k_cache.dtype])
     _raise_on(status, "paged_prefill", q, k_cache)
     return out
 
@@ -110,9 +110,9 @@ def _raise_on(status: int, name: str, q: torch.Tensor, k_cache: torch.Tensor) ->
 
 def _fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     kv_heads, dim = k_cache.shape[2:]
-    return (q.device.type == "cpu" and q.dtype in DTYPES and k_cache.dtype in DTYPES and k_cache.dtype == v_cache.dtype
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and q.shape[1] % kv_heads == 0
-            and dim <= MAX_DIM)
+    return (q.device.type == "cpu" and q.dtype in native.DTYPES and k_cache.dtype in native.DTYPES
+            and k_cache.dtype == v_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and q.shape[1] % kv_heads == 0 and dim <= MAX_DIM)
 
 
 def load(name: str | None = None):

@@ -11,9 +11,8 @@ plug-in), and wherever the C library is not built or SPANSERVE_CPU_KERNELS leave
 import torch
 import torch.nn.functional as F
 
+from spanserve import native
 from spanserve.attention import cpu_kernel
-
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what the kernels read and write
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,7 +26,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     status = kernel.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
-                             eps, DTYPES[x.dtype])
+                             eps, native.DTYPES[x.dtype])
     _raise_on(status, "rms_norm", x)
     return out
 
@@ -43,7 +42,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     width = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], width, dtype=gate_up.dtype)
     status = kernel.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], width,
-                             DTYPES[gate_up.dtype])
+                             native.DTYPES[gate_up.dtype])
     _raise_on(status, "silu_mul", gate_up)
     return out
 
@@ -51,7 +50,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _kernel(x: torch.Tensor, weight: torch.Tensor):
     """The C library, where it may run these tensors: on CPU, in a dtype it reads, with no
     gradient to record."""
-    if x.device.type != "cpu" or x.dtype not in DTYPES or weight.dtype != x.dtype or x.numel() == 0:
+    if x.device.type != "cpu" or x.dtype not in native.DTYPES or weight.dtype != x.dtype or x.numel() == 0:
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None

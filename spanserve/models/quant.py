@@ -39,7 +39,6 @@ INT4_PACKED_MAX_ROWS = 64
 # together (csrc/int8_gemm.c's QBLOCK and TILE_PANELS x PANEL)
 W8A8_BLOCK = 64
 W8A8_TILE = 32
-_GEMM_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 INT4_GROUP = 32  # input channels sharing one scale and offset
 INT4_LANES = 64  # a weight's rows are padded to this, a multiple of every packed layout's block
 
@@ -105,7 +104,7 @@ class W8A8Linear(nn.Module):
         status = native.library().int8_gemm(
             rows.data_ptr(), self.packed.data_ptr(), self.comp.data_ptr(), self.scale.data_ptr(),
             None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows.shape[0],
-            self.out_features, self.scale.shape[0], self.in_features, _GEMM_DTYPES[x.dtype])
+            self.out_features, self.scale.shape[0], self.in_features, native.DTYPES[x.dtype])
         if status != 0:  # -1 shapes (checked at construction), -3 out of memory
             raise RuntimeError(f"int8_gemm failed ({status}) for {tuple(rows.shape)} x {self.out_features}")
         return out.view(*x.shape[:-1], self.out_features)
