@@ -51,16 +51,22 @@ def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
+def _int8_per_channel(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weights [out, in] with one symmetric scale per output channel (its largest magnitude
+    maps to 127), the scale in `scale_dtype` and the weights rounded against that stored scale."""
+    weight = weight.detach().float()
+    scale = (weight.abs().amax(1).clamp_min(1e-12) / 127).to(scale_dtype)
+    return (weight / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
 class Int8Linear(nn.Module):
     """A Linear whose weight is int8, per output channel: W ~ qweight * scale[:, None]."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().float()
         # the scale as the kernel reads it, so that both paths below multiply by the same weight
-        scale = (weight.abs().amax(1).clamp_min(1e-12) / 127).to(kernel_dtype(linear.weight.dtype))
-        qweight = (weight / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+        qweight, scale = _int8_per_channel(linear.weight, kernel_dtype(linear.weight.dtype))
         self.register_buffer("qweight", qweight.contiguous())  # the kernel's need, whatever the weight's layout
         self.register_buffer("scale", scale)
         self.bias = linear.bias
@@ -86,9 +92,7 @@ class W8A8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         _require_divisible("w8a8", self.in_features, W8A8_BLOCK)
-        weight = linear.weight.detach().float()
-        scale = weight.abs().amax(1).clamp_min(1e-12) / 127
-        qweight = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        qweight, scale = _int8_per_channel(linear.weight, torch.float32)
         rows = -(-self.out_features // W8A8_TILE) * W8A8_TILE
         padded = F.pad(qweight, (0, 0, 0, rows - self.out_features))
         self.register_buffer("scale", F.pad(scale, (0, rows - self.out_features)).contiguous())
