@@ -52,6 +52,16 @@ def best_of(fn: Callable[[int], float], repeats: int) -> tuple[float, list[float
     return max(values), values
 
 
+def best_ms_in_turns(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Each call in turn, for repeats + 1 rounds (the first warms up; taking turns, machine noise
+    hits all alike): each one's best time, in ms."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats + 1):
+        for name, fn in calls.items():
+            times[name].append(timed(fn)[1])
+    return {name: min(t[1:]) * 1e3 for name, t in times.items()}
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Aligned plain-text table; floats get 1 decimal (2 below 10), None prints as '-'."""
 

@@ -11,6 +11,7 @@ uses, spanserve/models/layout.py), in the same run, the two taking turns.
 """
 
 import argparse
+import functools
 import random
 import sys
 import time
@@ -71,13 +72,8 @@ def _gemms(model, row_counts: list[int], repeats: int) -> list[dict]:
                    "input_major": linear.weight.detach().t().contiguous().t()}
         for rows in row_counts:
             x = torch.randn(rows, linear.in_features)
-            times = {layout: [] for layout in LAYOUTS}
-            for _ in range(repeats + 1):  # the first of each warms up
-                for layout in LAYOUTS:
-                    start = time.perf_counter()
-                    F.linear(x, weights[layout])
-                    times[layout].append(time.perf_counter() - start)
-            best = {layout: min(t[1:]) * 1e3 for layout, t in times.items()}
+            best = harness.best_ms_in_turns({layout: functools.partial(F.linear, x, weights[layout])
+                                             for layout in LAYOUTS}, repeats)
             out.append({"projection": name, "in": linear.in_features, "out": linear.out_features, "rows": rows,
                         "row_major_ms": best["row_major"], "input_major_ms": best["input_major"],
                         "speedup": best["row_major"] / best["input_major"]})

@@ -12,7 +12,6 @@ from a float64 softmax over the same inputs (accuracy beside speed).
 
 import argparse
 import sys
-import time
 
 from benchmarks import harness
 
@@ -80,14 +79,8 @@ def _measure(case: tuple, dtype, repeats: int) -> dict:
         keys, values = gather_head_major(cache[0], cache[1], table[0], context, None, rows)
         return _matmul_attention(q, keys, values, positions, scale)
 
-    times = {"kernel": [], "torch": []}
-    for _ in range(repeats + 1):  # the first of each warms up
-        for label, fn in (("kernel", kernel), ("torch", torch_path)):
-            start = time.perf_counter()
-            fn()
-            times[label].append(time.perf_counter() - start)
+    best = harness.best_ms_in_turns({"kernel": kernel, "torch": torch_path}, repeats)
     expected = _reference(q, cache, table[0], context, positions, scale)
-    best = {label: min(t[1:]) * 1e3 for label, t in times.items()}
     return {"case": name, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "context": context,
             "queries": queries, "kernel_ms": best["kernel"], "torch_ms": best["torch"],
             "speedup": best["torch"] / best["kernel"],

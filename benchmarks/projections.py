@@ -9,8 +9,8 @@ averaged over the projections): accuracy beside speed.
 """
 
 import argparse
+import functools
 import sys
-import time
 
 from benchmarks import harness
 
@@ -42,14 +42,8 @@ def run(args: argparse.Namespace) -> dict:
     with torch.no_grad():
         for count in (int(r) for r in args.rows.split(",")):
             x = {size: torch.randn(count, size) for size in {p.in_features for p in linears}}
-            times = {name: [] for name in stacks}
-            for _ in range(args.repeats + 1):  # the first round warms up
-                for name, stack in stacks.items():
-                    start = time.perf_counter()
-                    for p in stack:
-                        p(x[p.in_features])
-                    times[name].append(time.perf_counter() - start)
-            best = {name: min(t[1:]) * 1e3 for name, t in times.items()}
+            calls = {name: functools.partial(_forward, stack, x) for name, stack in stacks.items()}
+            best = harness.best_ms_in_turns(calls, args.repeats)
             reference = [p(x[p.in_features]) for p in linears]
             errors = {m: sum(float((q(x[q.in_features]) - r).abs().mean() / r.abs().mean())
                              for q, r in zip(stacks[m], reference)) / len(linears) for m in methods}
@@ -65,6 +59,12 @@ def run(args: argparse.Namespace) -> dict:
                               f"best of {args.repeats}")
     harness.write_json(result, path=args.out or harness.result_path("projections"))
     return result
+
+
+def _forward(stack: list, x: dict) -> None:
+    """Every projection of `stack` once, as a forward pass calls them (x: activations by input size)."""
+    for projection in stack:
+        projection(x[projection.in_features])
 
 
 def main(argv: list[str] | None = None) -> int:
