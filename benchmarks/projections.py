@@ -1,11 +1,12 @@
 """Quantized projections on CPU, in one process: the model's own weights, every decoder layer's
 projections and the LM head, called one after another as a forward pass calls them (so the weights
 come cold from memory, not from cache), for --rows rows of random activations. Float32 (the
-engine's input-major layout) against each of --methods, taking turns, best of --repeats. Beside
+engine's: the packed C GEMM up to layout.PACKED_MAX_ROWS rows, MKL beyond) against each of --methods
+(`mkl`: float32 in MKL's GEMM at every row count, the input-major weight), taking turns, best of --repeats. Beside
 each time, the error of its outputs against float32's (mean |difference| over mean |float32|,
 averaged over the projections): accuracy beside speed.
 
-    spanserve bench projections [--model M] [--rows 1,8,26,64,512] [--methods int8,int4,w8a8]
+    spanserve bench projections [--model M] [--rows 1,8,26,64,512] [--methods mkl,int8,int4,w8a8]
 """
 
 import argparse
@@ -18,7 +19,7 @@ from benchmarks import harness
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model (default: the embedded SmolLM2)")
     parser.add_argument("--rows", default="1,8,26,64,512", help="row counts")
-    parser.add_argument("--methods", default="int8,int4,w8a8", help="quantizations to compare with float32")
+    parser.add_argument("--methods", default="mkl,int8,int4,w8a8", help="quantizations to compare with float32")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/projections.json)")
@@ -35,7 +36,7 @@ def run(args: argparse.Namespace) -> dict:
     model = llm.engine.runner.model
     linears = [p for layer in model.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)] + [model.lm_head]
-    kinds = {"int8": quant.Int8Linear, "int4": quant.Int4Linear, "w8a8": quant.W8A8Linear}
+    kinds = {"mkl": _Mkl, "int8": quant.Int8Linear, "int4": quant.Int4Linear, "w8a8": quant.W8A8Linear}
     methods = [m for m in args.methods.split(",") if m]
     stacks = {"float32": linears, **{m: [kinds[m](p) for p in linears] for m in methods}}
     rows = []
@@ -59,6 +60,17 @@ def run(args: argparse.Namespace) -> dict:
                               f"best of {args.repeats}")
     harness.write_json(result, path=args.out or harness.result_path("projections"))
     return result
+
+
+class _Mkl:
+    """A float32 projection in F.linear (MKL's GEMM) whatever the rows: the path before the packed GEMM."""
+
+    def __init__(self, linear):
+        self.linear, self.in_features = linear, linear.in_features
+
+    def __call__(self, x):
+        import torch.nn.functional as F
+        return F.linear(x, self.linear.weight, self.linear.bias)
 
 
 def _forward(stack: list, x: dict) -> None:

@@ -1,5 +1,5 @@
-"""spanserve's C kernels (csrc/): attention over the paged cache, the w8a8 projection and a
-layer's elementwise ops (RMSNorm, silu(gate) * up).
+"""spanserve's C kernels (csrc/): attention over the paged cache, the w8a8 and float32
+projections and a layer's elementwise ops (RMSNorm, silu(gate) * up).
 
 They are compiled on first use with the system C compiler (gcc or $CC, -march=native for this
 CPU) into one library in spanserve's cache directory, and called through ctypes: no Python
@@ -22,7 +22,8 @@ import torch
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "int8_gemm.c", CSRC / "layer_ops.c"]
+SOURCES = [CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "int8_gemm.c", CSRC / "f32_gemm.c",
+           CSRC / "layer_ops.c"]
 HEADERS = [CSRC / "common.h"]
 # Compiled with -ffast-math (for glibc's vector expf), linked without it: gcc 12 links a shared
 # library built with it to code that sets flush-to-zero for the whole process at load.
@@ -94,8 +95,9 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.paged_decode.argtypes = [pointer] * 6 + [i64, i64, i32, i32, i32, i32, f32, i32, i32]
     lib.paged_prefill.argtypes = [pointer] * 11 + [i64, i64, i64, i32, i32, i32, i32, f32, i32, i32]
     lib.int8_gemm.argtypes = [pointer] * 6 + [i64, i64, i64, i64, i32]
+    lib.f32_gemm.argtypes = [pointer] * 4 + [i64, i64, i64, i64]
     lib.rms_norm.argtypes = [pointer] * 3 + [i64, i64, f32, i32]
     lib.silu_mul.argtypes = [pointer] * 2 + [i64, i64, i32]
-    for entry in (lib.paged_decode, lib.paged_prefill, lib.int8_gemm, lib.rms_norm, lib.silu_mul):
+    for entry in (lib.paged_decode, lib.paged_prefill, lib.int8_gemm, lib.f32_gemm, lib.rms_norm, lib.silu_mul):
         entry.restype = i32
     return lib

@@ -1,13 +1,17 @@
-"""Float32 projection weights stored input-major on CPU (spanserve/models/layout.py): same shapes,
-same values, a tied embedding still shared and looked up right, and the engine's outputs those
-of the checkpoint's layout."""
+"""Float32 projection weights on CPU (spanserve/models/layout.py): stored input-major (same shapes,
+same values, a tied embedding still shared and looked up right, the engine's outputs those of the
+checkpoint's layout), and packed for the C GEMM of few rows (csrc/f32_gemm.c) against F.linear."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import greedy, random_prompt
 
 from spanserve import LLM
+from spanserve.attention import cpu_kernel
 from spanserve.models import layout
+
+needs_gemm = pytest.mark.skipif(cpu_kernel.load("gemm") is None, reason="no C compiler: the kernel is not built")
 
 
 def _linears(llm):
@@ -48,3 +52,82 @@ def test_outputs_match_the_checkpoint_layout(model, request):
         assert x.token_ids == y.token_ids
         for lp_x, lp_y, token in zip(x.logprobs, y.logprobs, x.token_ids):
             assert abs(lp_x[token] - lp_y[token]) < 1e-4
+
+
+@needs_gemm
+@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (50, 64, True), (896, 136, True)])
+def test_packed_linear_equals_f_linear(out_features, in_features, bias):
+    """Every row count the kernel steps through (a whole tile of 8 rows, the remainders, several
+    tiles), output channels that pad the last tile, a bias; within float32 rounding."""
+    gen = torch.Generator().manual_seed(out_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
+    packed = layout.PackedLinear(linear)
+    assert packed.weight is linear.weight and packed.packed.shape[0] * 16 % layout.PACK_TILE == 0
+    for rows in (1, 3, 7, 8, 9, 16, 29, layout.PACKED_MAX_ROWS, layout.PACKED_MAX_ROWS + 1):
+        x = torch.randn(2, rows, in_features, generator=gen)[1]
+        with torch.inference_mode():
+            want = F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
+            torch.testing.assert_close(packed(x).double(), want, rtol=1e-5, atol=1e-4 * in_features ** 0.5)
+
+
+def test_packed_linear_keeps_f_linear_under_autograd_and_without_the_kernel(monkeypatch):
+    linear = torch.nn.Linear(64, 40)
+    packed = layout.PackedLinear(linear)
+    x = torch.randn(4, 64, requires_grad=True)
+    packed(x).sum().backward()  # F.linear: the gradient reaches the shared weight
+    assert x.grad is not None and linear.weight.grad is not None
+    monkeypatch.setattr(cpu_kernel, "_tried", True)
+    monkeypatch.setattr(cpu_kernel, "_allowed", frozenset({"decode", "prefill", "layer"}))
+    with torch.inference_mode():
+        assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))
+
+
+@needs_gemm
+def test_the_float32_cpu_engine_packs_its_projections_and_quantized_ones_stay(tiny_qwen2_path):
+    model = LLM(model=str(tiny_qwen2_path), dtype="float32", num_blocks=16).engine.runner.model
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert all(isinstance(m, layout.PackedLinear) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                           mlp.down_proj, model.lm_head))
+    assert model.lm_head.weight is model.embed_tokens.weight  # tied: still one tensor
+    quantized = LLM(model=str(tiny_qwen2_path), dtype="float32", num_blocks=16, quantization="w8a8")
+    assert not any(isinstance(m, layout.PackedLinear) for m in quantized.engine.runner.model.modules())
+
+
+@needs_gemm
+def test_copies_past_the_memory_cap_are_not_made(tiny_qwen2_path, monkeypatch):
+    monkeypatch.setattr(layout, "PACKED_MAX_BYTES", 1000)
+    model = LLM(model=str(tiny_qwen2_path), dtype="float32", num_blocks=16).engine.runner.model
+    assert not any(isinstance(m, layout.PackedLinear) for m in model.modules())
+
+
+@needs_gemm
+@pytest.mark.parametrize("model", ["tiny_llama_path", "tiny_qwen2_path"])
+def test_engine_outputs_match_without_the_packed_gemm(model, request, monkeypatch):
+    """Greedy tokens equal and logprobs within float32 rounding, a batch of 12 decoding together
+    (the kernel's rows) against the same engine with every product in F.linear."""
+    llm = LLM(model=str(request.getfixturevalue(model)), dtype="float32", num_blocks=64, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": random_prompt(20 + i, seed=i)} for i in range(12)]
+    params = greedy(8, logprobs=3)
+    packed = llm.generate(prompts, params)
+    monkeypatch.setattr(layout, "PACKED_MAX_ROWS", 0)
+    reference = llm.generate(prompts, params)
+    for a, b in zip(packed, reference):
+        x, y = a.outputs[0], b.outputs[0]
+        assert x.token_ids == y.token_ids
+        for lp_x, lp_y, token in zip(x.logprobs, y.logprobs, x.token_ids):
+            assert abs(lp_x[token] - lp_y[token]) < 1e-4
+
+
+@needs_gemm
+def test_a_weight_edited_in_place_is_packed_again():
+    linear = torch.nn.Linear(64, 50)
+    packed, x = layout.PackedLinear(linear), torch.randn(3, 64)
+    with torch.inference_mode():
+        before = packed(x)
+    with torch.no_grad():
+        linear.weight.mul_(2)
+    with torch.inference_mode():
+        assert not torch.allclose(packed(x), before)
+        torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias))

@@ -13,8 +13,8 @@ the keys up to its position, with no gathered copy of the context and no score m
 
 Both come from spanserve's C library (spanserve/native.py), built on first use. Without a
 compiler, or with SPANSERVE_CPU_KERNELS=0, attention keeps the torch path; the reason is logged
-once. SPANSERVE_CPU_KERNELS=decode (or prefill, or layer: models/layer_ops.py) keeps the kernels
-it names and gives the others' work to the torch path, to compare them.
+once. SPANSERVE_CPU_KERNELS=decode (or prefill, layer: models/layer_ops.py, gemm:
+models/layout.py) keeps the kernels it names and gives the others' work to the torch path, to compare them.
 """
 
 import ctypes
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 MAX_DIM = 512  # its merge buffer (paged_decode.c)
 
-KERNELS = ("decode", "prefill", "layer")  # what SPANSERVE_CPU_KERNELS may name
+KERNELS = ("decode", "prefill", "layer", "gemm")  # what SPANSERVE_CPU_KERNELS may name
 
 _lock = threading.Lock()
 _kernel: ctypes.CDLL | None = None  # the library, its entry points typed
@@ -117,7 +117,7 @@ def _fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool
 
 def load(name: str | None = None):
     """The compiled kernels (a library with typed entry points), built on first call; None if they
-    cannot be, or if `name` (decode, prefill, layer) is not one SPANSERVE_CPU_KERNELS lets run. A value
+    cannot be, or if `name` (decode, prefill, layer, gemm) is not one SPANSERVE_CPU_KERNELS lets run. A value
     it does not know is an error (ValueError), raised at the engine's start."""
     global _kernel, _allowed, _tried
     if not _tried:

@@ -122,6 +122,7 @@ class LLMEngine:
             quant.quantize(model, config.quantization)
         if layout.wants_input_major(self.dtype, self.device):
             layout.store_weights(model, input_major=True)  # after quantize, which leaves no float32 Linear
+            layout.pack_projections(model)
         num_blocks = config.num_blocks or self._blocks_for_budget(cfg)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,

@@ -10,10 +10,26 @@ cost the same. Qwen2.5's wider projections (896 in) hardly care: 0.8-1.2x per pr
 in the engine (session 28, `spanserve bench linear_layout`). The weight keeps its shape, so
 nothing that reads it changes. bf16 and CUDA GEMMs take other paths and keep the checkpoint's
 layout.
+
+Input-major, MKL still read the weights at 6-10 GB/s for 8 rows, and a float32 decode step of 8
+sequences spent 85 of its 95 ms in matmuls (SmolLM2, session 31). So the few-row products run in
+spanserve's own GEMM (csrc/f32_gemm.c) over a second copy of each weight, packed in panels of 16
+output channels, streamed once in order for all the rows: 0.57-0.75x MKL's time per projection at
+8 rows. From 64 rows on, where the product is compute-bound, MKL is faster (1.1-1.5x ours at
+512-2048 rows) and keeps them; the packed copy is the price, one more float32 copy of the
+projections (0.54 GB for SmolLM2), up to PACKED_MAX_BYTES.
 """
 
+import logging
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from spanserve.attention import cpu_kernel
+
+log = logging.getLogger(__name__)
+PACK_TILE = 48  # output channels of one tile of csrc/f32_gemm.c (TILE_PANELS x PANEL): the padding unit
 
 
 def wants_input_major(dtype: torch.dtype, device: torch.device) -> bool:
@@ -29,3 +45,70 @@ def store_weights(model: nn.Module, input_major: bool = True) -> None:
         if isinstance(module, nn.Linear):
             weight = module.weight.data
             module.weight.data = weight.t().contiguous().t() if input_major else weight.contiguous()
+
+
+# Rows up to which the packed kernel runs; beyond, MKL's GEMM (compute-bound there) on the
+# input-major weight. Per projection on the 2-core Xeon (session 31, /tmp microbenchmarks, cold
+# weights): 0.57-0.75x MKL's time at 8 rows, about even at 64-128, 1.1-1.5x at 512-2048.
+PACKED_MAX_ROWS = 64
+# The most memory the packed copies may add (SmolLM2 0.54 GB, Qwen2.5-0.5B 2.0 GB); a larger
+# float32 model keeps MKL alone rather than double its projections (Qwen2.5-1.5B: 6.1 GB more).
+PACKED_MAX_BYTES = 2_200_000_000
+
+
+class PackedLinear(nn.Linear):
+    """A float32 Linear whose few-row products (decode, a question) run in spanserve's C GEMM
+    (csrc/f32_gemm.c) over a copy of the weight packed in panels of 16 output channels: each
+    weight is streamed once, in order, for all the rows. Larger products, autograd and a library
+    that could not be built take F.linear on `weight`, which stays (shared with a tied embedding):
+    the packed copy is extra memory, one float32 copy of the projections."""
+
+    def __init__(self, linear: nn.Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self._pack()
+
+    @torch.no_grad()
+    def _pack(self) -> None:
+        rows = -(-self.out_features // PACK_TILE) * PACK_TILE
+        padded = F.pad(self.weight.detach().contiguous(), (0, 0, 0, rows - self.out_features))
+        self.register_buffer("packed", padded.view(rows // 16, 16, self.in_features).transpose(1, 2).contiguous(),
+                             persistent=False)
+        self._packed_version = self.weight._version  # a weight edited in place is packed again
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        kernel = cpu_kernel.load("gemm") if 0 < rows <= PACKED_MAX_ROWS and x.dtype == torch.float32 else None
+        if kernel is None or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            return F.linear(x, self.weight, self.bias)
+        if self.weight._version != self._packed_version:
+            self._pack()
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        out = torch.empty(rows, self.out_features, dtype=torch.float32)
+        status = kernel.f32_gemm(x2.data_ptr(), self.packed.data_ptr(),
+                                 None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows,
+                                 self.out_features, self.packed.shape[0] * 16, self.in_features)
+        if status != 0:  # -1: shapes (checked here)
+            raise RuntimeError(f"f32_gemm failed ({status}) for {tuple(x2.shape)} x {self.out_features}")
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+@torch.no_grad()
+def pack_projections(model: nn.Module) -> None:
+    """Give the decoder's projections and the LM head their packed copies: a float32 model on CPU
+    whose C library is built and allowed (SPANSERVE_CPU_KERNELS names `gemm`) and whose copies fit
+    PACKED_MAX_BYTES. Quantized projections stay as they are."""
+    if cpu_kernel.load("gemm") is None:
+        return
+    layers = [(layer.self_attn, name) for layer in model.layers for name in ("qkv_proj", "o_proj")]
+    layers += [(layer.mlp, name) for layer in model.layers for name in ("gate_up_proj", "down_proj")]
+    targets = [(owner, name) for owner, name in [*layers, (model, "lm_head")]
+               if type(getattr(owner, name)) is nn.Linear and getattr(owner, name).weight.dtype == torch.float32]
+    extra = sum(getattr(owner, name).weight.numel() * 4 for owner, name in targets)
+    if extra > PACKED_MAX_BYTES:
+        log.info("float32 projections not packed for the C GEMM: the copies would take %.1f GB", extra / 1e9)
+        return
+    for owner, name in targets:
+        setattr(owner, name, PackedLinear(getattr(owner, name)))
+    log.info("float32 projections packed for the C GEMM: %.0f MB more memory", extra / 1e6)
