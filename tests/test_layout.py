@@ -36,22 +36,30 @@ def test_bf16_keeps_the_checkpoint_layout(tiny_llama_path):
     assert all(linear.weight.is_contiguous() for linear in _linears(llm))
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_path", "tiny_qwen2_path"])
-def test_outputs_match_the_checkpoint_layout(model, request):
-    """Greedy tokens equal and logprobs within float32 rounding, over a batch (the row counts where
-    the layouts' GEMMs differ most) and a prompt."""
-    llm = LLM(model=str(request.getfixturevalue(model)), dtype="float32", num_blocks=64, enable_prefix_caching=False)
+def _outputs_stay(llm, change) -> None:
+    """Greedy tokens equal and logprobs within float32 rounding before and after `change()`, over a
+    batch of 12 decoding together and their prompts."""
     prompts = [{"prompt_token_ids": random_prompt(20 + i, seed=i)} for i in range(12)]
     params = greedy(8, logprobs=3)
-    input_major = llm.generate(prompts, params)
-    layout.store_weights(llm.engine.runner.model, input_major=False)
-    assert all(linear.weight.is_contiguous() for linear in _linears(llm))
-    row_major = llm.generate(prompts, params)
-    for a, b in zip(input_major, row_major):
+    before = llm.generate(prompts, params)
+    change()
+    for a, b in zip(before, llm.generate(prompts, params)):
         x, y = a.outputs[0], b.outputs[0]
         assert x.token_ids == y.token_ids
         for lp_x, lp_y, token in zip(x.logprobs, y.logprobs, x.token_ids):
             assert abs(lp_x[token] - lp_y[token]) < 1e-4
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_path", "tiny_qwen2_path"])
+def test_outputs_match_the_checkpoint_layout(model, request, monkeypatch):
+    """MKL's GEMM at every row count (the packed one off), input-major against row-major."""
+    monkeypatch.setattr(layout, "PACKED_MAX_ROWS", 0)
+    llm = LLM(model=str(request.getfixturevalue(model)), dtype="float32", num_blocks=64, enable_prefix_caching=False)
+
+    def row_major():
+        layout.store_weights(llm.engine.runner.model, input_major=False)
+        assert all(linear.weight.is_contiguous() for linear in _linears(llm))
+    _outputs_stay(llm, row_major)
 
 
 @needs_gemm
@@ -105,19 +113,9 @@ def test_copies_past_the_memory_cap_are_not_made(tiny_qwen2_path, monkeypatch):
 @needs_gemm
 @pytest.mark.parametrize("model", ["tiny_llama_path", "tiny_qwen2_path"])
 def test_engine_outputs_match_without_the_packed_gemm(model, request, monkeypatch):
-    """Greedy tokens equal and logprobs within float32 rounding, a batch of 12 decoding together
-    (the kernel's rows) against the same engine with every product in F.linear."""
+    """The packed GEMM against the same engine with every product in F.linear."""
     llm = LLM(model=str(request.getfixturevalue(model)), dtype="float32", num_blocks=64, enable_prefix_caching=False)
-    prompts = [{"prompt_token_ids": random_prompt(20 + i, seed=i)} for i in range(12)]
-    params = greedy(8, logprobs=3)
-    packed = llm.generate(prompts, params)
-    monkeypatch.setattr(layout, "PACKED_MAX_ROWS", 0)
-    reference = llm.generate(prompts, params)
-    for a, b in zip(packed, reference):
-        x, y = a.outputs[0], b.outputs[0]
-        assert x.token_ids == y.token_ids
-        for lp_x, lp_y, token in zip(x.logprobs, y.logprobs, x.token_ids):
-            assert abs(lp_x[token] - lp_y[token]) < 1e-4
+    _outputs_stay(llm, lambda: monkeypatch.setattr(layout, "PACKED_MAX_ROWS", 0))
 
 
 @needs_gemm
