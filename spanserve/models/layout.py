@@ -14,10 +14,11 @@ layout.
 Input-major, MKL still read the weights at 6-10 GB/s for 8 rows, and a float32 decode step of 8
 sequences spent 85 of its 95 ms in matmuls (SmolLM2, session 31). So the few-row products run in
 spanserve's own GEMM (csrc/f32_gemm.c) over a second copy of each weight, packed in panels of 16
-output channels, streamed once in order for all the rows: 0.57-0.75x MKL's time per projection at
-8 rows. From 64 rows on, where the product is compute-bound, MKL is faster (1.1-1.5x ours at
-512-2048 rows) and keeps them; the packed copy is the price, one more float32 copy of the
-projections (0.54 GB for SmolLM2), up to PACKED_MAX_BYTES.
+output channels, streamed once in order for all the rows: 0.64x MKL's time at 8 rows, 0.77x at
+34. One row stays with MKL's matrix-vector product, which streams as fast; past 64 rows, where the
+product is compute-bound, MKL's GEMM is faster (1.1-1.5x ours at 512-2048 rows) and keeps them.
+The price is memory: one more float32 copy of the projections (0.54 GB for SmolLM2), up to
+PACKED_MAX_BYTES.
 """
 
 import logging
@@ -47,10 +48,11 @@ def store_weights(model: nn.Module, input_major: bool = True) -> None:
             module.weight.data = weight.t().contiguous().t() if input_major else weight.contiguous()
 
 
-# Rows up to which the packed kernel runs; beyond, MKL's GEMM (compute-bound there) on the
-# input-major weight. Per projection on the 2-core Xeon (session 31, /tmp microbenchmarks, cold
-# weights): 0.57-0.75x MKL's time at 8 rows, about even at 64-128, 1.1-1.5x at 512-2048.
-PACKED_MAX_ROWS = 64
+# The rows the packed kernel runs for; otherwise MKL on the input-major weight: its matrix-vector
+# product for one row, its GEMM (compute-bound there) past 64. SmolLM2's 121 projections, cold
+# (`spanserve bench projections --methods mkl`, session 31): 1 row 32.0 against MKL's 28.7 ms,
+# 8 rows 34.8 against 54.7, 34 rows 71.6 against 93.4, 64 rows 109 against 130, 128 rows even.
+PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 64
 # The most memory the packed copies may add (SmolLM2 0.54 GB, Qwen2.5-0.5B 2.0 GB); a larger
 # float32 model keeps MKL alone rather than double its projections (Qwen2.5-1.5B: 6.1 GB more).
 PACKED_MAX_BYTES = 2_200_000_000
@@ -79,7 +81,8 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        kernel = cpu_kernel.load("gemm") if 0 < rows <= PACKED_MAX_ROWS and x.dtype == torch.float32 else None
+        few = PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS and x.dtype == torch.float32
+        kernel = cpu_kernel.load("gemm") if few else None
         if kernel is None or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
         if self.weight._version != self._packed_version:
