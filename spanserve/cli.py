@@ -253,7 +253,8 @@ def cmd_serve(args) -> None:
 
     name = args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL)
     tenants = Tenants.load(args.api_key, args.api_keys)  # a bad keys file fails before the model loads
-    llm = AsyncLLM(LLMEngine(engine_config(args)))
+    config = engine_config(args)
+    llm = AsyncLLM(lambda: LLMEngine(config))  # built on the thread that steps it
     retriever = None
     if args.corpus:
         from spanserve.spans.retrieval import Retriever

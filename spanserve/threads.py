@@ -74,6 +74,20 @@ def use_pool_for_matmuls(model: torch.nn.Module) -> None:
 
 
 @contextmanager
+def helper_thread():
+    """Torch work on a thread other than the one that steps the model (a server's helper) runs on
+    that thread alone: a parallel op there would start a second OpenMP thread team, and with more
+    team threads than cores libgomp shortens every worker's spin, the engine's included
+    (engine/async_engine.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextmanager
 def _threads_for(large: bool):
     """Inside a step: the whole pool if `large`, else one thread; the count before comes back
     after (so these nest). Outside a step: nothing changes."""

@@ -4,6 +4,7 @@ calls with enough work; where they spin briefly (the package's default), the poo
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -81,3 +82,19 @@ def test_matmul_hooks_pick_threads_by_rows_and_keep_results():
         model(small)
         assert torch.get_num_threads() == 1
     assert seen == [2, 2, 1]
+
+
+def test_helper_thread_work_runs_on_that_thread_alone():
+    """A server helper's torch work must not start a second OpenMP thread team."""
+    seen = []
+
+    def helper():
+        torch.set_num_threads(2)
+        with threads.helper_thread():
+            seen.append(torch.get_num_threads())
+        seen.append(torch.get_num_threads())
+
+    worker = threading.Thread(target=helper)
+    worker.start()
+    worker.join()
+    assert seen == [1, 2]

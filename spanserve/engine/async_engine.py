@@ -3,6 +3,12 @@
 The model step blocks for milliseconds to seconds, so it runs on its own thread; asyncio
 callers never wait on a lock. New requests and aborts reach the thread through an inbox
 that it drains between steps, and outputs come back through each request's asyncio.Queue.
+
+The engine is best built on that thread too (pass a function that builds it). OpenMP keeps one
+thread team per thread that runs parallel ops: a model loaded on the main thread and stepped on
+this one leaves two teams, more threads than the cores of a small machine, and libgomp then
+cuts its workers' spin so that they sleep between the ops of a step (decode steps 20% slower
+on 2 cores, session 32). Built here, the engine thread's team is the only one.
 """
 
 import asyncio
@@ -30,17 +36,24 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]):
+        """`engine`, or a function that builds it on the engine thread (the faster choice: see
+        above); what it raises, this raises."""
+        self.engine: LLMEngine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="spanserve-engine", daemon=True)
+        built, failure = threading.Event(), []
+        self._thread = threading.Thread(target=self._run, args=(engine, built, failure), name="spanserve-engine",
+                                        daemon=True)
         self._thread.start()
+        built.wait()
+        if failure:
+            raise failure[0]
 
     @classmethod
     def from_config(cls, model: str | None = None, **kwargs) -> "AsyncLLM":
-        return cls(LLMEngine(EngineConfig(model=model, **kwargs)))
+        return cls(lambda: LLMEngine(EngineConfig(model=model, **kwargs)))
 
     @property
     def tokenizer(self):
@@ -111,7 +124,14 @@ class AsyncLLM:
 
     # ---- engine thread -----------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: threading.Event, failure: list) -> None:
+        try:
+            self.engine = engine if isinstance(engine, LLMEngine) else engine()
+        except BaseException as exc:  # handed to the constructor, which raises it
+            failure.append(exc)
+            return
+        finally:
+            built.set()
         while not self._stopped:
             # Block for work only when idle; otherwise drain what arrived and step.
             self._handle(self._inbox.get() if not self.engine.has_unfinished_requests() else None)

@@ -39,6 +39,7 @@ from spanserve.server.tenants import Tenants, cache_salt
 from spanserve.spans.api import prepare, run_async
 from spanserve.spans.ir import Generate, QueryError
 from spanserve.spans.limits import QueryLimits
+from spanserve.threads import helper_thread
 
 log = logging.getLogger("spanserve.server")
 
@@ -439,7 +440,8 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
             return _query_body(task.result())
 
     def _checked_query(body: SpanQueryRequest):
-        tree = prepare(body.query, retriever, body.judge_arity).tree
+        with helper_thread():  # the retriever's embedding model must not start a thread team
+            tree = prepare(body.query, retriever, body.judge_arity).tree
         if not isinstance(tree, Generate):
             raise QueryError("$", "the root of a span query is a g or a chat")
         count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
