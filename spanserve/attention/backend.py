@@ -126,5 +126,6 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        stored: bool = False,  # k and v are in the cache's slots already (models/layer_ops.rope_store)
     ) -> torch.Tensor:  # [T, heads, head_dim]
         ...

@@ -23,9 +23,10 @@ MATMUL_SLICE_SCORES = 2**22
 
 
 class TorchAttention(AttentionBackend):
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, stored: bool = False):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if not stored:
+            store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         starts = [0]
         for q_len in meta.query_lens:
             starts.append(starts[-1] + q_len)

@@ -92,11 +92,12 @@ class TritonAttention(AttentionBackend):
         self.kernel = paged_kernel
         self.reference = TorchAttention()
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, stored: bool = False):
         if not kernel_handles(meta, q.shape[-1]):
-            return self.reference.forward(q, k, v, kv_cache, meta, scale)
+            return self.reference.forward(q, k, v, kv_cache, meta, scale, stored)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if not stored:
+            store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         plan = meta.derived.get("kernel_plan")
         if plan is None:
             plan = meta.derived["kernel_plan"] = plan_step(meta, q.shape[1] // k.shape[1], k.shape[1], q.device)

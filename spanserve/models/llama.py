@@ -63,10 +63,11 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k, rope_tables)
+        q, k, stored = layer_ops.rope_store(self.rope, positions, q, k, v, self.kv_cache, meta.slot_mapping,
+                                            rope_tables)
         if meta.sparse is not None:  # decode over the blocks sparse flows pick, at this layer
             meta = meta.sparse.restrict(self.layer, q, meta)
-        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, stored=stored)
         return self.o_proj(out.flatten(1))
 
 
