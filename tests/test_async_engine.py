@@ -5,12 +5,12 @@ import asyncio
 import threading
 
 import pytest
+from helpers import greedy
 
 from spanserve.config import EngineConfig
 from spanserve.engine.async_engine import AsyncLLM
 from spanserve.engine.llm_engine import LLMEngine
 from spanserve.errors import ModelNotFoundError
-from tests.helpers import greedy
 
 
 def test_engine_is_built_and_stepped_on_the_engine_thread(tiny_llama_path):
