@@ -70,7 +70,8 @@ int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dt
 /* One head vector x (dim values from element `index`, dtype) rotated by RoPE at one position (its
  * cos and sin, half a head each), as the reference computes it in the dtype: x * cos +
  * rotate_half(x) * sin, tables and each product rounded to the dtype, then their sum. */
-static void rotate_head(const void *x, int64_t index, int dim, int dtype, const float *cos, const float *sin, float *out) {
+static void rotate_head(const void *x, int64_t index, int dim, int dtype, const float *cos, const float *sin,
+                        float *out) {
     float in[1024];
     int half = dim / 2;
     load_floats(x, index, dim, dtype, in);
@@ -83,14 +84,14 @@ static void rotate_head(const void *x, int64_t index, int dim, int dtype, const 
 
 /* A step's queries and keys rotated to their positions and its keys and values written to their
  * cache slots, in one pass: what RoPE (about 10 torch ops) and the cache store (2) cost a layer.
- * q, k, v: rows q_stride, k_stride and v_stride elements apart (views into one qkv projection row, or not), `heads` /
- * `kv_heads` heads of `dim`; cos, sin: float32 [max_position][dim / 2]; q_out [tokens][heads][dim] and k_out
- * [tokens][kv_heads][dim] in dtype; the caches [num_slots][kv_heads][dim] in kv_dtype. */
+ * q, k, v: rows q_stride, k_stride and v_stride elements apart (views into one qkv projection
+ * row, or not), `heads` / `kv_heads` heads of `dim`; cos, sin: float32 [max_position][dim / 2];
+ * q_out [tokens][heads][dim] and k_out [tokens][kv_heads][dim] in dtype; the caches
+ * [num_slots][kv_heads][dim] in kv_dtype. */
 int rope_store(const void *q, const void *k, const void *v, int64_t q_stride, int64_t k_stride, int64_t v_stride,
-               const int64_t *positions, const float *cos,
-               const float *sin, int64_t max_position, void *q_out, void *k_out, void *k_cache, void *v_cache,
-               const int64_t *slots, int64_t num_slots, int64_t tokens, int heads, int kv_heads, int dim, int dtype,
-               int kv_dtype) {
+               const int64_t *positions, const float *cos, const float *sin, int64_t max_position, void *q_out,
+               void *k_out, void *k_cache, void *v_cache, const int64_t *slots, int64_t num_slots, int64_t tokens,
+               int heads, int kv_heads, int dim, int dtype, int kv_dtype) {
     if (tokens < 0 || heads <= 0 || kv_heads <= 0 || dim <= 0 || dim > 1024 || dim % 2 || (dtype != 0 && dtype != 1) ||
         (kv_dtype != 0 && kv_dtype != 1))
         return -1;
