@@ -171,6 +171,16 @@ class _Raises(Flow):
         raise RuntimeError("boom")
 
 
+class _FieldsRaise(Flow):
+    name = "fields_raise"
+
+    def create_cache(self):
+        return {"centroid": (-1,)}
+
+    def forward_cache(self, keys, values):
+        raise RuntimeError("no fields")
+
+
 class _OutOfRange(Flow):
     name = "out_of_range"
 
@@ -178,7 +188,8 @@ class _OutOfRange(Flow):
         return torch.tensor([ctx.num_blocks + 5])
 
 
-@pytest.mark.parametrize("flow, message", [(_Raises, "boom"), (_OutOfRange, "must be in")])
+@pytest.mark.parametrize("flow, message", [(_Raises, "boom"), (_FieldsRaise, "no fields"),
+                                           (_OutOfRange, "must be in")])
 def test_a_failing_flow_ends_its_request_only(tiny_llama_path, flow, message):
     llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=256)
     llm.engine.sparse_flows[flow.name] = flow()
@@ -224,6 +235,26 @@ def test_fields_are_computed_once_per_block_and_again_after_a_rewrite():
     generation[2] += 1  # the pool saw it rewritten
     assert calls == [2] and torch.equal(store.get(flow, 1, ids)["kmax"][1], cache[1, 0, 2].amax(0))
     assert calls == [2, 1]
+
+
+def test_a_refresh_computes_the_stale_fields_of_every_layer_once():
+    """A step refreshes a sequence's blocks once for all layers; each layer then only reads."""
+    cache = torch.randn(3, 2, 4, BS, KV_HEADS, DIM)
+    generation = torch.zeros(4, dtype=torch.long)
+    store, flow, calls = FieldStore(cache, generation), Quest(), []
+    original = flow.forward_cache
+    flow.forward_cache = lambda k, v: calls.append(len(k)) or original(k, v)
+    ids = torch.tensor([0, 2])
+    store.refresh(flow, ids)
+    store.refresh(flow, ids)
+    assert calls == [2, 2, 2]
+    for layer in range(3):
+        torch.testing.assert_close(store.read(flow, layer, ids)["kmin"], cache[layer, 0, ids].amin(1))
+    cache[:, 0, 2] -= 1.0
+    generation[2] += 1
+    store.refresh(flow, ids)
+    assert calls == [2, 2, 2, 1, 1, 1]
+    torch.testing.assert_close(store.read(flow, 1, ids)["kmin"], cache[1, 0, ids].amin(1))
 
 
 def test_flows_with_the_same_cache_stage_share_its_fields():

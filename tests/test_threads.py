@@ -98,3 +98,14 @@ def test_helper_thread_work_runs_on_that_thread_alone():
     worker.start()
     worker.join()
     assert seen == [1, 2]
+
+
+def test_small_ops_run_on_one_thread_inside_a_step_only():
+    """A sparse flow's block picks are many small ops: one thread, not a pool woken for each."""
+    with threads.step_threads(64):
+        assert torch.get_num_threads() == 2
+        with threads.small_ops():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    with threads.small_ops():  # outside a step: as it was
+        assert torch.get_num_threads() == 2

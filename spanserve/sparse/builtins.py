@@ -26,7 +26,8 @@ class BlockTopK(_Centroids):
     name = "block_topk"
 
     def forward_indexer(self, q, fields, state, ctx: IndexerContext):
-        scores = torch.einsum("hgd,bhd->b", q.float(), fields["centroid"])
+        # the sum over query rows of q.centroid, as one matrix-vector product
+        scores = fields["centroid"].flatten(1) @ q.float().sum(1).flatten()
         return select(scores, self, ctx)
 
 
@@ -45,11 +46,11 @@ class Quest(Flow):
 
     def forward_indexer(self, q, fields, state, ctx: IndexerContext):
         # sum_d max(q_d kmin_d, q_d kmax_d): kmax where q_d > 0, kmin where q_d < 0, as two
-        # matmuls instead of four [blocks, H, G, D] temporaries
-        q = q.float()  # [H, G, D]
-        bound = (torch.einsum("hgd,bhd->bhg", q.clamp(min=0), fields["kmax"])
-                 + torch.einsum("hgd,bhd->bhg", q.clamp(max=0), fields["kmin"]))
-        return select(bound.amax((1, 2)), self, ctx)
+        # batched matmuls per KV head instead of four [blocks, H, G, D] temporaries
+        q = q.float().transpose(1, 2)  # [H, D, G]
+        kmax, kmin = fields["kmax"].transpose(0, 1), fields["kmin"].transpose(0, 1)  # [H, B, D]
+        bound = torch.baddbmm(torch.bmm(kmin, q.clamp(max=0)), kmax, q.clamp(min=0))  # [H, B, G]
+        return select(bound.amax((0, 2)), self, ctx)
 
 
 class StreamingLLM(Flow):

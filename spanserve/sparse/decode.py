@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+from spanserve import threads
 from spanserve.attention.torch_ref import fold_query_heads
 from spanserve.errors import InvalidRequestError
 from spanserve.sparse.builtins import BUILTINS
@@ -56,33 +57,33 @@ class SparseStep:
 
     def __init__(self, fields: FieldStore, sequences: dict[int, SparseDecode], block_size: int):
         self.fields, self.sequences, self.block_size = fields, sequences, block_size
-        # each sequence's first query row and its position, the same in every layer
-        self._rows: list[int] | None = None
-        self._first: list[int] = []
+        self._plan: dict[int, tuple[slice, torch.Tensor, torch.Tensor]] | None = None
         for decode in sequences.values():
             decode.steps += 1
 
     def restrict(self, layer: int, q: torch.Tensor, meta):
         """`meta` with each sparse sequence's context narrowed to its flow's blocks at `layer`."""
-        if self._rows is None:  # the same in every layer
-            self._rows = torch.tensor([0, *meta.query_lens]).cumsum(0).tolist()
-            self._first = meta.positions[self._rows[:-1]].tolist() if meta.query_lens else []
-        narrowed = [i for i, decode in self.sequences.items() if self._narrows(i, decode, meta)]
+        with threads.small_ops():
+            return self._restricted(layer, q, meta)
+
+    def _restricted(self, layer: int, q: torch.Tensor, meta):
+        if self._plan is None:  # the same in every layer
+            self._plan = self._planned(meta)
+        narrowed = [i for i in self._plan if not self.sequences[i].error]
         if not narrowed:
             return meta
         tables, lens, first = meta.block_tables.clone(), list(meta.context_lens), list(meta.contiguous_from or [])
         positions, kv_heads = meta.positions, self.fields.kv_cache.shape[-2]
         changed = False
         for i in narrowed:
-            rows, own = slice(self._rows[i], self._rows[i + 1]), self._first[i] // self.block_size
-            chosen = self._choose(self.sequences[i], layer, fold_query_heads(q[rows], kv_heads), tables[i, :own], own)
+            rows, before, own = self._plan[i]
+            chosen = self._choose(self.sequences[i], layer, fold_query_heads(q[rows], kv_heads), before)
             if chosen is None:
                 continue
             # the chosen blocks, then the blocks of the step's own queries (the newest token's at decode)
-            picked = torch.cat([chosen.to(tables.device), torch.arange(own, (lens[i] - 1) // self.block_size + 1,
-                                                                        device=tables.device)])
+            picked = torch.cat([chosen.to(tables.device), own])
             tables[i, :len(picked)] = meta.block_tables[i, picked]
-            shift = (len(chosen) - own) * self.block_size
+            shift = (len(chosen) - len(before)) * self.block_size
             lens[i] += shift
             if meta.query_lens[i] > 1:  # a prefill chunk's causal mask, in the shorter context
                 positions = positions.clone() if positions is meta.positions else positions
@@ -96,23 +97,43 @@ class SparseStep:
                                    context_lens_tensor=torch.tensor(lens, device=meta.context_lens_tensor.device),
                                    positions=positions, derived={})
 
-    def _narrows(self, i: int, decode: SparseDecode, meta) -> bool:
+    def _planned(self, meta) -> dict[int, tuple[slice, torch.Tensor, torch.Tensor]]:
+        """For each sequence that narrows: its query rows, the block ids before its queries (fields
+        refreshed at every layer) and the indices of its queries' own blocks."""
+        bounds = torch.tensor([0, *meta.query_lens]).cumsum(0).tolist()
+        firsts = meta.positions[bounds[:-1]].tolist() if meta.query_lens else []
+        plan = {}
+        for i, decode in self.sequences.items():
+            num = firsts[i] // self.block_size  # full blocks before the queries
+            if not self._narrows(i, decode, num, meta):
+                continue
+            before = meta.block_tables[i, :num]
+            try:
+                self.fields.refresh(decode.flow, before)
+            except Exception as exc:  # a user's forward_cache: as a failing indexer (_choose)
+                decode.error = f"sparse flow {decode.flow.name!r} failed computing its fields: {exc}"
+                continue
+            own = torch.arange(num, (meta.context_lens[i] - 1) // self.block_size + 1, device=before.device)
+            plan[i] = (slice(bounds[i], bounds[i + 1]), before, own)
+        return plan
+
+    def _narrows(self, i: int, decode: SparseDecode, num_blocks: int, meta) -> bool:
         """Whether sequence i attends to fewer blocks than its context: not when the blocks before
         its queries are fewer than NARROW_FROM budgets (selecting would cost more than it saves),
         its flow failed, or its keys need moving at every step."""
         if decode.error or (meta.key_rotation and meta.key_rotation[i] is not None) or \
                 (meta.span_share and meta.span_share[i] is not None):
             return False
-        return self._first[i] // self.block_size >= NARROW_FROM * decode.budget_blocks
+        return num_blocks >= NARROW_FROM * decode.budget_blocks
 
-    def _choose(self, decode: SparseDecode, layer: int, q: torch.Tensor, block_ids: torch.Tensor,
-                num_blocks: int) -> torch.Tensor | None:
+    def _choose(self, decode: SparseDecode, layer: int, q: torch.Tensor,
+                block_ids: torch.Tensor) -> torch.Tensor | None:
         """The flow's picks, checked; None (full attention this step) if it failed, which ends the
         request with the error after the step."""
-        kv_heads = self.fields.kv_cache.shape[-2]
+        kv_heads, num_blocks = self.fields.kv_cache.shape[-2], len(block_ids)
         ctx = IndexerContext(num_blocks, decode.budget_blocks, layer, decode.steps)
         try:
-            fields = self.fields.get(decode.flow, layer, block_ids)
+            fields = self.fields.read(decode.flow, layer, block_ids)
             chosen = decode.flow.forward_indexer(q.view(kv_heads, -1, q.shape[-1]), fields,
                                                  decode.state.setdefault(layer, {}), ctx)
             return _checked(chosen, num_blocks, decode.budget_blocks - 1)
@@ -125,8 +146,8 @@ def _checked(chosen, num_blocks: int, most: int) -> torch.Tensor:
     if not isinstance(chosen, torch.Tensor) or chosen.dim() != 1 or chosen.dtype.is_floating_point:
         raise ValueError("forward_indexer must return a 1-D integer tensor of block indices")
     chosen = chosen.long().unique()  # sorted
-    if len(chosen) and (chosen[0] < 0 or chosen[-1] >= num_blocks):
-        raise ValueError(f"block indices must be in [0, {num_blocks}), got {chosen.min()}..{chosen.max()}")
+    if len(chosen) and (int(chosen[0]) < 0 or int(chosen[-1]) >= num_blocks):
+        raise ValueError(f"block indices must be in [0, {num_blocks}), got {int(chosen[0])}..{int(chosen[-1])}")
     if len(chosen) > most:
         raise ValueError(f"{len(chosen)} blocks picked, the budget allows {most}")
     return chosen

@@ -27,21 +27,38 @@ class FieldStore:
 
     def get(self, flow, layer: int, block_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """`flow`'s fields of blocks `block_ids` at `layer` (float32), computing the missing or stale ones."""
+        self.refresh(flow, block_ids, layers=[layer])
+        return self.read(flow, layer, block_ids)
+
+    def refresh(self, flow, block_ids: torch.Tensor, layers: list[int] | None = None) -> None:
+        """Compute `flow`'s missing or stale fields of blocks `block_ids` at `layers` (all by
+        default). A step refreshes a sequence's blocks once for every layer: the blocks before its
+        queries are not rewritten while it runs, and one check costs what thirty did."""
         specs = flow.create_cache()
         if not specs:
-            return {}
+            return
         stage = self._stage(flow, specs)
-        fields = self.fields[stage]
-        ids = block_ids.cpu()
-        current = self.generation[ids]
-        stale = ids[self.computed[stage][layer, ids] != current]
-        if len(stale):
-            on_device = stale.to(block_ids.device)
+        ids, computed, fields = block_ids.cpu(), self.computed[stage], self.fields[stage]
+        layer_ids = torch.arange(len(computed)) if layers is None else torch.tensor(layers)
+        # index_select: a few times faster than advanced indexing on CPU
+        stale = computed.index_select(0, layer_ids).index_select(1, ids) != self.generation.index_select(0, ids)
+        if not stale.any():
+            return
+        for row in stale.any(1).nonzero().flatten().tolist():
+            layer, todo = int(layer_ids[row]), ids[stale[row]]
+            on_device = todo.to(block_ids.device)
             keys, values = self.kv_cache[layer, 0, on_device], self.kv_cache[layer, 1, on_device]
             for name, value in flow.forward_cache(keys, values).items():
                 fields[name][layer, on_device] = value.to(fields[name].dtype)
-            self.computed[stage][layer, stale] = self.generation[stale]
-        return {name: fields[name][layer, block_ids].float() for name in specs}
+            computed[layer, todo] = self.generation[todo]
+
+    def read(self, flow, layer: int, block_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`flow`'s fields of blocks `block_ids` at `layer` (float32) as last refreshed."""
+        specs = flow.create_cache()
+        if not specs:
+            return {}
+        fields = self.fields[self._stage(flow, specs)]
+        return {name: fields[name][layer].index_select(0, block_ids).float() for name in specs}
 
     def _stage(self, flow, specs: dict[str, tuple[int, ...]]) -> tuple:
         """The key of `flow`'s cache stage (what computes its fields, and their shapes), its

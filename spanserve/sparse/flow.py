@@ -64,14 +64,11 @@ class Flow:
 
 
 def select(scores: torch.Tensor, flow: Flow, ctx: IndexerContext) -> torch.Tensor:
-    """The sinks, the recent window, and the best-scoring other blocks up to the budget. `scores`
-    [B]: one per block (higher is more relevant)."""
-    num, sinks = ctx.num_blocks, flow.sink_blocks
-    keep = torch.zeros(num, dtype=torch.bool, device=scores.device)
-    keep[:sinks] = True
-    keep[max(0, num - flow.recent_blocks):] = True
-    room = ctx.budget_blocks - 1 - int(keep.sum())  # the newest block takes one
-    if room > 0:
-        scores = scores.masked_fill(keep, float("-inf"))
-        keep[scores.topk(min(room, num - int(keep.sum()))).indices] = True
-    return keep.nonzero().flatten()
+    """The sinks, the recent window, and the best-scoring other blocks up to the budget, in order.
+    `scores` [B]: one per block (higher is more relevant)."""
+    num, device = ctx.num_blocks, scores.device
+    sinks = min(flow.sink_blocks, num)
+    recent = max(sinks, num - flow.recent_blocks)  # the window's first block
+    room = min(ctx.budget_blocks - 1 - sinks - (num - recent), recent - sinks)  # the newest block takes one
+    best = scores[sinks:recent].topk(max(room, 0)).indices.sort().values + sinks
+    return torch.cat([torch.arange(sinks, device=device), best, torch.arange(recent, num, device=device)])
