@@ -273,7 +273,8 @@ class LLMEngine:
         layouts = [PromptLayout(len(token_ids), tp.spans, link, self.config.block_size, self.anchor)
                    for _ in range(params.n)]
         anchor_blocks = self.anchor.num_tokens // self.config.block_size if anchored else 0
-        self._validate_tokens(token_ids, params, anchor_blocks, layouts[0].probe_blocks())
+        self._validate_tokens(token_ids, params, anchor_blocks, layouts[0].probe_blocks(),
+                              checked=held.num_tokens if held else 0)
         request_id = request_id or f"req-{next(self._ids)}"
         flow = self._sparse_flow(params)
         children = []
@@ -305,13 +306,15 @@ class LLMEngine:
         return flow
 
     def _validate_tokens(self, token_ids: list[int], params: SamplingParams, reserved_blocks: int = 0,
-                         probe_blocks: int = 0) -> None:
+                         probe_blocks: int = 0, checked: int = 0) -> None:
         """A clear error now for a request that could never run; `reserved_blocks` are pinned for
-        good, `probe_blocks` the request holds beside its own until its link probe (pic/layout.py)."""
+        good, `probe_blocks` the request holds beside its own until its link probe (pic/layout.py).
+        The first `checked` tokens are known good (a session's data, held: a question costs what
+        its own tokens do, not a pass over the data)."""
         if not token_ids:
             raise EmptyPromptError()
         vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in itertools.islice(token_ids, checked, None)):
             raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab})")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be integers in [0, {vocab})")
