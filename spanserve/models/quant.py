@@ -38,7 +38,7 @@ INT4_PACKED_MAX_ROWS = 64
 # w8a8: input channels sharing one activation scale, and the output channels its kernel computes
 # together (csrc/int8_gemm.c's QBLOCK and TILE_PANELS x PANEL)
 W8A8_BLOCK = 64
-W8A8_TILE = 32
+W8A8_TILE = 64
 INT4_GROUP = 32  # input channels sharing one scale and offset
 INT4_LANES = 64  # a weight's rows are padded to this, a multiple of every packed layout's block
 
