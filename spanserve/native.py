@@ -23,7 +23,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "int8_gemm.c", CSRC / "f32_gemm.c",
-           CSRC / "layer_ops.c"]
+           CSRC / "layer_ops.c", CSRC / "block_pick.c"]
 HEADERS = [CSRC / "common.h"]
 # Compiled with -ffast-math (for glibc's vector expf), linked without it: gcc 12 links a shared
 # library built with it to code that sets flush-to-zero for the whole process at load.
@@ -103,4 +103,6 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     for entry in (lib.paged_decode, lib.paged_prefill, lib.int8_gemm, lib.f32_gemm, lib.rms_norm, lib.silu_mul,
                   lib.rope_store):
         entry.restype = i32
+    lib.centroid_topk.argtypes = [pointer, i32, pointer, i64, pointer] + [i64] * 4 + [pointer]
+    lib.centroid_topk.restype = i64
     return lib

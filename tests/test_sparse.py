@@ -275,3 +275,24 @@ def test_every_flow_runs_in_bfloat16(tiny_llama_path):
         out = llm.generate({"prompt_token_ids": random_prompt(400, seed=5)}, greedy(3, sparse=name, sparse_budget=96))
         assert out[0].outputs[0].finish_reason == "length", (name, out[0].outputs[0].stop_reason)
     assert_engine_idle(llm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_topk_picks_in_c_what_it_picks_in_torch(dtype):
+    """BlockTopK reads its centroids in place in one C call (csrc/block_pick.c); its picks are the
+    torch path's (forward_indexer over the fields read out), sinks and window included."""
+    from spanserve.attention import cpu_kernel
+    from spanserve.sparse.flow import IndexerContext
+
+    gen = torch.Generator().manual_seed(7)
+    cache = torch.randn(2, 2, 40, BS, KV_HEADS, DIM, generator=gen).to(dtype)
+    store, flow = FieldStore(cache, torch.zeros(40, dtype=torch.long)), BUILTINS["block_topk"]()
+    ids = torch.randperm(40, generator=gen)[:30]
+    store.refresh(flow, ids)
+    q = torch.randn(KV_HEADS, 3 * (HEADS // KV_HEADS), DIM, generator=gen)
+    assert cpu_kernel.centroid_topk(store.layer_field(flow, 1, "centroid"), ids, q.sum(1), 1, 4, 8) is not None
+    for budget, num in ((9, 30), (12, 30), (6, 30), (9, 7), (9, 3)):
+        ctx = IndexerContext(num, budget, 1, 1)
+        picks = flow.pick_blocks(q, store, 1, ids[:num], {}, ctx)
+        reference = flow.forward_indexer(q, store.read(flow, 1, ids[:num]), {}, ctx)
+        assert picks.tolist() == reference.tolist(), (budget, num)

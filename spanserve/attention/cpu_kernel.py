@@ -11,10 +11,17 @@ The prefill kernel is flash attention over the same blocks: the queries of a chu
 the keys up to its position, with no gathered copy of the context and no score matrix or mask
 (the torch path's two matmuls, mask and softmax passes over [queries x keys]).
 
+Warm-up: after half a millisecond or more without 512-bit vector work (Python, small torch ops),
+this machine's cores run the next kernel's first few hundred microseconds slowly (the wide units
+powered down): the same prefill call over 1,050 keys took 0.35 ms longer on one thread after a
+0.6 ms Python pause than back to back, and not after a pause of small matmuls (one-off timing,
+session 33). Work between a step's kernels is kept short for that too (sparse/builtins.py).
+
 Both come from spanserve's C library (spanserve/native.py), built on first use. Without a
 compiler, or with SPANSERVE_CPU_KERNELS=0, attention keeps the torch path; the reason is logged
 once. SPANSERVE_CPU_KERNELS=decode (or prefill, layer: models/layer_ops.py, gemm:
-models/layout.py) keeps the kernels it names and gives the others' work to the torch path, to compare them.
+models/layout.py, sparse: centroid_topk below) keeps the kernels it names and gives the others'
+work to the torch path, to compare them.
 """
 
 import ctypes
@@ -31,7 +38,7 @@ log = logging.getLogger(__name__)
 
 MAX_DIM = 512  # its merge buffer (paged_decode.c)
 
-KERNELS = ("decode", "prefill", "layer", "gemm")  # what SPANSERVE_CPU_KERNELS may name
+KERNELS = ("decode", "prefill", "layer", "gemm", "sparse")  # what SPANSERVE_CPU_KERNELS may name
 
 _lock = threading.Lock()
 _kernel: ctypes.CDLL | None = None  # the library, its entry points typed
@@ -89,6 +96,26 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   native.DTYPES[k_cache.dtype])
     _raise_on(status, "paged_prefill", q, k_cache)
     return out
+
+
+def centroid_topk(centroids: torch.Tensor, block_ids: torch.Tensor, q_sum: torch.Tensor, sinks: int, recent: int,
+                  slots: int) -> torch.Tensor | None:
+    """Block top-k's picks (csrc/block_pick.c): indices into block_ids [n] of the `sinks` first
+    blocks, the `recent` last and the best others by centroid . q_sum, `slots` in all at most,
+    in order; centroids [pool_blocks, kv_heads, D] (one layer's), q_sum [kv_heads, D]. None where
+    the kernel cannot run it: the caller then takes the torch path."""
+    if centroids.device.type != "cpu" or centroids.dtype not in native.DTYPES or not centroids.is_contiguous():
+        return None
+    kernel = load("sparse")
+    if kernel is None:
+        return None
+    ids, q_sum = block_ids.long().contiguous(), q_sum.float().contiguous()
+    out = torch.empty(len(ids), dtype=torch.long)
+    count = kernel.centroid_topk(centroids.data_ptr(), native.DTYPES[centroids.dtype], ids.data_ptr(), len(ids),
+                                 q_sum.data_ptr(), q_sum.numel(), sinks, recent, slots, out.data_ptr())
+    if count < 0:
+        raise RuntimeError(f"centroid_topk failed: {len(ids)} blocks of width {q_sum.numel()}")
+    return out[:count]
 
 
 def key_rotations(rotations: list[KeyRotation | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -7,6 +7,7 @@ its bound being per head).
 
 import torch
 
+from spanserve.attention import cpu_kernel
 from spanserve.sparse.flow import Flow, IndexerContext, select
 
 
@@ -29,6 +30,14 @@ class BlockTopK(_Centroids):
         # the sum over query rows of q.centroid, as one matrix-vector product
         scores = fields["centroid"].flatten(1) @ q.float().sum(1).flatten()
         return select(scores, self, ctx)
+
+    def pick_blocks(self, q, store, layer, block_ids, state, ctx: IndexerContext):
+        """forward_indexer's picks in one C call over the centroids where they are (on CPU): a
+        layer's picks in tens of microseconds, not half a millisecond of small ops, after which
+        the next kernel would also start slow (attention/cpu_kernel.py's note on warm-up)."""
+        picks = cpu_kernel.centroid_topk(store.layer_field(self, layer, "centroid"), block_ids, q.float().sum(1),
+                                         self.sink_blocks, self.recent_blocks, ctx.budget_blocks - 1)
+        return picks if picks is not None else super().pick_blocks(q, store, layer, block_ids, state, ctx)
 
 
 class Quest(Flow):

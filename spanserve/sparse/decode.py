@@ -133,9 +133,8 @@ class SparseStep:
         kv_heads, num_blocks = self.fields.kv_cache.shape[-2], len(block_ids)
         ctx = IndexerContext(num_blocks, decode.budget_blocks, layer, decode.steps)
         try:
-            fields = self.fields.read(decode.flow, layer, block_ids)
-            chosen = decode.flow.forward_indexer(q.view(kv_heads, -1, q.shape[-1]), fields,
-                                                 decode.state.setdefault(layer, {}), ctx)
+            chosen = decode.flow.pick_blocks(q.view(kv_heads, -1, q.shape[-1]), self.fields, layer, block_ids,
+                                             decode.state.setdefault(layer, {}), ctx)
             return _checked(chosen, num_blocks, decode.budget_blocks - 1)
         except Exception as exc:  # a user's flow: the request fails, the batch goes on
             decode.error = f"sparse flow {decode.flow.name!r} failed at layer {layer}: {exc}"

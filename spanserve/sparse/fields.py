@@ -60,6 +60,11 @@ class FieldStore:
         fields = self.fields[self._stage(flow, specs)]
         return {name: fields[name][layer].index_select(0, block_ids).float() for name in specs}
 
+    def layer_field(self, flow, layer: int, name: str) -> torch.Tensor:
+        """Field `name` of every block of the pool at `layer` ([pool_blocks, kv_heads, *shape], in
+        the cache's dtype), for a flow that reads it in place; current for the blocks refreshed."""
+        return self.fields[self._stage(flow, flow.create_cache())][name][layer]
+
     def _stage(self, flow, specs: dict[str, tuple[int, ...]]) -> tuple:
         """The key of `flow`'s cache stage (what computes its fields, and their shapes), its
         tensors allocated on first use."""

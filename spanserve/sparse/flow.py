@@ -52,6 +52,13 @@ class Flow:
                         ctx: IndexerContext) -> torch.Tensor:
         raise NotImplementedError
 
+    def pick_blocks(self, q: torch.Tensor, store, layer: int, block_ids: torch.Tensor, state: dict,
+                    ctx: IndexerContext) -> torch.Tensor:
+        """The engine's call at each step and layer: the fields of blocks `block_ids` read from
+        `store` (fields.py, refreshed this step), then forward_indexer. A flow may read its fields
+        in place instead (BlockTopK: one C call)."""
+        return self.forward_indexer(q, store.read(self, layer, block_ids), state, ctx)
+
     def min_budget_blocks(self) -> int:
         """The fewest blocks a budget must allow: the sinks, the recent window and the newest block."""
         return self.sink_blocks + self.recent_blocks + 1
