@@ -296,3 +296,20 @@ def test_block_topk_picks_in_c_what_it_picks_in_torch(dtype):
         picks = flow.pick_blocks(q, store, 1, ids[:num], {}, ctx)
         reference = flow.forward_indexer(q, store.read(flow, 1, ids[:num]), {}, ctx)
         assert picks.tolist() == reference.tolist(), (budget, num)
+
+
+def test_a_block_topk_subclass_with_its_own_indexer_runs_it():
+    """The C picks stand in for BlockTopK's own forward_indexer only: a subclass's runs as written."""
+    from spanserve.sparse.flow import IndexerContext
+
+    class Last(BUILTINS["block_topk"]):
+        name = "last_blocks"
+
+        def forward_indexer(self, q, fields, state, ctx):
+            return torch.arange(ctx.num_blocks - ctx.budget_blocks + 1, ctx.num_blocks)
+
+    cache = torch.randn(1, 2, 40, BS, KV_HEADS, DIM)
+    store, flow, ids = FieldStore(cache, torch.zeros(40, dtype=torch.long)), Last(), torch.arange(30)
+    store.refresh(flow, ids)
+    q = torch.randn(KV_HEADS, HEADS // KV_HEADS, DIM)
+    assert flow.pick_blocks(q, store, 0, ids, {}, IndexerContext(30, 9, 0, 1)).tolist() == list(range(22, 30))

@@ -1,9 +1,9 @@
 /* Block top-k's picks in one call per layer (sparse/builtins.py, BlockTopK): each block's score is
  * its centroid (mean key, per KV head) against the sum of the step's queries of that KV head,
  * summed over KV heads; the `sinks` first blocks, the `recent` last and the best-scoring blocks
- * between them are picked, `slots` in all at most, in order (flow.py's select). In torch the same is a gather of the centroids, a matrix-vector
- * product, a top-k and a sort (about 0.5 ms a layer of Python and small ops); here the centroids
- * are read in place, one block after another.
+ * between them are picked, `slots` in all at most, in order (flow.py's select). In torch the
+ * same is a gather of the centroids, a matrix-vector product, a top-k and a sort (about 0.5 ms a
+ * layer of Python and small ops); here the centroids are read in place, one block after another.
  *
  * Layouts: centroids [pool_blocks][width] float32 (dtype 0) or bfloat16 (1), one layer's, width =
  * KV heads x head dim; block_ids [num_blocks] int64 rows of it; q_sum [width] float32; out

@@ -35,8 +35,10 @@ class BlockTopK(_Centroids):
         """forward_indexer's picks in one C call over the centroids where they are (on CPU): a
         layer's picks in tens of microseconds, not half a millisecond of small ops, after which
         the next kernel would also start slow (attention/cpu_kernel.py's note on warm-up)."""
-        picks = cpu_kernel.centroid_topk(store.layer_field(self, layer, "centroid"), block_ids, q.float().sum(1),
-                                         self.sink_blocks, self.recent_blocks, ctx.budget_blocks - 1)
+        picks = None
+        if type(self).forward_indexer is BlockTopK.forward_indexer:  # a subclass's own indexer runs as written
+            picks = cpu_kernel.centroid_topk(store.layer_field(self, layer, "centroid"), block_ids, q.float().sum(1),
+                                             self.sink_blocks, self.recent_blocks, ctx.budget_blocks - 1)
         return picks if picks is not None else super().pick_blocks(q, store, layer, block_ids, state, ctx)
 
 
