@@ -102,7 +102,7 @@ def test_helper_thread_work_runs_on_that_thread_alone():
 
 def test_small_ops_run_on_one_thread_inside_a_step_only():
     """A sparse flow's block picks are many small ops: one thread, not a pool woken for each."""
-    with threads.step_threads(64):
+    with threads.step_threads(threads.STEP_MIN_TOKENS):  # a step that takes the pool, spinning or not
         assert torch.get_num_threads() == 2
         with threads.small_ops():
             assert torch.get_num_threads() == 1
