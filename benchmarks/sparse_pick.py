@@ -44,10 +44,9 @@ def run(args: argparse.Namespace) -> dict:
     session.wait()
     params = SamplingParams(temperature=0, max_tokens=1, sparse="block_topk", sparse_budget=args.budget,
                             sparse_prefill=True)
-    kernels = cpu_kernel.load() and cpu_kernel._allowed
-    if not kernels or "sparse" not in kernels:
+    if cpu_kernel.load("sparse") is None:
         raise SystemExit("the C picks are not available here (no compiler, or SPANSERVE_CPU_KERNELS leaves them out)")
-    allowed = {"c": kernels, "torch": kernels - {"sparse"}}
+    allowed = {"c": set(cpu_kernel.KERNELS), "torch": set(cpu_kernel.KERNELS) - {"sparse"}}
     picking, restrict = [0.0], SparseStep.restrict
 
     def timed_restrict(self, *a):
@@ -64,14 +63,14 @@ def run(args: argparse.Namespace) -> dict:
     try:
         for _ in range(args.rounds + 1):  # the first round warms both paths and is not kept
             for path in PATHS:
-                cpu_kernel._allowed = allowed[path]
-                for question in QUESTIONS:
-                    picking[0], start = 0.0, time.perf_counter()
-                    answers[path].append(session.query(question + " ", params).text)
-                    latency[path].append(time.perf_counter() - start)
-                    picks[path].append(picking[0])
+                with cpu_kernel.only_kernels(allowed[path]):
+                    for question in QUESTIONS:
+                        picking[0], start = 0.0, time.perf_counter()
+                        answers[path].append(session.query(question + " ", params).text)
+                        latency[path].append(time.perf_counter() - start)
+                        picks[path].append(picking[0])
     finally:
-        SparseStep.restrict, cpu_kernel._allowed = restrict, kernels
+        SparseStep.restrict = restrict
     kept = slice(len(QUESTIONS), None)
     row = {p: {"question_ms": statistics.median(latency[p][kept]) * 1000,
                "picking_ms": statistics.median(picks[p][kept]) * 1000} for p in PATHS}

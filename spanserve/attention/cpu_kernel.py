@@ -28,6 +28,7 @@ import ctypes
 import logging
 import os
 import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -158,6 +159,20 @@ def load(name: str | None = None):
                 _tried = True  # after _kernel: a thread that sees it set sees the kernel too
     # decided: no lock on the hot path (every attention layer asks)
     return _kernel if name is None or name in _allowed else None
+
+
+@contextmanager
+def only_kernels(names: set[str]):
+    """Within: of the kernels allowed, only `names` run; the others' work takes the torch path (to
+    compare the two in one process: benchmarks/sparse_pick.py). Not for use while another thread steps."""
+    global _allowed
+    load()
+    before = _allowed
+    _allowed = before & frozenset(names)
+    try:
+        yield
+    finally:
+        _allowed = before
 
 
 def _kernels_allowed(value: str) -> frozenset[str]:
