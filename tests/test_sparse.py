@@ -220,24 +220,13 @@ def test_a_user_flow_loads_by_dotted_path(tiny_llama_path, monkeypatch):
     assert len((ROOT / "examples/sparse_flow.py").read_text().splitlines()) <= 30
 
 
-def test_fields_are_computed_once_per_block_and_again_after_a_rewrite():
-    cache = torch.randn(2, 2, 4, BS, KV_HEADS, DIM)
-    generation = torch.zeros(4, dtype=torch.long)
-    store, flow, calls = FieldStore(cache, generation), Quest(), []
-    original = flow.forward_cache
-    flow.forward_cache = lambda k, v: calls.append(len(k)) or original(k, v)
-    ids = torch.tensor([0, 2])
-    first = store.get(flow, 1, ids)
-    again = store.get(flow, 1, ids)
-    assert calls == [2] and torch.equal(first["kmax"], again["kmax"])
-    torch.testing.assert_close(first["kmax"], cache[1, 0, ids].amax(1))
-    cache[1, 0, 2] += 1.0
-    generation[2] += 1  # the pool saw it rewritten
-    assert calls == [2] and torch.equal(store.get(flow, 1, ids)["kmax"][1], cache[1, 0, 2].amax(0))
-    assert calls == [2, 1]
+def _fields(store, flow, layer, ids):
+    """`flow`'s fields of blocks `ids` at `layer`, as a step reads them: refreshed, then read."""
+    store.refresh(flow, ids)
+    return store.read(flow, layer, ids)
 
 
-def test_a_refresh_computes_the_stale_fields_of_every_layer_once():
+def test_fields_are_computed_once_per_block_and_layer_and_again_after_a_rewrite():
     """A step refreshes a sequence's blocks once for all layers; each layer then only reads."""
     cache = torch.randn(3, 2, 4, BS, KV_HEADS, DIM)
     generation = torch.zeros(4, dtype=torch.long)
@@ -245,26 +234,26 @@ def test_a_refresh_computes_the_stale_fields_of_every_layer_once():
     original = flow.forward_cache
     flow.forward_cache = lambda k, v: calls.append(len(k)) or original(k, v)
     ids = torch.tensor([0, 2])
-    store.refresh(flow, ids)
-    store.refresh(flow, ids)
-    assert calls == [2, 2, 2]
+    first = _fields(store, flow, 1, ids)
+    again = _fields(store, flow, 1, ids)
+    assert calls == [2, 2, 2] and torch.equal(first["kmax"], again["kmax"])
     for layer in range(3):
         torch.testing.assert_close(store.read(flow, layer, ids)["kmin"], cache[layer, 0, ids].amin(1))
-    cache[:, 0, 2] -= 1.0
-    generation[2] += 1
-    store.refresh(flow, ids)
+    torch.testing.assert_close(first["kmax"], cache[1, 0, ids].amax(1))
+    cache[:, 0, 2] += 1.0
+    generation[2] += 1  # the pool saw it rewritten
+    assert calls == [2, 2, 2] and torch.equal(_fields(store, flow, 1, ids)["kmax"][1], cache[1, 0, 2].amax(0))
     assert calls == [2, 2, 2, 1, 1, 1]
-    torch.testing.assert_close(store.read(flow, 1, ids)["kmin"], cache[1, 0, ids].amin(1))
 
 
 def test_flows_with_the_same_cache_stage_share_its_fields():
     cache = torch.randn(2, 2, 4, BS, KV_HEADS, DIM)
     store, ids = FieldStore(cache, torch.zeros(4, dtype=torch.long)), torch.tensor([1, 3])
     topk, h2o, calls = BUILTINS["block_topk"](), BUILTINS["h2o"](), []
-    first = store.get(topk, 0, ids)
+    first = _fields(store, topk, 0, ids)
     h2o.forward_cache = lambda k, v: calls.append(len(k)) or {}
-    assert torch.equal(store.get(h2o, 0, ids)["centroid"], first["centroid"]) and calls == []
-    assert len(store.fields) == 1 and set(store.get(Quest(), 0, ids)) == {"kmin", "kmax"}
+    assert torch.equal(_fields(store, h2o, 0, ids)["centroid"], first["centroid"]) and calls == []
+    assert len(store.fields) == 1 and set(_fields(store, Quest(), 0, ids)) == {"kmin", "kmax"}
 
 
 def test_every_flow_runs_in_bfloat16(tiny_llama_path):

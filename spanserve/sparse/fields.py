@@ -26,27 +26,21 @@ class FieldStore:
         self.fields: dict[tuple, dict[str, torch.Tensor]] = {}  # stage -> field name -> tensor
         self.computed: dict[tuple, torch.Tensor] = {}  # stage -> [layers, num_blocks] generation, -1: none
 
-    def get(self, flow, layer: int, block_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """`flow`'s fields of blocks `block_ids` at `layer` (float32), computing the missing or stale ones."""
-        self.refresh(flow, block_ids, layers=[layer])
-        return self.read(flow, layer, block_ids)
-
-    def refresh(self, flow, block_ids: torch.Tensor, layers: list[int] | None = None) -> None:
-        """Compute `flow`'s missing or stale fields of blocks `block_ids` at `layers` (all by
-        default). A step refreshes a sequence's blocks once for every layer: the blocks before its
-        queries are not rewritten while it runs, and one check costs what thirty did."""
+    def refresh(self, flow, block_ids: torch.Tensor) -> None:
+        """Compute `flow`'s missing or stale fields of blocks `block_ids` at every layer. A step
+        refreshes a sequence's blocks once for all its layers: the blocks before its queries are
+        not rewritten while it runs, and one check costs what thirty did."""
         specs = flow.create_cache()
         if not specs:
             return
         stage = self._stage(flow, specs)
         ids, computed, fields = block_ids.cpu(), self.computed[stage], self.fields[stage]
-        layer_ids = torch.arange(len(computed)) if layers is None else torch.tensor(layers)
         # index_select: a few times faster than advanced indexing on CPU
-        stale = computed.index_select(0, layer_ids).index_select(1, ids) != self.generation.index_select(0, ids)
+        stale = computed.index_select(1, ids) != self.generation.index_select(0, ids)  # [layers, blocks]
         if not stale.any():
             return
-        for row in stale.any(1).nonzero().flatten().tolist():
-            layer, todo = int(layer_ids[row]), ids[stale[row]]
+        for layer in stale.any(1).nonzero().flatten().tolist():
+            todo = ids[stale[layer]]
             on_device = todo.to(block_ids.device)
             keys, values = self.kv_cache[layer, 0, on_device], self.kv_cache[layer, 1, on_device]
             for name, value in flow.forward_cache(keys, values).items():
