@@ -236,14 +236,32 @@ def test_fields_are_computed_once_per_block_and_layer_and_again_after_a_rewrite(
     ids = torch.tensor([0, 2])
     first = _fields(store, flow, 1, ids)
     again = _fields(store, flow, 1, ids)
-    assert calls == [2, 2, 2] and torch.equal(first["kmax"], again["kmax"])
+    assert calls == [6] and torch.equal(first["kmax"], again["kmax"])  # both blocks at the 3 layers, at once
     for layer in range(3):
         torch.testing.assert_close(store.read(flow, layer, ids)["kmin"], cache[layer, 0, ids].amin(1))
     torch.testing.assert_close(first["kmax"], cache[1, 0, ids].amax(1))
     cache[:, 0, 2] += 1.0
     generation[2] += 1  # the pool saw it rewritten
-    assert calls == [2, 2, 2] and torch.equal(_fields(store, flow, 1, ids)["kmax"][1], cache[1, 0, 2].amax(0))
-    assert calls == [2, 2, 2, 1, 1, 1]
+    assert calls == [6] and torch.equal(_fields(store, flow, 1, ids)["kmax"][1], cache[1, 0, 2].amax(0))
+    assert calls == [6, 3]
+    torch.testing.assert_close(store.read(flow, 2, ids)["kmin"], cache[2, 0, ids].amin(1))  # each layer's own
+
+
+def test_a_large_refresh_is_cut_into_calls_of_at_most_refresh_blocks(monkeypatch):
+    """A session's first question refreshes thousands of blocks at every layer: their keys are
+    copied out for forward_cache a bounded number at a time."""
+    from spanserve.sparse import fields
+
+    monkeypatch.setattr(fields, "REFRESH_BLOCKS", 4)
+    cache = torch.randn(3, 2, 4, BS, KV_HEADS, DIM)
+    store, flow, calls = FieldStore(cache, torch.zeros(4, dtype=torch.long)), Quest(), []
+    original = flow.forward_cache
+    flow.forward_cache = lambda k, v: calls.append(len(k)) or original(k, v)
+    ids = torch.tensor([3, 1])
+    store.refresh(flow, ids)
+    assert calls == [4, 2]  # layers 0-1, then layer 2
+    for layer in range(3):
+        torch.testing.assert_close(store.read(flow, layer, ids)["kmax"], cache[layer, 0, ids].amax(1))
 
 
 def test_flows_with_the_same_cache_stage_share_its_fields():
@@ -278,8 +296,8 @@ def test_block_topk_picks_in_c_what_it_picks_in_torch(dtype):
     store, flow = FieldStore(cache, torch.zeros(40, dtype=torch.long)), BUILTINS["block_topk"]()
     ids = torch.randperm(40, generator=gen)[:30]
     store.refresh(flow, ids)
-    q = torch.randn(KV_HEADS, 3 * (HEADS // KV_HEADS), DIM, generator=gen)
-    assert cpu_kernel.centroid_topk(store.layer_field(flow, 1, "centroid"), ids, q.sum(1), 1, 4, 8) is not None
+    q = torch.randn(KV_HEADS, 3 * (HEADS // KV_HEADS), DIM, generator=gen).to(dtype)  # a bf16 model's queries
+    assert cpu_kernel.centroid_topk(store.layer_field(flow, 1, "centroid"), ids, q, 1, 4, 8) is not None
     for budget, num in ((9, 30), (12, 30), (6, 30), (9, 7), (9, 3)):
         ctx = IndexerContext(num, budget, 1, 1)
         picks = flow.pick_blocks(q, store, 1, ids[:num], {}, ctx)

@@ -99,23 +99,27 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-def centroid_topk(centroids: torch.Tensor, block_ids: torch.Tensor, q_sum: torch.Tensor, sinks: int, recent: int,
+def centroid_topk(centroids: torch.Tensor, block_ids: torch.Tensor, q: torch.Tensor, sinks: int, recent: int,
                   slots: int) -> torch.Tensor | None:
     """Block top-k's picks (csrc/block_pick.c): indices into block_ids [n] of the `sinks` first
-    blocks, the `recent` last and the best others by centroid . q_sum, `slots` in all at most,
-    in order; centroids [pool_blocks, kv_heads, D] (one layer's), q_sum [kv_heads, D]. None where
-    the kernel cannot run it: the caller then takes the torch path."""
-    if centroids.device.type != "cpu" or centroids.dtype not in native.DTYPES or not centroids.is_contiguous():
+    blocks, the `recent` last and the best others by centroid . (q summed over its rows), `slots`
+    in all at most, in order; centroids [pool_blocks, kv_heads, D] (one layer's), q [kv_heads,
+    rows, D] (flow.py's folded queries). None where the kernel cannot run it: the caller then
+    takes the torch path."""
+    if centroids.device.type != "cpu" or centroids.dtype not in native.DTYPES or not centroids.is_contiguous() \
+            or q.dtype not in native.DTYPES:
         return None
     kernel = load("sparse")
     if kernel is None:
         return None
-    ids, q_sum = block_ids.long().contiguous(), q_sum.float().contiguous()
-    out = torch.empty(len(ids), dtype=torch.long)
-    count = kernel.centroid_topk(centroids.data_ptr(), native.DTYPES[centroids.dtype], ids.data_ptr(), len(ids),
-                                 q_sum.data_ptr(), q_sum.numel(), sinks, recent, slots, out.data_ptr())
+    ids, q = block_ids.long().contiguous(), q.contiguous()
+    (num,), (kv_heads, rows, dim) = ids.shape, q.shape
+    out = torch.empty(num, dtype=torch.long)
+    count = kernel.centroid_topk(centroids.data_ptr(), native.DTYPES[centroids.dtype], ids.data_ptr(), num,
+                                 q.data_ptr(), native.DTYPES[q.dtype], kv_heads, rows, dim, sinks, recent, slots,
+                                 out.data_ptr())
     if count < 0:
-        raise RuntimeError(f"centroid_topk failed: {len(ids)} blocks of width {q_sum.numel()}")
+        raise RuntimeError(f"centroid_topk failed: {num} blocks, queries {tuple(q.shape)}")
     return out[:count]
 
 

@@ -151,14 +151,15 @@ def _prefill_plan(meta: AttentionMetadata, starts: list[int], device):
                   if q_len > 1 and (meta.span_share is None or meta.span_share[i] is None)]
         plan = None
         if chunks:
-            whole = len(chunks) == len(meta.query_lens)
-            rows = None if whole else _rows_of(chunks, starts, device)
-            index = torch.tensor(chunks, device=meta.block_tables.device)
             query_starts = torch.tensor([0, *(meta.query_lens[i] for i in chunks)]).cumsum(0)
-            plan = (chunks, rows, meta.block_tables[index].contiguous(), query_starts,
-                    meta.positions if whole else meta.positions[rows].contiguous(),
-                    torch.tensor([meta.context_lens[i] for i in chunks]),
-                    sum(meta.query_lens[i] * meta.context_lens[i] for i in chunks))
+            work = sum(meta.query_lens[i] * meta.context_lens[i] for i in chunks)
+            if len(chunks) == len(meta.query_lens):  # the whole step (a sparse step: at every layer)
+                plan = (chunks, None, meta.block_tables, query_starts, meta.positions, meta.context_lens_tensor, work)
+            else:
+                rows = _rows_of(chunks, starts, device)
+                index = torch.tensor(chunks, device=meta.block_tables.device)
+                plan = (chunks, rows, meta.block_tables[index].contiguous(), query_starts,
+                        meta.positions[rows].contiguous(), torch.tensor([meta.context_lens[i] for i in chunks]), work)
         meta.derived[key] = plan
     return meta.derived[key]
 

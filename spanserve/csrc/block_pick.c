@@ -6,8 +6,9 @@
  * layer of Python and small ops); here the centroids are read in place, one block after another.
  *
  * Layouts: centroids [pool_blocks][width] float32 (dtype 0) or bfloat16 (1), one layer's, width =
- * KV heads x head dim; block_ids [num_blocks] int64 rows of it; q_sum [width] float32; out
- * [num_blocks] int64. Returns how many indices (into block_ids) it wrote, or -1 for bad sizes.
+ * KV heads x head dim; block_ids [num_blocks] int64 rows of it; q [kv_heads][rows][dim], the
+ * step's queries folded by KV head (q_dtype 0 or 1), summed over rows here; out [num_blocks] int64.
+ * Returns how many indices (into block_ids) it wrote, or -1 for bad sizes or no memory.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -54,15 +55,36 @@ static float score(const void *centroids, int dtype, int64_t row, const float *q
     return sum;
 }
 
+/* The sum over rows of each KV head's queries, [kv_heads][dim] as float32. */
+static float *query_sum(const void *q, int q_dtype, int64_t kv_heads, int64_t rows, int64_t dim) {
+    float *sum = calloc(kv_heads * dim, sizeof(float)), row[512];
+    if (sum == NULL) return NULL;
+    for (int64_t h = 0; h < kv_heads; h++)
+        for (int64_t r = 0; r < rows; r++) {
+            load_floats(q, (h * rows + r) * dim, (int)dim, q_dtype, row);
+            for (int64_t d = 0; d < dim; d++) sum[h * dim + d] += row[d];
+        }
+    return sum;
+}
+
 int64_t centroid_topk(const void *centroids, int dtype, const int64_t *block_ids, int64_t num_blocks,
-                      const float *q_sum, int64_t width, int64_t sinks, int64_t recent, int64_t slots, int64_t *out) {
-    if (num_blocks < 0 || width <= 0 || sinks < 0 || recent < 0 || (dtype != 0 && dtype != 1)) return -1;
+                      const void *q, int q_dtype, int64_t kv_heads, int64_t rows, int64_t dim, int64_t sinks,
+                      int64_t recent, int64_t slots, int64_t *out) {
+    int64_t width = kv_heads * dim;
+    if (num_blocks < 0 || kv_heads <= 0 || rows < 0 || dim <= 0 || dim > 512 || sinks < 0 || recent < 0 ||
+        (dtype != 0 && dtype != 1) || (q_dtype != 0 && q_dtype != 1))
+        return -1;
     int64_t first = sinks < num_blocks ? sinks : num_blocks;                    /* the middle's first block */
     int64_t last = num_blocks - recent > first ? num_blocks - recent : first;  /* the window's first block */
     int64_t room = slots - first - (num_blocks - last), take = room < last - first ? room : last - first;
     if (take < 0) take = 0;
     Scored *heap = malloc((take ? take : 1) * sizeof(Scored));
-    if (heap == NULL) return -1;
+    float *q_sum = query_sum(q, q_dtype, kv_heads, rows, dim);
+    if (heap == NULL || q_sum == NULL) {
+        free(heap);
+        free(q_sum);
+        return -1;
+    }
     int64_t size = 0;
     for (int64_t i = first; i < last && take > 0; i++) {
         if (i + 4 < last) { /* the rows are scattered over the pool: fetch ahead */
@@ -85,5 +107,6 @@ int64_t centroid_topk(const void *centroids, int dtype, const int64_t *block_ids
     for (int64_t i = 0; i < size; i++) out[n++] = heap[i].index;
     for (int64_t i = last; i < num_blocks; i++) out[n++] = i;
     free(heap);
+    free(q_sum);
     return n;
 }

@@ -37,7 +37,7 @@ class BlockTopK(_Centroids):
         the next kernel would also start slow (attention/cpu_kernel.py's note on warm-up)."""
         picks = None
         if type(self).forward_indexer is BlockTopK.forward_indexer:  # a subclass's own indexer runs as written
-            picks = cpu_kernel.centroid_topk(store.layer_field(self, layer, "centroid"), block_ids, q.float().sum(1),
+            picks = cpu_kernel.centroid_topk(store.layer_field(self, layer, "centroid"), block_ids, q,
                                              self.sink_blocks, self.recent_blocks, ctx.budget_blocks - 1)
         return picks if picks is not None else super().pick_blocks(q, store, layer, block_ids, state, ctx)
 

@@ -17,6 +17,7 @@ import dataclasses
 import importlib
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -52,12 +53,22 @@ class SparseDecode:
         return (num_queries == 1 and samples) or (self.prefill and num_queries <= PREFILL_QUERIES)
 
 
+class _Narrowing(NamedTuple):
+    """A sequence the step narrows: its query rows, the ids of the blocks before its queries and
+    of its queries' own blocks."""
+
+    rows: slice
+    before: torch.Tensor
+    own: torch.Tensor
+
+
 class SparseStep:
     """The sparse sequences of one step (batch index -> SparseDecode)."""
 
     def __init__(self, fields: FieldStore, sequences: dict[int, SparseDecode], block_size: int):
         self.fields, self.sequences, self.block_size = fields, sequences, block_size
-        self._plan: dict[int, tuple[slice, torch.Tensor, torch.Tensor]] | None = None
+        self._plan: dict[int, _Narrowing] | None = None
+        self._shapes: dict[tuple, tuple] = {}  # the narrowed lengths -> what follows from them
         for decode in sequences.values():
             decode.steps += 1
 
@@ -72,35 +83,50 @@ class SparseStep:
         narrowed = [i for i in self._plan if not self.sequences[i].error]
         if not narrowed:
             return meta
-        tables, lens, first = meta.block_tables.clone(), list(meta.context_lens), list(meta.contiguous_from or [])
-        positions, kv_heads = meta.positions, self.fields.kv_cache.shape[-2]
-        changed = False
+        tables, lens, done = meta.block_tables.clone(), list(meta.context_lens), []
+        kv_heads = self.fields.kv_cache.shape[-2]
         for i in narrowed:
-            rows, before, own = self._plan[i]
-            chosen = self._choose(self.sequences[i], layer, fold_query_heads(q[rows], kv_heads), before)
+            seq = self._plan[i]
+            chosen = self._choose(self.sequences[i], layer, fold_query_heads(q[seq.rows], kv_heads), seq.before)
             if chosen is None:
                 continue
             # the chosen blocks, then the blocks of the step's own queries (the newest token's at decode)
-            picked = torch.cat([chosen.to(tables.device), own])
-            tables[i, :len(picked)] = meta.block_tables[i, picked]
-            shift = (len(chosen) - len(before)) * self.block_size
-            lens[i] += shift
-            if meta.query_lens[i] > 1:  # a prefill chunk's causal mask, in the shorter context
-                positions = positions.clone() if positions is meta.positions else positions
-                positions[rows] += shift
-            if first:
-                first[i] = None
-            changed = True
-        if not changed:
+            picked = torch.cat([seq.before.index_select(0, chosen.to(tables.device)), seq.own])
+            tables[i, :picked.shape[0]] = picked  # (shape, not len(): Tensor.__len__ is Python, 30 calls a step)
+            lens[i] += (chosen.shape[0] - seq.before.shape[0]) * self.block_size
+            done.append(i)
+        if not done:
             return meta
-        return dataclasses.replace(meta, block_tables=tables, context_lens=lens, contiguous_from=first or None,
-                                   context_lens_tensor=torch.tensor(lens, device=meta.context_lens_tensor.device),
-                                   positions=positions, derived={})
+        lens, first, lens_tensor, positions = self._shaped(meta, lens, done)
+        return dataclasses.replace(meta, block_tables=tables, context_lens=lens, contiguous_from=first,
+                                   context_lens_tensor=lens_tensor, positions=positions, derived={})
 
-    def _planned(self, meta) -> dict[int, tuple[slice, torch.Tensor, torch.Tensor]]:
-        """For each sequence that narrows: its query rows, the block ids before its queries (fields
-        refreshed at every layer) and the indices of its queries' own blocks."""
-        bounds = torch.tensor([0, *meta.query_lens]).cumsum(0).tolist()
+    def _shaped(self, meta, lens: list[int], done: list[int]) -> tuple:
+        """What narrowing sequences `done` to context lengths `lens` changes besides the tables:
+        the lengths as a tensor, the first blocks (no longer a run of ids) and the positions of
+        prefill chunks' queries (their causal mask, in the shorter context). A flow picks as many
+        blocks at every layer, as a rule: made once per step, not thirty times."""
+        key = (*lens, *done)
+        if key not in self._shapes:
+            positions, bounds = meta.positions, self._bounds(meta)
+            for i in done:
+                if meta.query_lens[i] > 1 and lens[i] != meta.context_lens[i]:
+                    positions = positions.clone() if positions is meta.positions else positions
+                    positions[bounds[i]:bounds[i + 1]] += lens[i] - meta.context_lens[i]
+            first = None
+            if meta.contiguous_from:
+                first = [None if i in done else f for i, f in enumerate(meta.contiguous_from)]
+            self._shapes[key] = (lens, first, torch.tensor(lens, device=meta.context_lens_tensor.device), positions)
+        return self._shapes[key]
+
+    @staticmethod
+    def _bounds(meta) -> list[int]:
+        return torch.tensor([0, *meta.query_lens]).cumsum(0).tolist()
+
+    def _planned(self, meta) -> dict[int, _Narrowing]:
+        """For each sequence that narrows: its query rows, the blocks before its queries (fields
+        refreshed at every layer) and its queries' own blocks."""
+        bounds = self._bounds(meta)
         firsts = meta.positions[bounds[:-1]].tolist() if meta.query_lens else []
         plan = {}
         for i, decode in self.sequences.items():
@@ -113,8 +139,8 @@ class SparseStep:
             except Exception as exc:  # a user's forward_cache: as a failing indexer (_choose)
                 decode.error = f"sparse flow {decode.flow.name!r} failed computing its fields: {exc}"
                 continue
-            own = torch.arange(num, (meta.context_lens[i] - 1) // self.block_size + 1, device=before.device)
-            plan[i] = (slice(bounds[i], bounds[i + 1]), before, own)
+            own = meta.block_tables[i, num:(meta.context_lens[i] - 1) // self.block_size + 1]
+            plan[i] = _Narrowing(slice(bounds[i], bounds[i + 1]), before, own)
         return plan
 
     def _narrows(self, i: int, decode: SparseDecode, num_blocks: int, meta) -> bool:
@@ -130,7 +156,7 @@ class SparseStep:
                 block_ids: torch.Tensor) -> torch.Tensor | None:
         """The flow's picks, checked; None (full attention this step) if it failed, which ends the
         request with the error after the step."""
-        kv_heads, num_blocks = self.fields.kv_cache.shape[-2], len(block_ids)
+        kv_heads, num_blocks = self.fields.kv_cache.shape[-2], block_ids.shape[0]
         ctx = IndexerContext(num_blocks, decode.budget_blocks, layer, decode.steps)
         try:
             chosen = decode.flow.pick_blocks(q.view(kv_heads, -1, q.shape[-1]), self.fields, layer, block_ids,
@@ -142,13 +168,19 @@ class SparseStep:
 
 
 def _checked(chosen, num_blocks: int, most: int) -> torch.Tensor:
+    """A flow's picks as sorted, distinct block indices (int64), or ValueError. Checked as Python
+    ints: a list of a few dozen is checked faster than torch's unique runs (a step checks thirty)."""
     if not isinstance(chosen, torch.Tensor) or chosen.dim() != 1 or chosen.dtype.is_floating_point:
         raise ValueError("forward_indexer must return a 1-D integer tensor of block indices")
-    chosen = chosen.long().unique()  # sorted
-    if len(chosen) and (int(chosen[0]) < 0 or int(chosen[-1]) >= num_blocks):
-        raise ValueError(f"block indices must be in [0, {num_blocks}), got {int(chosen[0])}..{int(chosen[-1])}")
-    if len(chosen) > most:
-        raise ValueError(f"{len(chosen)} blocks picked, the budget allows {most}")
+    chosen = chosen.long()
+    picks = chosen.tolist()
+    distinct = sorted(set(picks))
+    if distinct != picks:
+        chosen = torch.tensor(distinct, dtype=torch.long, device=chosen.device)
+    if distinct and (distinct[0] < 0 or distinct[-1] >= num_blocks):
+        raise ValueError(f"block indices must be in [0, {num_blocks}), got {distinct[0]}..{distinct[-1]}")
+    if len(distinct) > most:
+        raise ValueError(f"{len(distinct)} blocks picked, the budget allows {most}")
     return chosen
 
 

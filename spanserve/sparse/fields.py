@@ -18,6 +18,10 @@ centroids) share its fields: a block is summarized once for both.
 
 import torch
 
+# The most blocks (layers x blocks) one forward_cache call gets: a session's first question
+# refreshes thousands of blocks, whose keys and values are copied out for the call.
+REFRESH_BLOCKS = 1024
+
 
 class FieldStore:
     def __init__(self, kv_cache: torch.Tensor, generation: torch.Tensor):
@@ -29,23 +33,28 @@ class FieldStore:
     def refresh(self, flow, block_ids: torch.Tensor) -> None:
         """Compute `flow`'s missing or stale fields of blocks `block_ids` at every layer. A step
         refreshes a sequence's blocks once for all its layers: the blocks before its queries are
-        not rewritten while it runs, and one check costs what thirty did."""
+        not rewritten while it runs, and one check costs what thirty did. The blocks stale at any
+        layer are computed at every layer in one forward_cache call (a field is a function of its
+        block alone): a block is new or rewritten at all layers at once."""
         specs = flow.create_cache()
         if not specs:
             return
         stage = self._stage(flow, specs)
         ids, computed, fields = block_ids.cpu(), self.computed[stage], self.fields[stage]
         # index_select: a few times faster than advanced indexing on CPU
-        stale = computed.index_select(1, ids) != self.generation.index_select(0, ids)  # [layers, blocks]
+        stale = (computed.index_select(1, ids) != self.generation.index_select(0, ids)).any(0)
         if not stale.any():
             return
-        for layer in stale.any(1).nonzero().flatten().tolist():
-            todo = ids[stale[layer]]
-            on_device = todo.to(block_ids.device)
-            keys, values = self.kv_cache[layer, 0, on_device], self.kv_cache[layer, 1, on_device]
+        todo = ids[stale]
+        on_device, per_call = todo.to(block_ids.device), max(1, REFRESH_BLOCKS // len(todo))
+        for first in range(0, self.kv_cache.shape[0], per_call):
+            layers = slice(first, first + per_call)
+            # (not index_select, which copies the whole pool out of this strided view first)
+            keys, values = (self.kv_cache[layers, i, on_device].flatten(0, 1) for i in (0, 1))
             for name, value in flow.forward_cache(keys, values).items():
-                fields[name][layer, on_device] = value.to(fields[name].dtype)
-            computed[layer, todo] = self.generation[todo]
+                field = fields[name][layers]
+                field.index_copy_(1, on_device, value.view(field.shape[0], len(todo), *value.shape[1:]).to(field.dtype))
+        computed[:, todo] = self.generation[todo]
 
     def read(self, flow, layer: int, block_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """`flow`'s fields of blocks `block_ids` at `layer` (float32) as last refreshed."""

@@ -45,7 +45,8 @@ class Flow:
         return {}
 
     def forward_cache(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Fields of blocks [n, S, H, D] -> {name: [n, H, *shape]}."""
+        """Fields of blocks [n, S, H, D] -> {name: [n, H, *shape]}, each block's from its keys and
+        values alone (the n blocks may come from several layers)."""
         return {}
 
     def forward_indexer(self, q: torch.Tensor, fields: dict[str, torch.Tensor], state: dict,
