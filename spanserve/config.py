@@ -34,8 +34,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens per step: the chunked-prefill budget
     # Background work (session ingest) runs only in steps nothing else needs, this many tokens at a
     # time: a question arriving meanwhile waits for at most one such step. Larger: faster ingest,
-    # slower questions during it (bench session, "while ingesting").
-    background_chunk_tokens: int = 32
+    # slower questions during it (bench session, "while ingesting"). One block: a chunk costs about
+    # half a question (~25 tokens), so a question arriving during one takes ~1.5x its idle time; at
+    # 32 the wait was a whole question, and p99 while ingesting sat at 2x idle (session 33).
+    background_chunk_tokens: int = 16
     # Sessions together may hold 90% of the KV pool; one tenant's (API key's) sessions this share
     # of it at most, so that one tenant cannot take the room every other tenant's sessions need.
     session_tenant_share: float = 0.9
