@@ -24,7 +24,7 @@ pose the trend question and that exits at its ready position (sessions/ready.py,
 at each step the trend question is asked of it; reported are whether it exited, its latency, and its
 answer against the computed one (the same tokens as a plain request) and against the bars.
 
-    spanserve bench session [--model M] [--max-context 7600] [--steps 15] [--llama-cpp]
+    spanserve bench session [--model M] [--max-context 7600] [--steps 15] [--repeats 1] [--llama-cpp]
 """
 
 import argparse
@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model (default: the embedded SmolLM2)")
     parser.add_argument("--max-context", type=int, default=7600, help="data tokens at the last step")
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="ask each question this many times on every path (medians over all: a noisy machine)")
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp (needs llama-cpp-python)")
     parser.add_argument("--vllm-url", default=None, help="add a running vLLM server (prefix caching on, the "
                         "same model's HF directory; ../shared/PEERS.md), e.g. http://127.0.0.1:8011")
@@ -120,7 +122,7 @@ def run(args: argparse.Namespace) -> dict:
             for session in (window, standing):
                 session.append(new)
                 session.wait()
-        row.update(_measure(llm, full, one, peers, step, sparse), rows=fed)
+        row.update(_measure(llm, full, one, peers, step, sparse, args.repeats), rows=fed)
         row.update(_window_check(full, window, feed[:fed], args.window_questions, args))
         row.update(_exit_check(llm, standing, feed[:fed], one))
         steps.append(row)
@@ -185,7 +187,7 @@ def _sparse(args, params):
                              "sparse_prefill": True})
 
 
-def _measure(llm, session, params, peers: list, step: int, sparse=None) -> dict:
+def _measure(llm, session, params, peers: list, step: int, sparse=None, repeats: int = 1) -> dict:
     """One step's latencies (ms, median over the questions) on every path, same tokens. The
     stateless paths first see this step's data in one question (a variant no other path asks),
     which computes the new data; each path then computes every question for the first time.
@@ -203,7 +205,8 @@ def _measure(llm, session, params, peers: list, step: int, sparse=None) -> dict:
         times[peer.name] = [peer.answer(first)]
         times[f"{peer.name}_cached"] = []
     _settle(peers)
-    for q in QUESTIONS:
+    asked = QUESTIONS * repeats  # each path asks them in turn, the same number of times
+    for q in asked:
         prompt = data + fmt.question(_asked(q))
         llm.generate({"prompt_token_ids": data}, params)  # the data alone, then the question on it
         times["stateless_cached"].append(_timed(llm.generate, {"prompt_token_ids": prompt}, params))
@@ -212,7 +215,7 @@ def _measure(llm, session, params, peers: list, step: int, sparse=None) -> dict:
         if sparse is not None:
             seconds, answer = _timed_answer(session, _asked(q), sparse)
             times["session_sparse"].append(seconds)
-            rows["sparse_agree"] += (answer == dense) / len(QUESTIONS)
+            rows["sparse_agree"] += (answer == dense) / len(asked)
         hit = session.query(q, params)
         times["flash_hit"].append(_timed(session.query, q, params) if hit.flash_hit else math.nan)
         for peer in peers:
@@ -330,11 +333,12 @@ def _summary(args, steps: list[dict], peers: list[str]) -> dict:
         row += [_ms(r[f"{peer}{kind}_ms"]) for peer in peers for kind in ("", "_cached")]
         row += [f"{r['ingest_tok_s']:.0f}" if r["ingest_tok_s"] else "-"]
         table.append(row)
-    harness.print_table(headers, table, title="time to a one-token answer (ms), median of 3 questions")
+    harness.print_table(headers, table, title=f"time to a one-token answer (ms), median of {len(QUESTIONS)} questions"
+                                              f"{f' asked {args.repeats} times' if args.repeats > 1 else ''}")
     harness.print_table(["measure", "value"], [[k, f"{v:.3f}" if v is not None else "-"] for k, v in summary.items()])
     return {"benchmark": "session", "model": args.model or "SmolLM2-135M-Instruct",
             "quantization": args.quantization, "sparse": args.sparse, "sparse_budget": args.sparse_budget,
-            "steps": steps, "summary": summary, "machine": harness.machine_info()}
+            "repeats": args.repeats, "steps": steps, "summary": summary, "machine": harness.machine_info()}
 
 
 def _p99(values: list[float]) -> float:
