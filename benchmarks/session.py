@@ -53,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, default=7600, help="data tokens at the last step")
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=1,
-                        help="ask each question this many times on every path (medians over all: a noisy machine)")
+                        help="ask each question this many times on every path (medians over all: a noisy machine); "
+                             "stateless cached then reuses the question's whole blocks from the ask before")
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp (needs llama-cpp-python)")
     parser.add_argument("--vllm-url", default=None, help="add a running vLLM server (prefix caching on, the "
                         "same model's HF directory; ../shared/PEERS.md), e.g. http://127.0.0.1:8011")

@@ -53,7 +53,8 @@ class FieldStore:
             keys, values = (self.kv_cache[layers, i, on_device].flatten(0, 1) for i in (0, 1))
             for name, value in flow.forward_cache(keys, values).items():
                 field = fields[name][layers]
-                field.index_copy_(1, on_device, value.view(field.shape[0], len(todo), *value.shape[1:]).to(field.dtype))
+                value = value.reshape(field.shape[0], len(todo), *value.shape[1:])
+                field.index_copy_(1, on_device, value.to(field.dtype))
         computed[:, todo] = self.generation[todo]
 
     def read(self, flow, layer: int, block_ids: torch.Tensor) -> dict[str, torch.Tensor]:
