@@ -91,6 +91,8 @@ def bars(count: int, seed: int = 0) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     harness.configure_threads()
     from spanserve import LLM, SamplingParams
 
