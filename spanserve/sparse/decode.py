@@ -108,25 +108,21 @@ class SparseStep:
         blocks at every layer, as a rule: made once per step, not thirty times."""
         key = (*lens, *done)
         if key not in self._shapes:
-            positions, bounds = meta.positions, self._bounds(meta)
+            positions = meta.positions
             for i in done:
                 if meta.query_lens[i] > 1 and lens[i] != meta.context_lens[i]:
                     positions = positions.clone() if positions is meta.positions else positions
-                    positions[bounds[i]:bounds[i + 1]] += lens[i] - meta.context_lens[i]
+                    positions[self._plan[i].rows] += lens[i] - meta.context_lens[i]
             first = None
             if meta.contiguous_from:
                 first = [None if i in done else f for i, f in enumerate(meta.contiguous_from)]
             self._shapes[key] = (lens, first, torch.tensor(lens, device=meta.context_lens_tensor.device), positions)
         return self._shapes[key]
 
-    @staticmethod
-    def _bounds(meta) -> list[int]:
-        return torch.tensor([0, *meta.query_lens]).cumsum(0).tolist()
-
     def _planned(self, meta) -> dict[int, _Narrowing]:
         """For each sequence that narrows: its query rows, the blocks before its queries (fields
         refreshed at every layer) and its queries' own blocks."""
-        bounds = self._bounds(meta)
+        bounds = torch.tensor([0, *meta.query_lens]).cumsum(0).tolist()
         firsts = meta.positions[bounds[:-1]].tolist() if meta.query_lens else []
         plan = {}
         for i, decode in self.sequences.items():
