@@ -4,8 +4,8 @@ One tensor per (cache stage, field) of shape [layers, num_blocks, kv_heads, *sha
 filled (at every layer, once per step: refresh) when a request's flow first needs a full block's
 fields and kept while the block holds the same keys: the pool counts each block's rewrites
 (BlockPool.generation: a new allocation, a session moving its keys), and a field computed under
-an older count is computed again. A block
-shared by the prefix cache is therefore summarized once for every request reading it.
+an older count is computed again. A block shared by the prefix cache is therefore summarized
+once for every request reading it.
 
 Span blocks: their keys sit where the span was computed. A request decoding over moved span keys
 does so over private copies rotated to its positions (engine span_key_copies), whose fields are
