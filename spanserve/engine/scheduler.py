@@ -76,7 +76,7 @@ class WaitQueue:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 background_chunk_tokens: int = 16):
+                 background_chunk_tokens: int):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
