@@ -60,7 +60,14 @@ int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dt
         }
         float *gate = both, *up = both + width;
         load_floats(gate_up, 2 * r * width, (int)(2 * width), dtype, both);
-        for (int64_t i = 0; i < width; i++) gate[i] = as_dtype(gate[i] / (1.0f + expf(fminf(-gate[i], 80.0f))), dtype) * up[i]; /* no inf under -ffast-math */
+        int64_t i = 0;
+        for (; i + LANES <= width; i += LANES) { /* libm's expf here is 8 lanes wide: 4x slower */
+            vf g = load_vf(gate + i), t = vexp(-vmax(g, -g)); /* e^-|g|, never above 1 */
+            vf s = g * pick(g >= splat(0.0f), splat(1.0f), t) / (1.0f + t);
+            memcpy(gate + i, &s, sizeof s);
+        }
+        for (; i < width; i++) gate[i] = gate[i] / (1.0f + expf(fminf(-gate[i], 80.0f))); /* no inf under -ffast-math */
+        for (i = 0; i < width; i++) gate[i] = as_dtype(gate[i], dtype) * up[i];
         store_floats(out, r * width, (int)width, dtype, gate);
         if (both != stack) free(both);
     }
