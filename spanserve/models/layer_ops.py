@@ -54,30 +54,38 @@ def rope_store(rope, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     cache already: the C call rotates both and writes the cache slots in one pass (a decode layer's
     RoPE and cache store were about 12 torch ops); elsewhere `rope` rotates them (its `tables`
     made once per step) and the attention backend stores them."""
-    kernel = _kernel(q, q) if _rope_store_fits(rope, q, k, v, kv_cache) else None
+    cos, sin = rope.cos, rope.sin
+    kernel = _kernel(q, q) if _rope_store_fits(cos, sin, q, k, v, kv_cache) else None
     if kernel is None:
         q, k = rope(positions, q, k, tables)
         return q, k, False
     tokens, heads, dim = q.shape
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+    # (empty_like: torch.empty(shape, dtype=...) takes twice as long to parse its arguments)
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
     positions, slots = positions.long().contiguous(), slot_mapping.long().contiguous()
+    keys = kv_cache.data_ptr()  # then the values: [num_slots, kv_heads, dim] each
+    values = keys + kv_cache.stride(0) * kv_cache.element_size()
     status = kernel.rope_store(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
-                               positions.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(), rope.cos.shape[0],
-                               q_out.data_ptr(), k_out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                               positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+                               q_out.data_ptr(), k_out.data_ptr(), keys, values,
                                slots.data_ptr(), kv_cache.shape[1] * kv_cache.shape[2], tokens, heads, k.shape[1], dim,
                                native.DTYPES[q.dtype], native.DTYPES[kv_cache.dtype])
     _raise_on(status, "rope_store", q)
     return q_out, k_out, True
 
 
-def _rope_store_fits(rope, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None) -> bool:
-    """Whether rope_store's C call can take these: a CPU cache it reads, float32 tables of half a
-    head, and heads whose values are contiguous in rows (the views a qkv projection splits into)."""
+def _rope_store_fits(cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     kv_cache: torch.Tensor | None) -> bool:
+    """Whether rope_store's C call can take these: a CPU cache it reads, float32 tables (cos, sin)
+    of half a head, and heads whose values are contiguous in rows (the views a qkv projection
+    splits into). Checked at every layer of every step: written out, not looped."""
     return (kv_cache is not None and kv_cache.device.type == "cpu" and kv_cache.dtype in native.DTYPES
-            and kv_cache.is_contiguous() and rope.cos.dtype == torch.float32 and rope.cos.is_contiguous()
-            and rope.sin.is_contiguous() and 2 * rope.cos.shape[-1] == q.shape[-1]
+            and kv_cache.is_contiguous() and cos.dtype == torch.float32 and cos.is_contiguous()
+            and sin.is_contiguous() and 2 * cos.shape[-1] == q.shape[-1]
             and k.dtype == v.dtype == q.dtype
-            and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v)))
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+            and q.stride(-2) == q.shape[-1] and k.stride(-2) == k.shape[-1] and v.stride(-2) == v.shape[-1])
 
 
 def _kernel(x: torch.Tensor, weight: torch.Tensor):
