@@ -6,7 +6,6 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 import torch
 
-from spanserve import hugepages
 from spanserve.attention import AttentionMetadata, KeyRotation, SpanShare, cpu_kernel
 from spanserve.attention.torch_ref import fold_query_heads, store_kv
 from spanserve.attention.triton_paged import TritonAttention
@@ -36,8 +35,6 @@ class ModelRunner:
         self.model, self.block_size, self.device = model, block_size, device
         self.model_dtype = model.embed_tokens.weight.dtype
         graphs = graph_batch > 0 and isinstance(model.layers[0].self_attn.backend, TritonAttention)
-        if device.type == "cpu":
-            hugepages.gather_weights(model)  # fewer TLB misses as each step streams them
         self.kv_cache = torch.zeros(  # with graphs, one more block: the padding rows' scratch
             cfg.num_layers, 2, num_blocks + graphs, block_size, cfg.num_kv_heads, cfg.head_dim,
             dtype=kv_dtype, device=device,
