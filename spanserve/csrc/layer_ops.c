@@ -61,7 +61,7 @@ int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dt
         float *gate = both, *up = both + width;
         load_floats(gate_up, 2 * r * width, (int)(2 * width), dtype, both);
         int64_t i = 0;
-        for (; i + LANES <= width; i += LANES) { /* libm's expf here is 8 lanes wide: 4x slower */
+        for (; i + LANES <= width; i += LANES) { /* libm's vector expf is 8 lanes wide here */
             vf g = load_vf(gate + i), t = vexp(-vmax(g, -g)); /* e^-|g|, never above 1 */
             vf s = g * pick(g >= splat(0.0f), splat(1.0f), t) / (1.0f + t);
             memcpy(gate + i, &s, sizeof s);
