@@ -7,7 +7,9 @@ once ingested, questions are asked (greedy), the same token sequence on every pa
   session, sparse   the same with a sparse flow (--sparse) over the data for the question and its
                     answer (sparse_prefill), its answers compared with the dense session's
   flash hit         the same questions registered on the session: the kept answer
-  while ingesting   a session question asked right after an append, ingest still running
+  while ingesting   a session question arriving (another thread's request) at a random point of a
+                    background chunk, timed from its arrival: the chunk stops between layers (the
+                    server's engine loop); "chunk not stopped": it waits for the chunk's end
   stateless         a plain request, the prefix cache warm from the previous step: the new data
                     and the question are computed (what a server does today; one per step)
   stateless cached  a plain request after a request of the data alone: the question is computed
@@ -32,6 +34,7 @@ import math
 import random
 import statistics
 import sys
+import threading
 import time
 
 from benchmarks import harness
@@ -115,13 +118,13 @@ def run(args: argparse.Namespace) -> dict:
         session.append("".join(feed[:start_rows]))
         session.wait()
     _warm(llm, full, one)
-    steps, shown, fed = [], 0, start_rows
+    steps, shown, fed, rng = [], 0, start_rows, random.Random(0)
     for step in range(args.steps + 1):
-        row = {"step": step, "while_ingesting_ms": None, "ingest_tok_s": None}
+        row = {"step": step, "while_ingesting_ms": None, "while_ingesting_unstopped_ms": None, "ingest_tok_s": None}
         if step:
             new = "".join(feed[fed:fed + step_rows])
             fed += step_rows
-            row.update(_ingest(llm, full, new, QUESTIONS[step % len(QUESTIONS)], one))
+            row.update(_ingest(llm, full, new, QUESTIONS[step % len(QUESTIONS)], one, args.repeats, rng))
             for session in (window, standing):
                 session.append(new)
                 session.wait()
@@ -165,19 +168,42 @@ def _asked(question: str) -> str:
     return question + " "
 
 
-def _ingest(llm, session, text: str, question: str, params) -> dict:
-    """Append `text`; ask `question` just as the first background chunk starts (the worst wait a
-    question has: one step), then time the ingest from append to visible, the question excluded."""
+def _ingest(llm, session, text: str, question: str, params, repeats: int, rng: random.Random) -> dict:
+    """Append `text` and time its ingest, from append to visible, the questions excluded. Meanwhile
+    `question` arrives `repeats` times during a background chunk, at a random point of it, and is
+    timed from its arrival to its answer: once with the chunk stopped between layers, as the server
+    does (engine.step's `interrupt`), and once with the chunk run to its end."""
     version = session.append(text)
     start = time.perf_counter()
-    llm.engine.step()  # a background chunk: the question arrives as it starts
-    asked = _timed(session.query, _asked(question), params)
-    busy = time.perf_counter() - start
+    chunk_s = _timed(llm.engine.step)  # an ordinary chunk: how long one takes
+    busy, answering = {True: [], False: []}, 0.0
+    for _ in range(repeats):
+        for stops in (True, False):
+            if session.version >= version:  # no chunk left to arrive during
+                break
+            waited, answer_s = _asked_during_chunk(llm, session, question, params, rng.random() * chunk_s, stops)
+            busy[stops].append(waited)
+            answering += answer_s
     while session.version < version:
         llm.engine.step()
-    ingest_s = time.perf_counter() - start - asked
+    ingest_s = time.perf_counter() - start - answering
     session.wait()  # the flash questions, answered again
-    return {"while_ingesting_ms": busy * 1000, "ingest_tok_s": len(llm.engine.sessions.format.data(text)) / ingest_s}
+    median = lambda values: statistics.median(values) * 1000 if values else None  # noqa: E731
+    return {"while_ingesting_ms": median(busy[True]), "while_ingesting_unstopped_ms": median(busy[False]),
+            "ingest_tok_s": len(llm.engine.sessions.format.data(text)) / ingest_s}
+
+
+def _asked_during_chunk(llm, session, question: str, params, delay: float, stops: bool) -> tuple[float, float]:
+    """`question` arrives (another thread's request) `delay` seconds into the background steps:
+    (seconds from its arrival to its answer, seconds to answer it once asked)."""
+    arrived: list[float] = []
+    timer = threading.Timer(delay, lambda: arrived.append(time.perf_counter()))
+    timer.start()
+    while not arrived:  # the step under way when it arrives stops, or ends, before it is asked
+        llm.engine.step(interrupt=(lambda: bool(arrived)) if stops else None)
+    timer.join()
+    answer_s = _timed(session.query, _asked(question), params)
+    return time.perf_counter() - arrived[0], answer_s
 
 
 def _sparse(args, params):
@@ -299,6 +325,7 @@ def _print_progress(steps: list[dict], shown: int) -> int:
 def _summary(args, steps: list[dict], peers: list[str]) -> dict:
     first, last = steps[0], steps[-1]
     busy = [r["while_ingesting_ms"] for r in steps if r["while_ingesting_ms"]]
+    unstopped = [r["while_ingesting_unstopped_ms"] for r in steps if r["while_ingesting_unstopped_ms"]]
     idle = [r["session_ms"] for r in steps]
     summary = {
         "flatness (last / first session latency)": last["session_ms"] / first["session_ms"],
@@ -306,6 +333,7 @@ def _summary(args, steps: list[dict], peers: list[str]) -> dict:
         "stateless cached / session at the end": last["stateless_cached_ms"] / last["session_ms"],
         "flash hit, worst (ms)": max(r["flash_hit_ms"] for r in steps),
         "query p99 while ingesting / idle": _p99(busy) / _p99(idle) if busy else None,
+        "the same, chunks not stopped": _p99(unstopped) / _p99(idle) if unstopped else None,
         "window accuracy (recent bars)": statistics.mean(r["window_window"] for r in steps),
         "full-context accuracy (recent bars)": statistics.mean(r["window_full"] for r in steps),
         "window agrees with full context": statistics.mean(r["window_agree"] for r in steps),
@@ -325,14 +353,15 @@ def _summary(args, steps: list[dict], peers: list[str]) -> dict:
         summary[f"{peer} / session at the end"] = last[f"{peer}_ms"] / last["session_ms"]
     sparse = "session_sparse_ms" in last
     headers = ["step", "tokens", "session", *(["session, sparse"] if sparse else []), "flash hit", "while ingesting",
-               "stateless", "stateless cached"]
+               "chunk not stopped", "stateless", "stateless cached"]
     headers += [h for peer in peers for h in (peer, f"{peer} cached")]
     headers += ["ingest tok/s"]
     table = []
     for r in steps:
         row = [r["step"], r["context_tokens"], _ms(r["session_ms"]), *([_ms(r["session_sparse_ms"])] if sparse else []),
                _ms(r["flash_hit_ms"], 3),
-               _ms(r["while_ingesting_ms"]), _ms(r["stateless_ms"]), _ms(r["stateless_cached_ms"])]
+               _ms(r["while_ingesting_ms"]), _ms(r["while_ingesting_unstopped_ms"]), _ms(r["stateless_ms"]),
+               _ms(r["stateless_cached_ms"])]
         row += [_ms(r[f"{peer}{kind}_ms"]) for peer in peers for kind in ("", "_cached")]
         row += [f"{r['ingest_tok_s']:.0f}" if r["ingest_tok_s"] else "-"]
         table.append(row)

@@ -30,7 +30,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
     g.add_argument("--sparse-flow", action="append", default=[], metavar="PACKAGE.MODULE.CLASS",
                    help="register a sparse decode flow of your own (repeatable); requests name it")
-    g.add_argument("--background-chunk-tokens", type=int, default=16,
+    g.add_argument("--background-chunk-tokens", type=int, default=EngineConfig.background_chunk_tokens,
                    help="session ingest: tokens per step, in steps no other request needs")
     g.add_argument("--session-tenant-share", type=float, default=0.9,
                    help="share of the KV pool one tenant's (API key's) sessions may hold (all sessions: 0.9)")

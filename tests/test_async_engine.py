@@ -21,9 +21,9 @@ def test_engine_is_built_and_stepped_on_the_engine_thread(tiny_llama_path):
         engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), num_blocks=32))
         step = engine.step
 
-        def recording_step():
+        def recording_step(interrupt=None):
             threads["step"] = threading.current_thread()
-            return step()
+            return step(interrupt)
 
         engine.step = recording_step
         return engine
@@ -54,5 +54,55 @@ def test_an_engine_built_elsewhere_still_runs(tiny_llama_path):
             return [out async for out in llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy(2))][-1]
 
         assert len(asyncio.run(run()).outputs[0].token_ids) == 2
+    finally:
+        llm.shutdown()
+
+
+def test_a_request_arriving_during_ingest_stops_the_ingest_step(tiny_llama_path):
+    """A request put in the inbox while the engine thread runs a step of session ingest alone stops
+    that step between layers (engine.step's `interrupt`); the request is answered, and the ingest
+    completes afterwards."""
+    in_ingest, arrived, results = threading.Event(), threading.Event(), []
+
+    def build():
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), num_blocks=64))
+        execute = engine.runner.execute
+
+        def execute_after_arrival(batch, stop=None):
+            if stop is not None and not results:  # the first stoppable (ingest) step waits for the request
+                in_ingest.set()
+                arrived.wait(10)
+                results.append(execute(batch, stop))
+                return results[-1]
+            return execute(batch, stop)
+
+        engine.runner.execute = execute_after_arrival
+        return engine
+
+    llm = AsyncLLM(build)
+    try:
+        async def run():
+            def open_session():  # in one call: the engine thread steps the ingest right after
+                session = llm.engine.sessions.create("Log.")
+                session.append("".join(f"row {i}, value {i * 7 % 13}\n" for i in range(20)))
+                return session
+
+            session = await llm.call(open_session)
+            assert await asyncio.to_thread(in_ingest.wait, 10)
+            outputs = llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy(2))
+            first = asyncio.ensure_future(outputs.__anext__())  # puts the request in the inbox
+            while not llm._arrived.is_set():
+                await asyncio.sleep(0.001)
+            arrived.set()
+            out = await first
+            async for out in outputs:  # noqa: B007 (the last one is returned)
+                pass
+            while not await llm.call(session.caught_up):
+                await asyncio.sleep(0.01)
+            return out
+
+        final = asyncio.run(run())
+        assert results[0] is None and llm.engine.num_stopped_steps >= 1  # the ingest step stopped
+        assert final.finished and len(final.outputs[0].token_ids) == 2
     finally:
         llm.shutdown()

@@ -86,9 +86,9 @@ def test_every_step_stays_within_the_token_budget_and_the_sequence_limit(tiny_ll
     steps = []
     execute = llm.engine.runner.execute
 
-    def recording_execute(batch):
+    def recording_execute(batch, stop=None):
         steps.append([item.num_tokens for item in batch])
-        return execute(batch)
+        return execute(batch, stop)
 
     monkeypatch.setattr(llm.engine.runner, "execute", recording_execute)
     assert token_ids(run(llm, PROMPTS)) == reference

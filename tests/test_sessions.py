@@ -281,7 +281,8 @@ def test_questions_come_before_ingest(llm, monkeypatch):
     arriving during an ingest is scheduled at the next step, alone."""
     engine, batches = llm.engine, []
     execute = engine.runner.execute
-    monkeypatch.setattr(engine.runner, "execute", lambda batch: batches.append(batch) or execute(batch))
+    monkeypatch.setattr(engine.runner, "execute",
+                        lambda batch, stop=None: batches.append(batch) or execute(batch, stop))
     s = llm.create_session(system="Log.", retention_tokens=480)
     s.append("".join(ROWS[:30]))
     engine.step()  # the instructions
@@ -295,6 +296,45 @@ def test_questions_come_before_ingest(llm, monkeypatch):
     assert [item.request.priority for item in batches[-1]] == [Priority.INGEST]
     chunks = [item.num_tokens for batch in batches for item in batch if item.request.priority == Priority.INGEST]
     assert max(chunks) == engine.config.background_chunk_tokens and len(chunks) > 2
+    s.close()
+    assert_engine_idle(llm)
+
+
+def test_an_arrival_stops_a_background_step_between_layers(llm):
+    """A step of ingest alone stops between two layers once `interrupt()` is true (another thread's
+    request has arrived), changing nothing: the chunk is computed again later and the session ends
+    as one fed without stops. A chunk stopped MAX_STOPS_IN_A_ROW times runs to its end at the next
+    try, and a step with other work never stops."""
+    from spanserve.engine.llm_engine import MAX_STOPS_IN_A_ROW
+
+    engine, question = llm.engine, "Which sensor reported 74?"
+    reference = llm.create_session(system="Answer from the log.")
+    _feed(reference, ROWS[:12])
+    want = reference.query(question, GREEDY).output.outputs[0]
+    reference.close()
+
+    s = llm.create_session(system="Answer from the log.")
+    s.append("".join(ROWS[:12]))
+    ingest, asked, stops = s._session._ingest.children[0], [], engine.num_stopped_steps
+    after_one_layer = lambda: asked.append(1) or len(asked) > 1  # noqa: E731
+    for tries in range(MAX_STOPS_IN_A_ROW):
+        computed, asked[:] = ingest.num_computed_tokens, []
+        assert engine.step(interrupt=after_one_layer) == [] and len(asked) == 2  # after one layer
+        assert ingest.num_computed_tokens == computed and engine.num_stopped_steps == stops + tries + 1
+    engine.step(interrupt=lambda: True)  # the third try runs to its end
+    assert ingest.num_computed_tokens == computed + engine.config.background_chunk_tokens
+    assert engine.num_stopped_steps == stops + MAX_STOPS_IN_A_ROW
+    while not s._session.caught_up():
+        engine.step(interrupt=lambda: True)  # each chunk stopped twice, then run
+    assert engine.num_stopped_steps > stops + MAX_STOPS_IN_A_ROW
+
+    group = s._session.query(question, GREEDY).group
+    while not group.finished:  # a question's steps never stop
+        engine.step(interrupt=lambda: True)
+    got = group.to_output().outputs[0]
+    assert got.token_ids == want.token_ids
+    for lp_got, lp_want in zip(got.logprobs, want.logprobs):
+        assert lp_got == pytest.approx(lp_want, abs=1e-5)
     s.close()
     assert_engine_idle(llm)
 

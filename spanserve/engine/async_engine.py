@@ -41,6 +41,9 @@ class AsyncLLM:
         above); what it raises, this raises."""
         self.engine: LLMEngine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Set when a request is put in the inbox: a step of background work (session ingest) then
+        # stops between layers, so that the request waits for a layer, not a whole chunk.
+        self._arrived = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
         built, failure = threading.Event(), []
@@ -101,6 +104,7 @@ class AsyncLLM:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._inbox.put(("start", (request_id, start)))
+        self._arrived.set()
         finished = False
         try:
             while not finished:
@@ -135,6 +139,7 @@ class AsyncLLM:
         while not self._stopped:
             # Block for work only when idle; otherwise drain what arrived and step.
             self._handle(self._inbox.get() if not self.engine.has_unfinished_requests() else None)
+            self._arrived.clear()  # before draining: a request put from now on sets it again
             while not self._inbox.empty():
                 self._handle(self._inbox.get_nowait())
             if self.engine.has_unfinished_requests():
@@ -178,7 +183,7 @@ class AsyncLLM:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(interrupt=self._arrived.is_set)
         except Exception as exc:  # a bug, not a user error: fail the running requests, keep serving
             log.exception("engine step failed; aborting the running requests")
             for request_id in list(self.engine.groups):

@@ -1,6 +1,7 @@
 """ModelRunner: the only place that touches tensors. Turns a scheduled batch into a flat
 token batch with its cache metadata, runs the model, and samples."""
 
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
@@ -13,7 +14,7 @@ from spanserve.engine.cuda_graphs import DecodeGraphs
 from spanserve.engine.sampler import Sample, sample
 from spanserve.engine.scheduler import ScheduledRequest
 from spanserve.heap import keep_freed_memory
-from spanserve.models.llama import LlamaModel
+from spanserve.models.llama import ForwardStopped, LlamaModel
 from spanserve.pic.focus import focus_blocks, span_blocks
 from spanserve.pic.voters import ProbeVoters
 from spanserve.sparse.decode import SparseStep
@@ -53,14 +54,19 @@ class ModelRunner:
             cpu_kernel.load()  # built now (seconds, once per machine) rather than in the first request
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledRequest]) -> list[Sample]:
-        """Run one step; returns one Sample per request in `batch` whose `samples` is True."""
+    def execute(self, batch: list[ScheduledRequest], stop: Callable[[], bool] | None = None) -> list[Sample] | None:
+        """Run one step; returns one Sample per request in `batch` whose `samples` is True. With
+        `stop`, the step may end early, between two layers, once stop() is True: then None (its
+        tokens are computed again in a later step). A CUDA graph replay never stops."""
         input_ids, positions, meta, logit_rows, plugin_rows = self._prepare(batch)
         with self._threads(len(input_ids)), self._encoding(*plugin_rows):
             if self.graphs is not None and not any(plugin_rows) and self.graphs.fits(meta):
                 hidden = self.graphs.run(input_ids, meta)
             else:
-                hidden = self.model(input_ids, positions, meta)
+                try:
+                    hidden = self.model(input_ids, positions, meta, stop)
+                except ForwardStopped:
+                    return None
             if not logit_rows:
                 return []
             logits = self.model.compute_logits(hidden[logit_rows]).cpu()

@@ -4,7 +4,7 @@ One flat batch of tokens from many sequences goes through each layer at once; on
 attention needs to know which token belongs to which sequence (AttentionMetadata).
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -94,6 +94,11 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class ForwardStopped(Exception):
+    """A forward pass left between two layers because its caller's `stop()` turned true; what
+    it computed so far (some layers' K and V of its tokens) is to be recomputed."""
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()
@@ -106,11 +111,15 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states [T, hidden] of every token in the flat batch."""
+    def forward(self, input_ids, positions, meta: AttentionMetadata,
+                stop: Callable[[], bool] | None = None) -> torch.Tensor:
+        """Final hidden states [T, hidden] of every token in the flat batch. With `stop`, asked
+        before every layer: raises ForwardStopped once it returns True."""
         x = self.embed_tokens(input_ids)
         tables = self.rope.tables(positions, x.dtype)  # the same in every layer
         for layer in self.layers:
+            if stop is not None and stop():
+                raise ForwardStopped
             x = layer(x, positions, meta, tables)
         return self.norm(x)
 
