@@ -11,7 +11,8 @@ def test_session_bench_measures_every_path(tiny_llama_path, tmp_path):
     out = tmp_path / "s.json"
     session.run(bench_args(session, ["--model", str(tiny_llama_path), "--max-context", "400", "--steps", "2",
                                      "--window-questions", "2", "--sparse", "block_topk", "--sparse-budget", "96",
-                                     "--quantization", "int8", "--repeats", "2", "--out", str(out)]))
+                                     "--quantization", "int8", "--repeats", "2", "--background-chunk-tokens", "16",
+                                     "--out", str(out)]))
     result = json.loads(out.read_text())
     steps = result["steps"]
     assert (result["quantization"], result["sparse"], result["repeats"]) == ("int8", "block_topk", 2)  # what ran

