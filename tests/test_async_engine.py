@@ -102,7 +102,7 @@ def test_a_request_arriving_during_ingest_stops_the_ingest_step(tiny_llama_path)
             return out
 
         final = asyncio.run(run())
-        assert results[0] is None and llm.engine.num_stopped_steps >= 1  # the ingest step stopped
+        assert results[0] is None and llm.engine.scheduler.background.num_stopped >= 1  # the ingest step stopped
         assert final.finished and len(final.outputs[0].token_ids) == 2
     finally:
         llm.shutdown()

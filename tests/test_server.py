@@ -96,7 +96,8 @@ def test_metrics_prometheus_text(tiny_server, client, model_name):
               "spanserve_cached_prompt_tokens_total", "spanserve_num_requests_running",
               "spanserve_num_requests_waiting", "spanserve_kv_blocks_used", "spanserve_kv_blocks_free",
               "spanserve_kv_cache_usage", "spanserve_prefix_cache_hit_rate", "spanserve_num_preemptions_total",
-              "spanserve_span_tokens_total", "spanserve_span_hit_tokens_total", "spanserve_span_hit_rate"]
+              "spanserve_span_tokens_total", "spanserve_span_hit_tokens_total", "spanserve_span_hit_rate",
+              "spanserve_background_steps_stopped_total"]
     for name in gauges:
         assert name in samples, name
         assert f"# TYPE {name} " in r.text

@@ -6,6 +6,7 @@ from helpers import assert_engine_idle
 
 from spanserve import LLM, SamplingParams
 from spanserve.engine.request import Priority
+from spanserve.engine.scheduler import BackgroundPace
 from spanserve.errors import (
     CacheFullError,
     InvalidRequestError,
@@ -302,12 +303,11 @@ def test_questions_come_before_ingest(llm, monkeypatch):
 
 def test_an_arrival_stops_a_background_step_between_layers(llm):
     """A step of ingest alone stops between two layers once `interrupt()` is true (another thread's
-    request has arrived), changing nothing: the chunk is computed again later and the session ends
+    request has arrived), changing nothing: the chunk is computed again later, and the session ends
     as one fed without stops. A chunk stopped MAX_STOPS_IN_A_ROW times runs to its end at the next
     try, and a step with other work never stops."""
-    from spanserve.engine.llm_engine import MAX_STOPS_IN_A_ROW
-
     engine, question = llm.engine, "Which sensor reported 74?"
+    pace = engine.scheduler.background
     reference = llm.create_session(system="Answer from the log.")
     _feed(reference, ROWS[:12])
     want = reference.query(question, GREEDY).output.outputs[0]
@@ -315,18 +315,17 @@ def test_an_arrival_stops_a_background_step_between_layers(llm):
 
     s = llm.create_session(system="Answer from the log.")
     s.append("".join(ROWS[:12]))
-    ingest, asked, stops = s._session._ingest.children[0], [], engine.num_stopped_steps
+    ingest, asked, stops = s._session._ingest.children[0], [], pace.num_stopped
     after_one_layer = lambda: asked.append(1) or len(asked) > 1  # noqa: E731
-    for tries in range(MAX_STOPS_IN_A_ROW):
+    for tries in range(pace.MAX_STOPS_IN_A_ROW):
         computed, asked[:] = ingest.num_computed_tokens, []
         assert engine.step(interrupt=after_one_layer) == [] and len(asked) == 2  # after one layer
-        assert ingest.num_computed_tokens == computed and engine.num_stopped_steps == stops + tries + 1
+        assert ingest.num_computed_tokens == computed and pace.num_stopped == stops + tries + 1
     engine.step(interrupt=lambda: True)  # the third try runs to its end
-    assert ingest.num_computed_tokens > computed
-    assert engine.num_stopped_steps == stops + MAX_STOPS_IN_A_ROW
+    assert ingest.num_computed_tokens > computed and pace.num_stopped == stops + pace.MAX_STOPS_IN_A_ROW
     while not s._session.caught_up():
         engine.step(interrupt=lambda: True)  # each chunk stopped twice, then run
-    assert engine.num_stopped_steps > stops + MAX_STOPS_IN_A_ROW
+    assert pace.num_stopped > stops + pace.MAX_STOPS_IN_A_ROW
 
     group = s._session.query(question, GREEDY).group
     while not group.finished:  # a question's steps never stop
@@ -337,6 +336,25 @@ def test_an_arrival_stops_a_background_step_between_layers(llm):
         assert lp_got == pytest.approx(lp_want, abs=1e-5)
     s.close()
     assert_engine_idle(llm)
+
+
+def test_background_chunks_shrink_when_stopped_and_grow_back_when_run():
+    """Chunks halve at each stop, down to one block, to fit between arrivals; double at each chunk
+    run to its end, up to the configured size; after MAX_STOPS_IN_A_ROW stops, one runs regardless."""
+    pace = BackgroundPace(max_tokens=64, min_tokens=16)
+    assert (pace.tokens, pace.stoppable) == (64, True)
+    pace.stopped()
+    assert (pace.tokens, pace.stoppable) == (32, True)
+    pace.stopped()
+    assert (pace.tokens, pace.stoppable) == (16, False)
+    pace.ran()
+    assert (pace.tokens, pace.stoppable, pace.num_stopped) == (32, True, 2)
+    pace.ran(), pace.ran()
+    assert pace.tokens == 64
+    assert BackgroundPace(max_tokens=8, min_tokens=16).tokens == 8  # a chunk below one block stays as set
+    for _ in range(5):
+        pace.stopped()
+    assert pace.tokens == 16
 
 
 def test_cli_streams_a_csv_into_a_session(tiny_llama_path, tmp_path, capsys):

@@ -46,7 +46,6 @@ PromptInput = str | list | dict
 
 
 SPAN_COPY_FREE_FRACTION = 0.1  # span key copies only while they leave this much of the pool free
-MAX_STOPS_IN_A_ROW = 2  # background steps stopped early in a row, at most (step)
 
 _NO_COMB = ("link_policy 'comb' needs a COMB encoder plug-in trained for this model: none ships for it and "
             "none was given (train one with `spanserve train comb --model M`, load it with --comb-plugin FILE)")
@@ -151,8 +150,6 @@ class LLMEngine:
         self.sessions = SessionStore(self)  # streaming sessions (sessions/), served between steps
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
-        self.num_stopped_steps = 0  # background steps stopped early for an arrival (step)
-        self._stops_in_a_row = 0
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, span link policy %s",
                  path.name, self.dtype, self.device, num_blocks, config.block_size, self.max_model_len,
                  self.default_link + (f"+focus{self.auto_focus}t" if self.auto_focus else ""))
@@ -365,24 +362,21 @@ class LLMEngine:
         `interrupt()`: whether work has arrived that this step cannot see (another thread's new
         requests). A step of background work alone then stops between two layers and changes
         nothing, so that the newcomer waits for one layer rather than a whole chunk; the chunk
-        runs again later. A chunk stopped MAX_STOPS_IN_A_ROW times runs to its end at the next
-        try: a steady stream of arrivals (even ones that never run, like flash hits) slows ingest
-        but cannot starve it."""
+        runs again later (scheduler.BackgroundPace paces the chunks and bounds the stops)."""
         self._select_links()
         batch = self.scheduler.schedule()
         if not batch:
             return []
         sampled = [item.request for item in batch if item.samples]
         prefilling = [item.request for item in batch if item.request.is_prefilling]
+        pace = self.scheduler.background
         background = all(item.request.priority == Priority.INGEST for item in batch)
-        stoppable = background and self._stops_in_a_row < MAX_STOPS_IN_A_ROW
-        samples = self.runner.execute(batch, interrupt if stoppable else None)
+        samples = self.runner.execute(batch, interrupt if background and pace.stoppable else None)
         if samples is None:
-            self._stops_in_a_row += 1
-            self.num_stopped_steps += 1
+            pace.stopped()
             return []
         if background:
-            self._stops_in_a_row = 0
+            pace.ran()
         self.scheduler.after_step(batch)
         touched: dict[str, RequestGroup] = {}
         for req, sample in zip(sampled, samples):

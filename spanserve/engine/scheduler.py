@@ -13,7 +13,7 @@ Requests come in priority classes (request.Priority): a step serves class by cla
 first, running requests then waiting ones of each class, so background work only gets the budget
 the others leave. A waiting request that cannot be admitted preempts running requests of a less
 urgent class, at the step boundary. The background class (session ingest) runs only in steps
-with nothing else to do, a small chunk at a time.
+with nothing else to do, a chunk at a time, paced by BackgroundPace.
 """
 
 from collections import deque
@@ -74,13 +74,45 @@ class WaitQueue:
         return (req for q in self._classes.values() for req in q)
 
 
+class BackgroundPace:
+    """The size of the next background chunk, and whether its step may stop for an arrival.
+
+    A step of background work alone stops between layers when a request arrives (engine.step),
+    and its chunk is computed again later. A stopped chunk halves the next one (down to one
+    block), so that chunks come to fit between arrivals; a chunk run to its end doubles it again
+    (up to `max_tokens`), for throughput while nothing arrives. After MAX_STOPS_IN_A_ROW stops in
+    a row the next chunk runs to its end whatever arrives: a stream of arrivals (even ones that
+    compute nothing, like flash hits) slows ingest but cannot starve it."""
+
+    MAX_STOPS_IN_A_ROW = 2
+
+    def __init__(self, max_tokens: int, min_tokens: int):
+        self.max_tokens, self.min_tokens = max_tokens, min(min_tokens, max_tokens)
+        self.tokens = max_tokens
+        self.stops_in_a_row = 0
+        self.num_stopped = 0  # steps stopped so far
+
+    @property
+    def stoppable(self) -> bool:
+        return self.stops_in_a_row < self.MAX_STOPS_IN_A_ROW
+
+    def stopped(self) -> None:
+        self.stops_in_a_row += 1
+        self.num_stopped += 1
+        self.tokens = max(self.min_tokens, self.tokens // 2)
+
+    def ran(self) -> None:
+        self.stops_in_a_row = 0
+        self.tokens = min(self.max_tokens, self.tokens * 2)
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  background_chunk_tokens: int):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.background_chunk_tokens = background_chunk_tokens
+        self.background = BackgroundPace(background_chunk_tokens, kv.block_size)
         self.waiting = WaitQueue()
         self.running: list[Request] = []  # by priority class, then admission order
         self.num_preemptions = 0
@@ -99,7 +131,7 @@ class Scheduler:
             if priority == Priority.INGEST:  # background: only in a step nothing else needs
                 if scheduled:
                     break
-                budget = min(budget, self.background_chunk_tokens)
+                budget = min(budget, self.background.tokens)
             budget = self._schedule_running(scheduled, budget, priority)
             budget = self._admit_waiting(scheduled, budget, priority)
         return scheduled

@@ -54,7 +54,7 @@ class ServerMetrics:
             "spanserve_span_hit_tokens_total": kv.span_hit_tokens,  # ... whose KV was reused
             "spanserve_span_hit_rate": round(span_hit_rate, 6),
             "spanserve_num_preemptions_total": sched.num_preemptions,
-            "spanserve_background_steps_stopped_total": engine.num_stopped_steps,  # ingest chunks redone
+            "spanserve_background_steps_stopped_total": sched.background.num_stopped,  # ingest chunks redone
         }
         for name, value in gauges.items():
             kind = "counter" if name.endswith("_total") else "gauge"
