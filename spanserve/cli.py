@@ -270,7 +270,7 @@ def cmd_serve(args) -> None:
 
 
 BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu", "soak", "span_decode", "quant",
-           "session", "sparse", "sparse_pick", "prefill_attention", "linear_layout", "projections"]
+           "session", "session_server", "sparse", "sparse_pick", "prefill_attention", "linear_layout", "projections"]
 
 
 def cmd_query(args) -> None:

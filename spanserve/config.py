@@ -32,10 +32,11 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 2048  # tokens per step: the chunked-prefill budget
-    # Background work (session ingest) runs only in steps nothing else needs, this many tokens at a
-    # time. A request arriving meanwhile stops the step between two layers (engine.step's
-    # interrupt, served by AsyncLLM), so it waits for a layer, not a chunk, and larger chunks cost
-    # questions little while each step's weight reads are shared by more tokens: SmolLM2 (w8a8)
+    # Background work (session ingest) runs only in steps nothing else needs, at most this many
+    # tokens at a time (fewer while requests keep arriving: scheduler.BackgroundPace). A request
+    # arriving meanwhile stops the step between two layers (engine.step's interrupt, served by
+    # AsyncLLM), so it waits for a layer, not a chunk, and larger chunks cost questions little
+    # while each step's weight reads are shared by more tokens: SmolLM2 (w8a8)
     # ingested 1.15-2.25x faster at 64 than at 16 between 4.1k and 6.6k tokens of data
     # (session 36, the two alternated in one process).
     # The offline LLM has no arrivals mid-step: its questions are queued before the steps run.
