@@ -17,6 +17,7 @@ issue's goal: a concurrent ingest raises query p99 at most 2x), the ingest's sec
 import argparse
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -142,3 +143,11 @@ def _report(result: dict) -> None:
             for k, v in result["summary"].items()]
     harness.print_table(["measure", "value"], rows,
                         title=f"session questions over HTTP, {result['context_tokens']} data tokens at the end")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.cli_main("session_server", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
