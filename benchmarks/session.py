@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-url", default=None, help="add a running vLLM server (prefix caching on, the "
                         "same model's HF directory; ../shared/PEERS.md), e.g. http://127.0.0.1:8011")
     parser.add_argument("--background-chunk-tokens", type=int, default=None,
-                        help="ingest tokens per background step (default: the engine's)")
+                        help="the largest ingest chunk per background step (default: the engine's)")
     parser.add_argument("--window-questions", type=int, default=4, help="rolling-window questions per step")
     parser.add_argument("--exit-threshold", type=float, default=2.0,
                         help="speculative exit check: the logit lead the ready position's answer needs")

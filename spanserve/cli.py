@@ -31,7 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sparse-flow", action="append", default=[], metavar="PACKAGE.MODULE.CLASS",
                    help="register a sparse decode flow of your own (repeatable); requests name it")
     g.add_argument("--background-chunk-tokens", type=int, default=EngineConfig.background_chunk_tokens,
-                   help="session ingest: tokens per step, in steps no other request needs")
+                   help="session ingest: at most this many tokens per step, in steps no other request "
+                        "needs (fewer while requests keep arriving)")
     g.add_argument("--session-tenant-share", type=float, default=0.9,
                    help="share of the KV pool one tenant's (API key's) sessions may hold (all sessions: 0.9)")
     g.add_argument("--no-prefix-caching", action="store_true")
