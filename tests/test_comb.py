@@ -130,6 +130,21 @@ def test_the_plugin_changes_the_answer_and_a_zero_plugin_equals_none(tiny_llama_
     assert max(abs(comb_out[t] - none_out[t]) for t in set(comb_out) & set(none_out)) > 1e-3
 
 
+def test_the_plugin_hooks_the_projections_only_while_active(comb_llm):
+    """Steps without span rows (decode, plain prompts) call the projections without hooks (a hooked
+    module takes PyTorch's slow call path); inside `active`, nested or not, each has one."""
+    plugin, model = comb_llm.engine.comb, comb_llm.engine.runner.model
+    projections = [linear for linear, _ in plugin._hooks]
+    assert len(projections) == 4 * len(model.layers) and not any(p._forward_hooks for p in projections)
+    with plugin.active(torch.tensor([0])):
+        with plugin.active(None, torch.tensor([1])):
+            assert all(len(p._forward_hooks) == 1 for p in projections)
+        assert all(len(p._forward_hooks) == 1 for p in projections) and plugin.rows.tolist() == [0]
+    assert not any(p._forward_hooks for p in projections) and plugin.rows is None
+    comb_llm.generate(prompt([2, 0, 1]), greedy(2, link_policy="comb"))
+    assert not any(p._forward_hooks for p in projections)
+
+
 def test_comb_span_kv_is_never_shared_with_none_or_another_plugin(comb_llm):
     p = prompt([0, 1, 2])
     run(comb_llm, p, link_policy="none")

@@ -70,6 +70,10 @@ class CombPlugin:
     probe_heads: list = field(default_factory=list)  # [layer, head] voters of the focus probe (pic/voters.py)
     rows: torch.Tensor | None = None
     reader_rows: torch.Tensor | None = None
+    # (projection, its hook) of the model attached to; the hooks are on only while active: a
+    # module with a hook takes PyTorch's slow call path, 2-5 us more a call (120 a SmolLM2 step)
+    _hooks: list = field(default_factory=list, repr=False)
+    _on: list = field(default_factory=list, repr=False)  # the handles while active
 
     @classmethod
     def zeros(cls, model: nn.Module, rank: int = 16, alpha: float = 32.0, seed: int = 0,
@@ -96,13 +100,20 @@ class CombPlugin:
 
     @contextmanager
     def active(self, rows: torch.Tensor | None, reader_rows: torch.Tensor | None = None):
-        """Apply the encoder deltas to `rows` and the reader deltas to `reader_rows` meanwhile."""
-        previous = self.rows, self.reader_rows
+        """Apply the encoder deltas to `rows` and the reader deltas to `reader_rows` meanwhile
+        (its hooks are on the attached model's projections meanwhile, once however nested)."""
+        previous, outermost = (self.rows, self.reader_rows), not self._on
         self.rows, self.reader_rows = rows, reader_rows if self.has_reader else None
+        if outermost:
+            self._on = [linear.register_forward_hook(hook) for linear, hook in self._hooks]
         try:
             yield
         finally:
             self.rows, self.reader_rows = previous
+            if outermost:
+                for handle in self._on:
+                    handle.remove()
+                self._on = []
 
     @property
     def scaling(self) -> float:
@@ -129,9 +140,9 @@ class CombPlugin:
     # ---- in the engine -------------------------------------------------------------------
 
     def attach(self, model: nn.Module, cast: bool = True) -> None:
-        """Add the deltas to the model's projections on `rows` (forward hooks: the model's code
-        stays the decoder's). With `cast`, deltas move to the model's device and dtype once
-        (serving); training keeps its float32 tensors and casts at each use."""
+        """Add the deltas to the model's projections on `rows` while active (forward hooks: the
+        model's code stays the decoder's). With `cast`, deltas move to the model's device and
+        dtype once (serving); training keeps its float32 tensors and casts at each use."""
         if model_fingerprint(model) != self.fingerprint:
             raise InvalidRequestError("this COMB plug-in was trained for another model (fingerprint "
                                       f"{self.fingerprint}, model {model_fingerprint(model)})")
@@ -139,8 +150,7 @@ class CombPlugin:
             param = next(model.parameters())
             self.deltas = {n: (a.to(param.device, param.dtype), b.to(param.device, param.dtype))
                            for n, (a, b) in self.deltas.items()}
-        for name, linear in _linears(model):
-            linear.register_forward_hook(self._hook(name))
+        self._hooks = [(linear, self._hook(name)) for name, linear in _linears(model)]
 
     def voters(self, model: nn.Module) -> ProbeVoters | None:
         """The focus probe's voters trained for this plug-in (`spanserve train probe`), if any."""
