@@ -55,11 +55,17 @@ def run(args: argparse.Namespace) -> dict:
             session = _Session(client)
             session.append("".join(feed[:first]))
             session.wait()
-            idle = [session.ask(QUESTIONS[i % len(QUESTIONS)], rng, args.pause_s) for i in range(args.questions)]
+            idle = []
+            for i in range(args.questions):
+                time.sleep(rng.uniform(*args.pause_s))
+                idle.append(session.ask(QUESTIONS[i % len(QUESTIONS)]))
             start, version = time.perf_counter(), session.append("".join(feed[first:]))
             busy = []
-            while len(busy) < args.questions and not session.caught_up(version):
-                busy.append(session.ask(QUESTIONS[len(busy) % len(QUESTIONS)], rng, args.pause_s))
+            while len(busy) < args.questions:
+                time.sleep(rng.uniform(*args.pause_s))
+                if session.caught_up(version):  # checked after the pause: asked while ingest runs
+                    break
+                busy.append(session.ask(QUESTIONS[len(busy) % len(QUESTIONS)]))
             session.wait()
             ingest_s = time.perf_counter() - start
             ingested, stopped = session.size() - session.before, _stopped_steps(client)
@@ -109,9 +115,8 @@ class _Session:
         while not self.caught_up():
             time.sleep(0.2)
 
-    def ask(self, question: str, rng: random.Random, pause_s: tuple[float, float]) -> float:
-        """Milliseconds to a one-token answer, after a pause."""
-        time.sleep(rng.uniform(*pause_s))
+    def ask(self, question: str) -> float:
+        """Milliseconds to a one-token answer."""
         start = time.perf_counter()
         reply = self.client.post(f"/v1/sessions/{self.id}/query",
                                  json={"question": question, "max_tokens": 1, "temperature": 0})
