@@ -11,6 +11,13 @@ from pathlib import Path
 import httpx
 
 
+def metrics(url: str) -> dict[str, float]:
+    """The server's unlabelled Prometheus samples, by name."""
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)
+            if name and not name.startswith("#") and "{" not in name}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,7 +25,7 @@ import httpx
 
 from benchmarks import harness
 from benchmarks.serve import percentile
-from benchmarks.server_process import ServerProcess
+from benchmarks.server_process import ServerProcess, metrics
 from benchmarks.session import QUESTIONS, SYSTEM, bars
 
 TOKENS_PER_BAR = 46  # about (SmolLM2's tokenizer): how many bars make the data asked for
@@ -68,8 +68,10 @@ def run(args: argparse.Namespace) -> dict:
                 busy.append(session.ask(QUESTIONS[len(busy) % len(QUESTIONS)]))
             session.wait()
             ingest_s = time.perf_counter() - start
-            ingested, stopped = session.size() - session.before, _stopped_steps(client)
-            context = session.info()["num_tokens"]
+            info = session.info()
+            ingested, context = _size(info) - session.before, info["num_tokens"]
+            # None from a build that never stops a background step (before session 36: an A/B of builds)
+            stopped = metrics(server.url).get("spanserve_background_steps_stopped_total")
     finally:
         server.stop()
     result = {"benchmark": "session_server", "model": args.model or "SmolLM2-135M-Instruct",
@@ -92,7 +94,7 @@ class _Session:
         self.id, self.before = reply.json()["id"], 0
 
     def append(self, text: str) -> int:
-        self.before = self.size()
+        self.before = _size(self.info())
         reply = self.client.post(f"/v1/sessions/{self.id}/data", json={"text": text})
         reply.raise_for_status()
         return reply.json()["version"]
@@ -101,11 +103,6 @@ class _Session:
         reply = self.client.get(f"/v1/sessions/{self.id}")
         reply.raise_for_status()
         return reply.json()
-
-    def size(self) -> int:
-        """Data tokens computed so far, evicted ones included."""
-        info = self.info()
-        return info["num_tokens"] + info["evicted_tokens"]
 
     def caught_up(self, version: int | None = None) -> bool:
         info = self.info()
@@ -124,12 +121,9 @@ class _Session:
         return (time.perf_counter() - start) * 1000
 
 
-def _stopped_steps(client: httpx.Client) -> int | None:
-    """None from a build that never stops a background step (before session 36: an A/B of builds)."""
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith("spanserve_background_steps_stopped_total "):
-            return int(float(line.split()[1]))
-    return None
+def _size(info: dict) -> int:
+    """A session's data tokens computed so far, evicted ones included."""
+    return info["num_tokens"] + info["evicted_tokens"]
 
 
 def _summary(result: dict) -> dict:

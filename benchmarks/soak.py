@@ -26,7 +26,7 @@ import httpx
 
 from benchmarks import harness
 from benchmarks.serve import make_prompt, percentile
-from benchmarks.server_process import ServerProcess
+from benchmarks.server_process import ServerProcess, metrics
 
 KINDS = ("completion", "chat", "chat_spans", "stream_dropped", "abandoned", "span_query")
 ABANDON_AFTER_S = 0.3
@@ -49,13 +49,6 @@ def _rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def _metrics(url: str) -> dict[str, float]:
-    """The server's unlabelled Prometheus samples, by name."""
-    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)
-            if name and not name.startswith("#") and "{" not in name}
 
 
 def _docs(rng: random.Random) -> list[str]:
@@ -116,7 +109,7 @@ async def _client(url: str, index: int, deadline: float, seed: int, docs: list[s
 
 async def _sampler(server: ServerProcess, deadline: float, every: float, samples: list, t0: float) -> None:
     while time.monotonic() < deadline:
-        blocks = (await asyncio.to_thread(_metrics, server.url))["spanserve_kv_blocks_used"]
+        blocks = (await asyncio.to_thread(metrics, server.url))["spanserve_kv_blocks_used"]
         samples.append({"t": time.monotonic() - t0, "rss_mb": _rss_mb(server.proc.pid), "kv_blocks_used": blocks})
         await asyncio.sleep(every)
 
@@ -126,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
     model = ["--model", args.model] if args.model else []
     server = ServerProcess([*model, *args.serve_args.split()], out.with_suffix(".server.log"), startup_timeout=300)
     try:
-        baseline = _metrics(server.url)["spanserve_kv_blocks_used"]
+        baseline = metrics(server.url)["spanserve_kv_blocks_used"]
         records, samples, t0 = [], [], time.monotonic()
         deadline = t0 + args.minutes * 60
         docs = _docs(random.Random(args.seed))
@@ -157,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
 def _wait_idle(server: ServerProcess, baseline: float, timeout: float = 120) -> tuple[float | None, float]:
     start = time.monotonic()
     while True:
-        samples = _metrics(server.url)
+        samples = metrics(server.url)
         idle = samples["spanserve_kv_blocks_used"] == baseline and samples["spanserve_num_requests_running"] == 0
         if idle or time.monotonic() - start > timeout:
             return (time.monotonic() - start if idle else None), samples["spanserve_kv_blocks_used"]
