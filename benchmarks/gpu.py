@@ -21,12 +21,14 @@ Random token ids, fresh for every measurement, so no prefix is cached unless the
 """
 
 import argparse
+import gc
 import json
 import random
 import shutil
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from benchmarks import harness
@@ -56,33 +58,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--doc-tokens", type=int, default=2857)
     parser.add_argument("--kv-cache-gb", type=float, default=30.0)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="a measurement that fails is reported as its error and the others still run")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu.json)")
 
 
 def run(args: argparse.Namespace) -> dict:
-    import torch
-
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     model_dir = _model_dir(args)
     results: dict = {"shape": args.shape, "device": _device_name(args.device), "machine": harness.machine_info()}
-    results["matmul_peak_tflops"] = peak = _matmul_peak(args.device)
+    measure = _measurer(results, args.keep_going, log)
+    results["matmul_peak_tflops"] = peak = measure("matmul peak", _matmul_peak, args.device) or float("nan")
     log(f"bf16 matmul peak: {peak:.0f} TFLOP/s")
-    if not args.no_hf:
-        results["hf_decode"] = _hf_decode(model_dir, args, log)
-        torch.cuda.empty_cache() if args.device == "cuda" else None
+    hf = None if args.no_hf else measure("transformers decode", _hf_decode, model_dir, args, log)
+    _free(args.device)
     llm = _engine(model_dir, args, eager=False)
-    results["prefill"] = _prefill(llm, args, peak, log)
-    results["decode"] = {"spanserve": _decode(llm, args, log)}
-    results["span_ttft"] = _span_ttft(llm, args, log)
-    results["span_decode"] = _span_decode(llm, args, log)
+    results["prefill"] = measure("prefill", _prefill, llm, args, peak, log)
+    results["decode"] = {"spanserve": measure("decode", _decode, llm, args, log)}
+    results["span_ttft"] = measure("span TTFT", _span_ttft, llm, args, log)
+    results["span_decode"] = measure("span decode", _span_decode, llm, args, log)
     del llm
-    results["decode"]["spanserve eager"] = _decode(_engine(model_dir, args, eager=True), args, log)
-    if "hf_decode" in results:
-        results["decode"]["transformers"] = results.pop("hf_decode")
+    _free(args.device)  # the eager engine's weights and cache take the graph engine's place
+    results["decode"]["spanserve eager"] = measure(
+        "eager decode", lambda: _decode(_engine(model_dir, args, eager=True), args, log))
+    if hf is not None:
+        results["decode"]["transformers"] = hf
     _report(results)
     harness.write_json(results, path=args.out or harness.result_path("gpu"))
     shutil.rmtree(model_dir, ignore_errors=True)
     return results
+
+
+def _measurer(results: dict, keep_going: bool, log):
+    """measure(name, fn, *fn_args) returns fn(*fn_args); with --keep-going a failure is logged and kept under
+    results["errors"], it returns None and the run goes on (one call on a lent GPU should bring
+    back every figure it can)."""
+
+    def measure(name: str, fn, *fn_args):
+        try:
+            return fn(*fn_args)
+        except Exception as exc:
+            if not keep_going:
+                raise
+            log(f"{name} failed:\n{traceback.format_exc()}")
+            results.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+            return None
+
+    return measure
+
+
+def _free(device: str) -> None:
+    import torch
+
+    gc.collect()  # engines hold reference cycles: their GPU memory goes only with a collection
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _model_dir(args) -> Path:
@@ -289,20 +319,23 @@ def _device_name(device: str) -> str:
 
 
 def _report(results: dict) -> None:
-    prefill, span = results["prefill"], results["span_ttft"]
-    harness.print_table(["measure", "value"], [
-        ["bf16 matmul peak (TFLOP/s)", f"{results['matmul_peak_tflops']:.0f}"],
-        ["prefill tok/s", f"{prefill['tok_per_s']:,.0f}"],
-        ["prefill TFLOP/s (fraction of peak)", f"{prefill['tflops']:.0f} ({prefill['fraction_of_peak']:.0%})"],
-        *[[f"decode {who} {batch} (tok/s)", f"{rate:,.0f}"]
-          for who, rates in results["decode"].items() for batch, rate in rates.items()],
-        [f"TTFT spans off, {span['docs']} x {span['doc_tokens']} (s)", f"{span['spans_off_s']:.2f}"],
-        ["TTFT spans cold (s)", f"{span['spans_cold_s']:.2f}"],
-        ["TTFT spans warm, new order (s)", f"{min(span['spans_warm_s']):.3f}"],
-        ["span-hit speedup over spans off", f"{span['warm_speedup']:.0f}x"],
-        [f"decode after {results['span_decode']['docs']} x 1024: plain / warm spans (tok/s)",
-         f"{results['span_decode']['plain_tok_per_s']:.1f} / {results['span_decode']['spans_warm_tok_per_s']:.1f}"],
-    ], title=f"GPU path: {results['shape']} random weights, bf16, {results['device']}")
+    rows = [["bf16 matmul peak (TFLOP/s)", f"{results['matmul_peak_tflops']:.0f}"]]
+    if prefill := results["prefill"]:
+        rows += [["prefill tok/s", f"{prefill['tok_per_s']:,.0f}"],
+                 ["prefill TFLOP/s (fraction of peak)", f"{prefill['tflops']:.0f} ({prefill['fraction_of_peak']:.0%})"]]
+    rows += [[f"decode {who} {batch} (tok/s)", f"{rate:,.0f}"]
+             for who, rates in results["decode"].items() for batch, rate in (rates or {}).items()]
+    if span := results["span_ttft"]:
+        rows += [[f"TTFT spans off, {span['docs']} x {span['doc_tokens']} (s)", f"{span['spans_off_s']:.2f}"],
+                 ["TTFT spans cold (s)", f"{span['spans_cold_s']:.2f}"],
+                 ["TTFT spans warm, new order (s)", f"{min(span['spans_warm_s']):.3f}"],
+                 ["span-hit speedup over spans off", f"{span['warm_speedup']:.0f}x"]]
+    if decode := results["span_decode"]:
+        rows.append([f"decode after {decode['docs']} x 1024: plain / warm spans (tok/s)",
+                     f"{decode['plain_tok_per_s']:.1f} / {decode['spans_warm_tok_per_s']:.1f}"])
+    rows += [[f"failed: {name}", error[:80]] for name, error in results.get("errors", {}).items()]
+    harness.print_table(["measure", "value"], rows,
+                        title=f"GPU path: {results['shape']} random weights, bf16, {results['device']}")
 
 
 def main(argv: list[str] | None = None) -> int:
