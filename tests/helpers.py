@@ -1,7 +1,9 @@
 """Small helpers shared by the test modules (fixtures live in conftest.py)."""
 
 import argparse
+import os
 
+import pytest
 import torch
 
 from spanserve import SamplingParams
@@ -38,3 +40,13 @@ def bench_args(module, argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     module.add_arguments(parser)
     return parser.parse_args(argv)
+
+
+def triton_device() -> torch.device:
+    """Where a Triton kernel test runs: CUDA, or the CPU under TRITON_INTERPRET=1 (Triton's
+    interpreter, slow but exact, where Triton is installed). Skips the calling module otherwise."""
+    pytest.importorskip("triton")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if not (torch.cuda.is_available() or interpret):
+        pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+    return torch.device("cpu" if interpret else "cuda")

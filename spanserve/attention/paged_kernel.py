@@ -98,11 +98,29 @@ def paged_attention_kernel(
         tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
+@triton.jit
+def merge_splits_kernel(PartAcc, PartMax, PartSum, Out, num_splits, heads, stride_ot, stride_oh, stride_ps,
+                        DIM: tl.constexpr, SPLITS: tl.constexpr):
+    """One (token, head) row: its splits' partial results weighted by exp2(their max - the top)."""
+    row = tl.program_id(0)
+    token, head = row // heads, row % heads
+    splits = tl.arange(0, SPLITS)
+    ok = splits < num_splits
+    row_max = tl.load(PartMax + splits * (stride_ps // DIM) + row, mask=ok, other=float("-inf"))
+    top = tl.max(row_max, 0)
+    weight = tl.exp2(row_max - tl.where(top == float("-inf"), 0.0, top))  # a split that saw no key: 0
+    total = tl.sum(tl.load(PartSum + splits * (stride_ps // DIM) + row, mask=ok, other=0.0) * weight, 0)
+    dims = tl.arange(0, DIM)
+    acc = tl.load(PartAcc + (splits * stride_ps + row * DIM)[:, None] + dims[None, :], mask=ok[:, None], other=0.0)
+    merged = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + token * stride_ot + head * stride_oh + dims, merged.to(Out.dtype.element_ty))
+
+
 def merge_splits(acc: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor, out: torch.Tensor) -> None:
     """Combine the splits' partial softmax results (acc [S, T, H, D], max and sum [S, T, H],
-    maxima in log2 units) into out [T, H, D]. Splits that saw no key have max -inf."""
-    top = row_max.max(0).values
-    weight = torch.exp2(row_max - torch.where(torch.isinf(top), 0.0, top))  # exp2(-inf) = 0
-    total = (row_sum * weight).sum(0)
-    merged = (acc * weight[..., None]).sum(0) / torch.where(total == 0, 1.0, total)[..., None]
-    out.copy_(merged)
+    maxima in log2 units, all contiguous) into out [T, H, D], one launch for every row."""
+    splits, tokens, heads, dim = acc.shape
+    merge_splits_kernel[(tokens * heads,)](
+        acc, row_max, row_sum, out, splits, heads, out.stride(0), out.stride(1), tokens * heads * dim,
+        DIM=dim, SPLITS=triton.next_power_of_2(splits), num_warps=1,
+    )

@@ -7,6 +7,7 @@ own whose tensors it refills in place (engine/cuda_graphs.py). Sequences whose q
 span keys (APE) take the torch reference: the kernel has no pre-softmax hook.
 """
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 32
 
 
+@functools.cache
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401

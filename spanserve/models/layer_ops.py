@@ -1,5 +1,5 @@
 """A decoder layer's elementwise ops, RMSNorm and SwiGLU's silu(gate) * up, in one C call each on
-CPU (csrc/layer_ops.c).
+CPU (csrc/layer_ops.c) and one Triton kernel each on CUDA (triton_layer_ops.py).
 
 In torch each is a chain of small ops, and in a decode step of a few rows every op costs its
 dispatch rather than its arithmetic: the 61 RMSNorms of SmolLM2 took about 4 ms of a 41 ms step
@@ -13,11 +13,14 @@ import torch.nn.functional as F
 
 from spanserve import native
 from spanserve.attention import cpu_kernel
+from spanserve.attention.triton_paged import triton_available
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / rms(x) over the last dimension: normalized in float32, cast to x's dtype, then
     scaled in that dtype (as transformers does)."""
+    if gpu := _gpu_kernels(x, weight):
+        return gpu.rms_norm(x, weight, eps)
     kernel = _kernel(x, weight)
     if kernel is None:
         x32 = x.float()
@@ -34,6 +37,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] on the last dimension, silu in float32 cast to the
     dtype first (as torch computes it)."""
+    if gpu := _gpu_kernels(gate_up, gate_up):
+        return gpu.silu_mul(gate_up)
     kernel = _kernel(gate_up, gate_up)
     if kernel is None:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -86,6 +91,18 @@ def _rope_store_fits(cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor, k: t
             and k.dtype == v.dtype == q.dtype
             and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
             and q.stride(-2) == q.shape[-1] and k.stride(-2) == k.shape[-1] and v.stride(-2) == v.shape[-1])
+
+
+def _gpu_kernels(x: torch.Tensor, weight: torch.Tensor):
+    """The Triton kernels (triton_layer_ops.py), where they may run these tensors: on CUDA with
+    Triton installed, one dtype, no gradient to record."""
+    if x.device.type != "cuda" or weight.dtype != x.dtype or not triton_available():
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    from spanserve.models import triton_layer_ops
+
+    return triton_layer_ops
 
 
 def _kernel(x: torch.Tensor, weight: torch.Tensor):
