@@ -310,8 +310,9 @@ class ModelRunner:
         watched = self._tensor(rows[-FOCUS_ROWS:].tolist())
         weights = []
         hidden = self.model.embed_tokens(self._tensor([req.token_ids[t] for t in rows]))
-        bs, own = self.block_size, [b.block_id for b in req.block_table]
-        slots = self._tensor([own[t // bs] * bs + t % bs for t in range(n)])  # the same in every layer
+        bs, tokens = self.block_size, np.arange(n)
+        own = np.fromiter((b.block_id for b in req.block_table), dtype=np.int64, count=len(req.block_table))
+        slots = torch.from_numpy(own[tokens // bs] * bs + tokens % bs).to(self.device)  # the same in every layer
         meta = self._probe_meta(req, rows, rows[:0], n)  # the same in every layer
         rotation = meta.key_rotation[0]  # the request's own (_probe_meta)
         for layer in range(voters.stop):  # no later layer votes: the probe stops there

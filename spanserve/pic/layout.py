@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from spanserve.errors import InvalidSpanError
-from spanserve.kv.hashing import ROOT_HASH, BlockHash, hash_block
+from spanserve.kv.hashing import ROOT_HASH, BlockHash, hash_chain
 from spanserve.pic.link import LinkPolicy
 
 
@@ -68,6 +68,11 @@ class PromptLayout:
                 offset = anchor.num_tokens if anchor and start > 0 else 0
                 self.spans.append(SpanRange(start, end, sub_end, offset))
         self.awaiting_selection = link.selects and bool(self.spans)  # blend: the probe picks links
+        # span_at_block[i]: the span wholly holding full block i, else -1 (per-block lookups of
+        # a long prompt's thousands of blocks read arrays, not every span)
+        self.span_at_block = np.full(num_tokens // block_size, -1, dtype=np.int64)
+        for s, span in enumerate(self.spans):
+            self.span_at_block[-(-span.start // block_size):span.end // block_size] = s
         self._refresh()
 
     def reset_selection(self) -> None:
@@ -81,6 +86,8 @@ class PromptLayout:
     def _refresh(self) -> None:
         # in_context_before[t]: how many tokens before t are computed in context
         self.in_context_before = np.concatenate([[0], np.cumsum(~self.independent)])
+        full = len(self.span_at_block) * self.block_size
+        self.block_independent = self.independent[:full].reshape(-1, self.block_size).all(1)  # per full block
         self._deltas: torch.Tensor | None = None
         self.derived: dict = {}  # what others build from this layout (a runner's key rotation)
 
@@ -98,10 +105,9 @@ class PromptLayout:
 
     def span_of_block(self, i: int) -> int | None:
         """Index of the span holding block i with every token independent, else None."""
-        lo, hi = i * self.block_size, (i + 1) * self.block_size
-        if hi > self.num_tokens or self.awaiting_selection or not self.independent[lo:hi].all():
+        if i >= len(self.block_independent) or self.awaiting_selection or not self.block_independent[i]:
             return None
-        return next(s for s, span in enumerate(self.spans) if span.start <= lo and hi <= span.end)
+        return int(self.span_at_block[i])
 
     def shadow_blocks(self, s: int) -> list[int]:
         """Full blocks of span s that have linked tokens: their span-local version lives apart
@@ -113,8 +119,8 @@ class PromptLayout:
         span, bs = self.spans[s], self.block_size
         if self.awaiting_selection and not self.link.focuses:
             return list(range(span.start // bs, -(-span.sub_end // bs)))
-        blocks = range(span.start // bs, span.sub_end // bs)
-        return [i for i in blocks if not self.independent[i * bs:(i + 1) * bs].all()]
+        first = span.start // bs
+        return (np.flatnonzero(~self.block_independent[first:span.sub_end // bs]) + first).tolist()
 
     def probe_blocks(self) -> int:
         """Blocks a request holds beside its context view until its selecting policy's probe has
@@ -208,18 +214,19 @@ class PromptLayout:
         """Extra hash key of block i in the context chain: the span geometry inside it and the
         link policy, so the same tokens laid out or linked differently never share a key."""
         lo, hi = i * self.block_size, (i + 1) * self.block_size
-        return tuple((s.start - lo, s.end - lo, self.link.signature) for s in self.spans
-                     if s.start < hi and lo < s.end)
+        inside = self.span_at_block[i] if i < len(self.span_at_block) else -1
+        spans = [self.spans[inside]] if inside >= 0 else self.spans  # a block inside a span meets it alone
+        return tuple((s.start - lo, s.end - lo, self.link.signature) for s in spans if s.start < hi and lo < s.end)
 
     def local_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> dict[int, BlockHash]:
         """Span-local hash of every full block inside a span, keyed by block index: each span's
         chain restarts at the root, exactly as if the span were a prompt of its own."""
         bs, out = self.block_size, {}
+        first_key = ((cache_salt,) if cache_salt else ()) + self.link.span_key
         for span in self.spans:
             parent = self.anchor.last_hash if span.offset else ROOT_HASH
-            for i in range(span.start // bs, span.end // bs):
-                extra = ((cache_salt,) if cache_salt else ()) + self.link.span_key if i == span.start // bs else ()
-                parent = out[i] = hash_block(parent, token_ids[i * bs:(i + 1) * bs], extra)
+            chain = hash_chain(parent, token_ids[span.start:span.end // bs * bs], bs, lambda j: () if j else first_key)
+            out.update(enumerate(chain, span.start // bs))
         return out
 
 

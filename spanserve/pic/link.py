@@ -25,6 +25,7 @@ Recomputed tokens land in blocks private to the request; the shared span blocks 
 written.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -99,7 +100,7 @@ class LinkPolicy:
         """True if a focus probe picks what to recompute (focus_spans or focus_tokens)."""
         return self.focus_spans > 0 or self.focus_tokens > 0
 
-    @property
+    @functools.cached_property  # read for every block of a spanned prompt (its hash key)
     def signature(self) -> tuple:
         """What decides the linked tokens, given the same context (part of cache keys)."""
         focus = ("focus", self.focus_spans, self.focus_tokens) if self.focuses else ()
