@@ -44,7 +44,8 @@ def bench_args(module, argv: list[str]) -> argparse.Namespace:
 
 def triton_device() -> torch.device:
     """Where a Triton kernel test runs: CUDA, or the CPU under TRITON_INTERPRET=1 (Triton's
-    interpreter, slow but exact, where Triton is installed). Skips the calling module otherwise."""
+    interpreter, slow but exact, where Triton is installed; Triton 3.6's ran with numpy 2.2, not
+    2.4, whose scalar conversions its loops trip on). Skips the calling module otherwise."""
     pytest.importorskip("triton")
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if not (torch.cuda.is_available() or interpret):

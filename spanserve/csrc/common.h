@@ -41,8 +41,13 @@ static inline void store_floats(void *base, int64_t index, int n, int dtype, con
 }
 
 /* Vectors of LANES float32s, written once with GCC vector extensions: the compiler maps them to
- * the CPU's registers (AVX-512: one; AVX2 or NEON: two or four). */
+ * the CPU's registers. 16 lanes with AVX-512 (one register); 8 elsewhere (one AVX2 register, two
+ * NEON ones): 16-lane vectors in 16 AVX2 registers spilled the kernels' sums to the stack. */
+#if defined(__AVX512F__)
 #define LANES 16
+#else
+#define LANES 8
+#endif
 typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 
@@ -90,22 +95,38 @@ static inline vf load_vf(const float *p) {
 }
 
 /* The lanes 0, 1, .., LANES - 1. */
+#if LANES == 16
 static inline vi lane_ids(void) { return (vi){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+#else
+static inline vi lane_ids(void) { return (vi){0, 1, 2, 3, 4, 5, 6, 7}; }
+#endif
 
-/* The sum and max of v's lanes: halves folded onto each other, 4 shuffles (not 15 scalar steps). */
+/* The sum and max of v's lanes: halves folded onto each other, log2(LANES) shuffles. */
 static inline float hsum(vf v) {
+#if LANES == 16
     v += SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     v += SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
     v += SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
     v += SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#else
+    v += SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v += SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+#endif
     return v[0];
 }
 
 static inline float hmax(vf v) {
+#if LANES == 16
     v = vmax(v, SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
     v = vmax(v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
     v = vmax(v, SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
     v = vmax(v, SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#else
+    v = vmax(v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = vmax(v, SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+    v = vmax(v, SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+#endif
     return v[0];
 }
 
@@ -113,6 +134,7 @@ static inline float hmax(vf v) {
  * halves of every block of lanes while packing two vectors' blocks into one, so 16 sums take 15
  * adds and 30 shuffles where one reduction each would take about 130 ops. */
 static inline vf sum_lanes(const vf v[LANES]) {
+#if LANES == 16
     vf halves[8], quarters[4], eighths[2];
     for (int i = 0; i < 8; i++) /* lanes 0-7: v[2i]'s 8 partial sums, 8-15: v[2i + 1]'s */
         halves[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -125,6 +147,17 @@ static inline vf sum_lanes(const vf v[LANES]) {
                      SHUFFLE(quarters[2 * i], quarters[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
     return SHUFFLE(eighths[0], eighths[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
            SHUFFLE(eighths[0], eighths[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    vf halves[4], quarters[2];
+    for (int i = 0; i < 4; i++) /* lanes 0-3: v[2i]'s 4 partial sums, 4-7: v[2i + 1]'s */
+        halves[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+                    SHUFFLE(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++) /* blocks of 2 lanes: v[4i] .. v[4i + 3] */
+        quarters[i] = SHUFFLE(halves[2 * i], halves[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+                      SHUFFLE(halves[2 * i], halves[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return SHUFFLE(quarters[0], quarters[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           SHUFFLE(quarters[0], quarters[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
 
 /* Keys far below a query's top score get weights that underflow to denormals, and arithmetic on

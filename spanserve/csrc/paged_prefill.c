@@ -200,7 +200,9 @@ ALWAYS_INLINE void weigh_values(const float *panel, int dim, int groups, int d0,
 /* Row groups g0 .. g0 + groups - 1 over the 16 panel keys from `kbegin`, their states (each
  * [dim] sums of values, then max, sum) at state, `stride` vectors apart. */
 ALWAYS_INLINE void step_groups(const Scratch *s, int g0, int groups, int64_t kbegin, int n, vf *state, int dim) {
-    int stride = dim + 2, keys = groups == 1 ? 16 : groups == 2 ? 8 : 4, width = groups <= 2 ? 8 : 4;
+    int stride = dim + 2, width = groups <= 2 ? 8 : 4;
+    int keys = groups == 1 ? 16 : groups == 2 ? 8 : 4; /* keys scored together: at most a vector's lanes */
+    keys = keys < LANES ? keys : LANES;
     vf scores[MAX_GROUPS][LANES], rescale[MAX_GROUPS];
     for (int k0 = 0; k0 < LANES; k0 += keys) score_keys(s->queries + g0 * dim, s->keys, dim, groups, k0, keys, scores);
     for (int g = 0; g < groups; g++)
