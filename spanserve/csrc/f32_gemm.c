@@ -11,7 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -59,8 +59,37 @@ static inline __attribute__((always_inline)) void tile(const Gemm *g, int64_t m0
         for (int t = 0; t < TILE_PANELS; t++) _mm512_storeu_ps(sums[r] + t * PANEL, acc[r][t]);
     store_tile(g, m0, rows, p, sums);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2: a panel is two 8-float registers, so one row's sums take 6 of the 16; rows go two at a
+ * time (12 sums, the broadcasts and the weights as memory operands), each pair passing over the
+ * tile's weights again, from cache. The plain C below kept its sums in memory: 8 rows ran at
+ * about 12% of the two cores' FMA peak on an AMD EPYC. */
+static inline __attribute__((always_inline)) void tile(const Gemm *g, int64_t m0, const int rows, int64_t p) {
+    const int64_t k = g->k;
+    const float *w0 = g->packed + p * k * PANEL, *x = g->x + m0 * k;
+    float sums[MAX_ROWS][TILE_PANELS * PANEL];
+#pragma GCC unroll 4
+    for (int r0 = 0; r0 < rows; r0 += 2) {
+        const int pair = rows - r0 < 2 ? 1 : 2;
+        __m256 acc[2][2 * TILE_PANELS];
+        for (int r = 0; r < pair; r++)
+            for (int v = 0; v < 2 * TILE_PANELS; v++) acc[r][v] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < k; i++)
+            for (int r = 0; r < pair; r++) {
+                __m256 xb = _mm256_broadcast_ss(x + (r0 + r) * k + i);
+                for (int t = 0; t < TILE_PANELS; t++) {
+                    const float *w = w0 + (t * k + i) * PANEL;
+                    acc[r][2 * t] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w), acc[r][2 * t]);
+                    acc[r][2 * t + 1] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 8), acc[r][2 * t + 1]);
+                }
+            }
+        for (int r = 0; r < pair; r++)
+            for (int v = 0; v < 2 * TILE_PANELS; v++) _mm256_storeu_ps(sums[r0 + r] + v * 8, acc[r][v]);
+    }
+    store_tile(g, m0, rows, p, sums);
+}
 #else
-/* The same sums in plain C, for CPUs without AVX-512. */
+/* The same sums in plain C, for CPUs with neither AVX-512 nor AVX2. */
 static inline void tile(const Gemm *g, int64_t m0, const int rows, int64_t p) {
     const int64_t k = g->k;
     const float *w0 = g->packed + p * k * PANEL, *x = g->x + m0 * k;
