@@ -140,6 +140,8 @@ def test_one_bad_prompt_rejects_the_whole_batch_before_any_runs(llm):
     ("", "prompt is empty"),
     ({"prompt_token_ids": [5, 49152]}, r"prompt_token_ids must be integers in \[0, 49152\)"),
     ({"prompt_token_ids": [5, -1]}, r"prompt_token_ids must be integers in \[0, 49152\)"),
+    ({"prompt_token_ids": [5, 7.0]}, r"prompt_token_ids must be integers in \[0, 49152\)"),
+    ({"prompt_token_ids": [5, True]}, r"prompt_token_ids must be integers in \[0, 49152\)"),
     ({"prompt": "a", "prompt_token_ids": [1]}, "a prompt is a string"),
     ({"text": "a"}, "a prompt is a string"),
 ])
