@@ -5,8 +5,9 @@
  *
  * A unit is one tile of a sequence's query tokens with one KV head. Its rows are the tile's
  * tokens times that KV head's query heads, so grouped heads share every key they read. Rows are
- * the vector lanes, 16 to a row group: queries are transposed once per task into [dim][16]
- * columns, and for 16 keys at a time a row group's scores are 16 vectors of FMAs over dim with
+ * the vector lanes, LANES to a row group (16 with AVX-512, else 8; common.h): queries are
+ * transposed once per task into [dim][LANES] columns, and for LANES keys at a time a row group's
+ * scores are LANES vectors of FMAs over dim with
  * each key element broadcast, so the softmax's running max, sum and rescale are vector ops over
  * rows and no horizontal sum is ever needed. A unit with few siblings is split into ranges of
  * keys (tasks), merged afterwards as in flash decoding, so a short question over a long context
@@ -101,7 +102,7 @@ static void load_panels(const Args *a, const Scratch *s, int64_t seq, int kv, in
     }
 }
 
-/* A unit's queries as scaled float32 columns, lane r of row group g holding row 16 g + r
+/* A unit's queries as scaled float32 columns, lane r of row group g holding row LANES g + r
  * (token r / groups of the tile, query head r % groups of the KV head), with each row's position;
  * padding rows are zeros that see every key (their sums are never read). */
 static void load_queries(const Args *a, const Scratch *s, const Unit *u) {
@@ -151,7 +152,7 @@ ALWAYS_INLINE void score_keys(const vf *queries, const float *panel, int dim, in
         for (int j = 0; j < keys; j++) scores[g][k0 + j] = sums[g][j];
 }
 
-/* The online softmax of one row group over 16 keys from `kbegin` (n of them real): scores become
+/* The online softmax of one row group over LANES keys from `kbegin` (n of them real): scores become
  * weights, the running max and sum in state move on; returns the factor that rescales what the
  * sum of values held before. */
 ALWAYS_INLINE vf softmax_step(vf scores[LANES], vi pos, int64_t min_pos, int64_t kbegin, int n, vf *max, vf *sum) {
@@ -174,7 +175,7 @@ ALWAYS_INLINE vf softmax_step(vf scores[LANES], vi pos, int64_t min_pos, int64_t
     return rescale;
 }
 
-/* Dimensions d0 .. d0 + width - 1 of each row group's sum of values: rescaled, plus the 16 keys'
+/* Dimensions d0 .. d0 + width - 1 of each row group's sum of values: rescaled, plus the LANES keys'
  * weighted values (each value element broadcast once for every row group). */
 ALWAYS_INLINE void weigh_values(const float *panel, int dim, int groups, int d0, int width,
                                 vf weights[MAX_GROUPS][LANES], const vf *rescale, vf *state, int stride) {
@@ -197,7 +198,7 @@ ALWAYS_INLINE void weigh_values(const float *panel, int dim, int groups, int d0,
         for (int j = 0; j < width; j++) state[g * stride + d0 + j] = sums[g][j];
 }
 
-/* Row groups g0 .. g0 + groups - 1 over the 16 panel keys from `kbegin`, their states (each
+/* Row groups g0 .. g0 + groups - 1 over the LANES panel keys from `kbegin`, their states (each
  * [dim] sums of values, then max, sum) at state, `stride` vectors apart. */
 ALWAYS_INLINE void step_groups(const Scratch *s, int g0, int groups, int64_t kbegin, int n, vf *state, int dim) {
     int stride = dim + 2, width = groups <= 2 ? 8 : 4;
