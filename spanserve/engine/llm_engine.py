@@ -323,7 +323,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not _token_ids_in(token_ids[checked:], vocab):
             raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab})")
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in params.stop_token_ids):
+        if not _token_ids_in(params.stop_token_ids, vocab):
             raise InvalidRequestError(f"stop_token_ids must be integers in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(token_ids), self.max_model_len)

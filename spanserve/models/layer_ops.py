@@ -96,9 +96,7 @@ def _rope_store_fits(cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor, k: t
 def _gpu_kernels(x: torch.Tensor, weight: torch.Tensor):
     """The Triton kernels (triton_layer_ops.py), where they may run these tensors: on CUDA with
     Triton installed, one dtype, no gradient to record."""
-    if x.device.type != "cuda" or weight.dtype != x.dtype or not triton_available():
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if x.device.type != "cuda" or weight.dtype != x.dtype or not triton_available() or records_grad(x, weight):
         return None
     from spanserve.models import triton_layer_ops
 
@@ -110,9 +108,14 @@ def _kernel(x: torch.Tensor, weight: torch.Tensor):
     gradient to record."""
     if x.device.type != "cpu" or x.dtype not in native.DTYPES or weight.dtype != x.dtype or x.numel() == 0:
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if records_grad(x, weight):
         return None
     return cpu_kernel.load("layer")
+
+
+def records_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Autograd would record an op of x and weight (training a plug-in): only torch may run it."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
 
 
 def _raise_on(status: int, name: str, x: torch.Tensor) -> None:

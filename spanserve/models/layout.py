@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spanserve.attention import cpu_kernel
+from spanserve.models.layer_ops import records_grad
 
 log = logging.getLogger(__name__)
 PACK_TILE = 48  # output channels of one tile of csrc/f32_gemm.c (TILE_PANELS x PANEL): the padding unit
@@ -83,7 +84,7 @@ class PackedLinear(nn.Linear):
         rows = x.numel() // self.in_features
         few = PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS and x.dtype == torch.float32
         kernel = cpu_kernel.load("gemm") if few else None
-        if kernel is None or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        if kernel is None or records_grad(x, self.weight):
             return F.linear(x, self.weight, self.bias)
         if self.weight._version != self._packed_version:
             self._pack()

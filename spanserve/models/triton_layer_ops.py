@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+SILU_BLOCK = 1024  # columns of silu(gate) * up per program
+
 
 @triton.jit
 def _rms_norm_kernel(X, W, Out, stride_x, stride_o, width, eps, BLOCK: tl.constexpr):
@@ -43,8 +45,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
                                            BLOCK=triton.next_power_of_2(rows.shape[1]), num_warps=8)
     return out.view(x.shape)
 
-
-SILU_BLOCK = 1024
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
