@@ -96,12 +96,13 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.paged_prefill.argtypes = [pointer] * 11 + [i64, i64, i64, i32, i32, i32, i32, f32, i32, i32]
     lib.int8_gemm.argtypes = [pointer] * 6 + [i64, i64, i64, i64, i32]
     lib.f32_gemm.argtypes = [pointer] * 4 + [i64, i64, i64, i64]
+    lib.f32_gemm_int8w.argtypes = [pointer] * 5 + [i64, i64, i64, i64]
     lib.rms_norm.argtypes = [pointer] * 3 + [i64, i64, f32, i32]
     lib.silu_mul.argtypes = [pointer] * 2 + [i64, i64, i32]
     lib.rope_store.argtypes = ([pointer] * 3 + [i64] * 3 + [pointer] * 3 + [i64] + [pointer] * 5
                                + [i64, i64, i32, i32, i32, i32, i32])
-    for entry in (lib.paged_decode, lib.paged_prefill, lib.int8_gemm, lib.f32_gemm, lib.rms_norm, lib.silu_mul,
-                  lib.rope_store):
+    for entry in (lib.paged_decode, lib.paged_prefill, lib.int8_gemm, lib.f32_gemm, lib.f32_gemm_int8w,
+                  lib.rms_norm, lib.silu_mul, lib.rope_store):
         entry.restype = i32
     lib.centroid_topk.argtypes = [pointer, i32, pointer, i64, pointer, i32] + [i64] * 6 + [pointer]
     lib.centroid_topk.restype = i64

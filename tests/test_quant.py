@@ -9,20 +9,39 @@ from helpers import greedy, random_prompt
 from torch import nn
 
 from spanserve import LLM, InvalidRequestError
+from spanserve.attention import cpu_kernel
 from spanserve.models import quant
 
 
-# x holds 2 x rows rows: the packed kernel up to PACKED_MAX_ROWS, the GEMM beyond
-@pytest.mark.parametrize("rows", [1, 3, quant.PACKED_MAX_ROWS // 2, quant.PACKED_MAX_ROWS // 2 + 1])
+@pytest.fixture(params=["c", "torch"])
+def int8_kernel(request, monkeypatch):
+    """Int8Linear's two kernels for few rows: spanserve's C GEMM (when built), or torch's packed
+    kernel, which it falls back to without that library."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernel, "_tried", True)
+        monkeypatch.setattr(cpu_kernel, "_allowed", frozenset({"decode", "prefill", "layer"}))
+    elif cpu_kernel.load("gemm") is None:
+        pytest.skip("spanserve's C library is not built here")
+    return request.param
+
+
+# x holds 2 x rows rows: a kernel up to PACKED_MAX_ROWS, the GEMM beyond; 200 input channels leave
+# a partial slice of the C kernel's 128, 70 output channels pad its last tile of 48, 9 rows (18)
+# step past its 8
+@pytest.mark.parametrize("rows", [1, 3, 9, quant.PACKED_MAX_ROWS // 2, quant.PACKED_MAX_ROWS // 2 + 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_computes_the_dequantized_product(rows, dtype):
+def test_int8_linear_computes_the_dequantized_product(rows, dtype, int8_kernel):
     torch.manual_seed(0)
-    linear = nn.Linear(96, 40, bias=True).to(dtype)
+    linear = nn.Linear(200, 70, bias=True).to(dtype)
     q = quant.Int8Linear(linear)
-    x = torch.randn(2, rows, 96).to(dtype)
-    dequantized = q.qweight.float() * q.scale.float()[:, None]
+    assert (q.kernel is not None) == (int8_kernel == "c")
+    x = torch.randn(2, rows, 200).to(dtype)
+    dequantized = q.int8_weight().float() * q.scale.float()[:, None]
     expected = x.float() @ dequantized.t() + linear.bias.float()
-    tol = 3e-2  # the kernel reads bf16 activations, for a float32 model too (quant.kernel_dtype)
+    # torch's kernel reads bf16 activations, for a float32 model too (quant.kernel_dtype); the C
+    # one float32, so a float32 model gets float32's rounding there
+    exact = int8_kernel == "c" and dtype == torch.float32 and rows <= quant.PACKED_MAX_ROWS // 2
+    tol = 1e-5 if exact else 3e-2
     torch.testing.assert_close(q(x).float(), expected, atol=tol, rtol=tol)
     weight = linear.weight.float()  # each row within a step of its grid (127 steps to its largest entry)
     assert ((dequantized - weight).abs().amax(1) <= 0.01 * weight.abs().amax(1)).all()
@@ -162,7 +181,7 @@ def test_int8_on_a_gpu_is_refused():
 
 def _dequantized(module) -> torch.Tensor:
     if isinstance(module, quant.Int8Linear):
-        return module.qweight.float() * module.scale.float()[:, None]
+        return module.int8_weight().float() * module.scale.float()[:, None]
     return module.dequantized().float()
 
 

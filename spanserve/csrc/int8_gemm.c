@@ -8,7 +8,10 @@
  * Activations are stored as unsigned bytes q + 128, so that one AVX-512 VNNI instruction
  * (vpdpbusd: unsigned by signed bytes, 4 products into each int32 lane) sums them; the offset's
  * share, 128 times the block's sum of weights, is subtracted per block (`comp`, packed with the
- * weights). Without VNNI the same integer sums are computed in plain C.
+ * weights). With AVX2 alone, vpmaddubsw multiplies unsigned by signed bytes into int16 pairs,
+ * which saturate for q + 128: that path takes the activations back to signed bytes and multiplies
+ * |x| by w carrying x's sign, at most 2 * 127 * 127 per pair. Elsewhere the same integer sums are
+ * computed in plain C.
  *
  * Layouts: x, out [M, K] and [M, N] float32 (dtype 0) or bfloat16 (1); packed weights: panels of
  * PANEL output channels, each [K / 4][PANEL][4] bytes (the 4 consecutive input channels of one
@@ -26,6 +29,8 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
 #endif
 
 #define QBLOCK 64     /* input channels sharing one activation scale */
@@ -117,8 +122,38 @@ static inline __attribute__((always_inline)) void tile(const Gemm *g, int64_t m0
         for (int t = 0; t < TILE_PANELS; t++) _mm512_storeu_ps(out[r] + t * PANEL, acc[r][t]);
     store_tile(g, m0, rows, p, out);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same with AVX2 (see the top): a row at a time, its 8 vectors of int32 sums (TILE_PANELS
+ * panels, two halves each) in registers, the tile's block of weights (4 KB) read from L1 again
+ * for each row. The signed product needs no offset taken back: comp is unused. */
+static inline __attribute__((always_inline)) void tile(const Gemm *g, int64_t m0, const int rows, int64_t p) {
+    const int64_t k = g->k, blocks = k / QBLOCK;
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    float acc[MAX_ROWS][TILE_PANELS * PANEL] = {{0}};
+    for (int64_t b = 0; b < blocks; b++)
+        for (int r = 0; r < rows; r++) {
+            const uint8_t *xr = g->xq + (m0 + r) * k + b * QBLOCK;
+            __m256i sums[2 * TILE_PANELS];
+            for (int v = 0; v < 2 * TILE_PANELS; v++) sums[v] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int q = 0; q < QBLOCK / 4; q++) {
+                int32_t four;
+                memcpy(&four, xr + q * 4, 4);
+                __m256i x = _mm256_xor_si256(_mm256_set1_epi32(four), flip), magnitude = _mm256_sign_epi8(x, x);
+                for (int v = 0; v < 2 * TILE_PANELS; v++) {
+                    const int8_t *w = g->packed + ((p + v / 2) * (k / 4) + b * (QBLOCK / 4) + q) * PANEL * 4 + (v % 2) * 32;
+                    __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)w), x));
+                    sums[v] = _mm256_add_epi32(sums[v], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+            __m256 s = _mm256_set1_ps(g->xs[(m0 + r) * blocks + b]);
+            for (int v = 0; v < 2 * TILE_PANELS; v++)
+                _mm256_storeu_ps(acc[r] + v * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[v]), s, _mm256_loadu_ps(acc[r] + v * 8)));
+        }
+    store_tile(g, m0, rows, p, acc);
+}
 #else
-/* The same sums in plain C, for CPUs without AVX-512 VNNI. */
+/* The same sums in plain C, for CPUs with neither. */
 static inline void tile(const Gemm *g, int64_t m0, const int rows, int64_t p) {
     const int64_t k = g->k, blocks = k / QBLOCK;
     float acc[MAX_ROWS][TILE_PANELS * PANEL] = {{0}};

@@ -14,8 +14,9 @@ w8a8 keeps int8's weights and quantizes the activations too, in spanserve's own 
 int8 (VNNI on x86). Per-block scales keep an outlier channel from flattening its whole row, what
 per-token scales (torch._int_mm, session 28) lost. SmolLM2's 121 projections with cold weights on
 a 2-core Xeon without bf16 (session 29, `spanserve bench projections`): 12.1 against 30.2 ms
-(float32) for one row, 29.0 against 82.2 for 26, 465 against 736 for 512. `spanserve bench
-quant` reports the drift beside the speed.
+(float32) for one row, 29.0 against 82.2 for 26, 465 against 736 for 512. On an AMD EPYC with
+AVX2 only (its own integer path, session 38): 13.6 against 43.9 ms for one row, 43.6 against 53.7
+for 8, 297 against 285 for 64. `spanserve bench quant` reports the drift beside the speed.
 """
 
 import functools
@@ -25,7 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from spanserve import native
+from spanserve.attention import cpu_kernel
 from spanserve.errors import InvalidRequestError
+from spanserve.models.layout import PACK_TILE
 
 QUANTIZATIONS = ("int8", "int4", "w8a8")
 # The packed int8 kernel against dequantizing every weight for the bf16 GEMM, SmolLM2's 30 layers
@@ -60,26 +63,60 @@ def _int8_per_channel(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[t
 
 
 class Int8Linear(nn.Module):
-    """A Linear whose weight is int8, per output channel: W ~ qweight * scale[:, None]."""
+    """A Linear whose weight is int8, per output channel: W ~ qweight * scale[:, None].
+
+    Up to PACKED_MAX_ROWS rows run in spanserve's C GEMM (csrc/f32_gemm.c, f32_gemm_int8w) over the
+    int8 weight packed in its panels of 16 output channels, the activations in float32; without
+    that library, in torch's packed kernel over the row-major weight. SmolLM2's 121 projections on
+    an AMD EPYC with AVX2 only (no bf16 instructions, `spanserve bench projections`, session 38):
+    1 row 23.3 ms against torch's 29.9 (float32 43.9), 8 rows 51.0 against 81.4, 64 rows 341
+    against 572. The C path's products are float32's, torch's those of bf16 activations."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # the scale as the kernel reads it, so that both paths below multiply by the same weight
+        # the scale as torch's kernel reads it: both paths below multiply by the same weight
         qweight, scale = _int8_per_channel(linear.weight, kernel_dtype(linear.weight.dtype))
-        self.register_buffer("qweight", qweight.contiguous())  # the kernel's need, whatever the weight's layout
+        self.kernel = cpu_kernel.load("gemm")
+        if self.kernel is None:
+            self.register_buffer("qweight", qweight.contiguous())  # torch's kernel reads it row-major
+        else:
+            rows = -(-self.out_features // PACK_TILE) * PACK_TILE
+            padded = F.pad(qweight, (0, 0, 0, rows - self.out_features))
+            self.register_buffer("packed", padded.view(rows // 16, 16, self.in_features).transpose(1, 2).contiguous())
+            self.register_buffer("scale32", F.pad(scale.float(), (0, rows - self.out_features)))
         self.register_buffer("scale", scale)
         self.bias = linear.bias
 
+    def int8_weight(self) -> torch.Tensor:
+        """The int8 weight [out_features, in_features], from whichever layout holds it."""
+        if self.kernel is None:
+            return self.qweight
+        return self.packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= PACKED_MAX_ROWS:
-            out = torch._weight_int8pack_mm(rows.to(self.scale.dtype), self.qweight, self.scale).to(x.dtype)
+        if rows.shape[0] > PACKED_MAX_ROWS:
+            out = F.linear(rows, self.int8_weight().to(x.dtype) * self.scale.to(x.dtype)[:, None])
+        elif self.kernel is not None:
+            return self._packed_gemm(rows).to(x.dtype).view(*x.shape[:-1], self.out_features)
         else:
-            out = F.linear(rows, self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None])
+            out = torch._weight_int8pack_mm(rows.to(self.scale.dtype), self.qweight, self.scale).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _packed_gemm(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, in] times the packed int8 weight in the C GEMM, bias included, in float32."""
+        x = rows.float().contiguous()
+        bias = None if self.bias is None else self.bias.float().contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        status = self.kernel.f32_gemm_int8w(x.data_ptr(), self.packed.data_ptr(), self.scale32.data_ptr(),
+                                            None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
+                                            self.out_features, self.scale32.shape[0], self.in_features)
+        if status != 0:  # -1: shapes (fixed at construction)
+            raise RuntimeError(f"f32_gemm_int8w failed ({status}) for {tuple(x.shape)} x {self.out_features}")
+        return out
 
 
 class W8A8Linear(nn.Module):
