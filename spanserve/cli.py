@@ -271,7 +271,8 @@ def cmd_serve(args) -> None:
 
 
 BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu", "soak", "span_decode", "quant",
-           "session", "session_server", "sparse", "sparse_pick", "prefill_attention", "linear_layout", "projections"]
+           "session", "session_server", "sparse", "sparse_pick", "prefill_attention", "linear_layout", "projections",
+           "step"]
 
 
 def cmd_query(args) -> None:
