@@ -180,31 +180,49 @@ static inline __attribute__((always_inline)) void group_weights(const vf *q, con
 }
 
 /* The weighted values of n <= LANES keys (value rows `stride` floats apart) added to the sums of
- * `heads` query heads (their weights, their sums `chunks` vectors apart): each value vector is
- * loaded once for all of them, and their sums stay in registers over the keys, heads x chunks
- * independent chains. */
+ * `heads` query heads (their weights, their sums `chunks` vectors apart), for the `width` vectors
+ * of the head size from c0: each value vector is loaded once for all of them, and their sums stay
+ * in registers over the keys, heads x width independent chains. */
 static inline __attribute__((always_inline)) void weigh_values(const float *values, int64_t stride, int n, int chunks,
-                                                               int heads, const vf *weights, vf *sums) {
-    vf acc[heads][chunks];
+                                                               int c0, int width, int heads, const vf *weights,
+                                                               vf *sums) {
+    vf acc[heads][width];
     for (int h = 0; h < heads; h++)
-        for (int c = 0; c < chunks; c++) acc[h][c] = sums[h * chunks + c];
+        for (int c = 0; c < width; c++) acc[h][c] = sums[h * chunks + c0 + c];
     for (int t = 0; t < n; t++)
-        for (int c = 0; c < chunks; c++) {
-            vf value = load_vf(values + t * stride + c * LANES);
+        for (int c = 0; c < width; c++) {
+            vf value = load_vf(values + t * stride + (c0 + c) * LANES);
             for (int h = 0; h < heads; h++) acc[h][c] += weights[h][t] * value;
         }
     for (int h = 0; h < heads; h++)
-        for (int c = 0; c < chunks; c++) sums[h * chunks + c] = acc[h][c];
+        for (int c = 0; c < width; c++) sums[h * chunks + c0 + c] = acc[h][c];
 }
 
-/* weigh_values for the `heads` query heads of one KV head, up to 3 at a time (at most 24 sums in
- * registers for a head size of 128). */
+/* Sums kept in registers at once: 24 of AVX-512's 32. AVX2 has 16: 3 heads x 8 vectors (a head
+ * size of 64) spilled every sum to the stack, and decode attention ran at 6.7 GB/s (B=1, 2,048
+ * keys, AMD EPYC, session 38); so there the head size is taken 4 vectors at a time. */
+#if LANES == 16
+#define SUM_WIDTH 8
+#else
+#define SUM_WIDTH 4
+#endif
+
+/* weigh_values for `heads` query heads, SUM_WIDTH vectors of the head size at a time. */
+static inline __attribute__((always_inline)) void weigh_heads(const float *values, int64_t stride, int n, int chunks,
+                                                              int heads, const vf *weights, vf *sums) {
+    int c0 = 0;
+    for (; c0 + SUM_WIDTH <= chunks; c0 += SUM_WIDTH)
+        weigh_values(values, stride, n, chunks, c0, SUM_WIDTH, heads, weights, sums);
+    if (c0 < chunks) weigh_values(values, stride, n, chunks, c0, chunks - c0, heads, weights, sums);
+}
+
+/* weigh_heads for the `heads` query heads of one KV head, up to 3 at a time. */
 static inline __attribute__((always_inline)) void weigh_group(const float *values, int64_t stride, int n, int chunks,
                                                               int heads, const vf *weights, vf *sums) {
     int h = 0;
-    for (; h + 3 <= heads; h += 3) weigh_values(values, stride, n, chunks, 3, weights + h, sums + h * chunks);
-    if (heads - h == 2) weigh_values(values, stride, n, chunks, 2, weights + h, sums + h * chunks);
-    if (heads - h == 1) weigh_values(values, stride, n, chunks, 1, weights + h, sums + h * chunks);
+    for (; h + 3 <= heads; h += 3) weigh_heads(values, stride, n, chunks, 3, weights + h, sums + h * chunks);
+    if (heads - h == 2) weigh_heads(values, stride, n, chunks, 2, weights + h, sums + h * chunks);
+    if (heads - h == 1) weigh_heads(values, stride, n, chunks, 1, weights + h, sums + h * chunks);
 }
 
 /* chunk() where LANES_PATH holds: LANES keys at a time, scores as vectors over keys (a lane-sum
