@@ -148,15 +148,18 @@ static inline vf sum_lanes(const vf v[LANES]) {
     return SHUFFLE(eighths[0], eighths[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
            SHUFFLE(eighths[0], eighths[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 #else
-    vf halves[4], quarters[2];
-    for (int i = 0; i < 4; i++) /* lanes 0-3: v[2i]'s 4 partial sums, 4-7: v[2i + 1]'s */
-        halves[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-                    SHUFFLE(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-    for (int i = 0; i < 2; i++) /* blocks of 2 lanes: v[4i] .. v[4i + 3] */
-        quarters[i] = SHUFFLE(halves[2 * i], halves[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
-                      SHUFFLE(halves[2 * i], halves[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
-    return SHUFFLE(quarters[0], quarters[1], 0, 2, 4, 6, 8, 10, 12, 14) +
-           SHUFFLE(quarters[0], quarters[1], 1, 3, 5, 7, 9, 11, 13, 15);
+    /* 8 lanes: the two levels within each 128-bit half first (in-lane shuffles, one instruction
+     * each), the halves crossed once at the end: crossing shuffles cost several times more on
+     * CPUs that run 256-bit vectors as two halves (AMD Zen 1). */
+    vf pairs[4], quads[2];
+    for (int i = 0; i < 4; i++) /* per half: v[2i]'s 2 sums, v[2i + 1]'s 2 sums */
+        pairs[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+                   SHUFFLE(v[2 * i], v[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    for (int i = 0; i < 2; i++) /* per half: the sums of v[4i] .. v[4i + 3] */
+        quads[i] = SHUFFLE(pairs[2 * i], pairs[2 * i + 1], 0, 2, 8, 10, 4, 6, 12, 14) +
+                   SHUFFLE(pairs[2 * i], pairs[2 * i + 1], 1, 3, 9, 11, 5, 7, 13, 15);
+    return SHUFFLE(quads[0], quads[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUFFLE(quads[0], quads[1], 4, 5, 6, 7, 12, 13, 14, 15);
 #endif
 }
 
