@@ -175,7 +175,7 @@ static int run(const Gemm *g, int64_t m, int64_t n_padded) {
     const int64_t n = g->n, k = g->k;
     if (m < 0 || n <= 0 || k <= 0 || n_padded < n || n_padded % TILE_WIDTH) return -1;
     if (m == 0) return 0;
-    int64_t tiles = n_padded / (TILE_PANELS * PANEL), work = m * n_padded * k / WORK_PER_THREAD + 1;
+    int64_t tiles = n_padded / TILE_WIDTH, work = m * n_padded * k / WORK_PER_THREAD + 1;
     int threads = work < omp_get_max_threads() ? (int)work : omp_get_max_threads();
 #pragma omp parallel num_threads(threads)
     for (int64_t m0 = 0; m0 < m; m0 += ROW_CHUNK) {

@@ -59,6 +59,15 @@ PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 64
 PACKED_MAX_BYTES = 2_200_000_000
 
 
+def panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] in csrc/f32_gemm.c's layout, float32 or int8: [padded out / 16][in][16],
+    the output channels padded with zeros to a multiple of PACK_TILE."""
+    out_features, in_features = weight.shape
+    rows = -(-out_features // PACK_TILE) * PACK_TILE
+    padded = F.pad(weight, (0, 0, 0, rows - out_features))
+    return padded.view(rows // 16, 16, in_features).transpose(1, 2).contiguous()
+
+
 class PackedLinear(nn.Linear):
     """A float32 Linear whose few-row products (decode, a question) run in spanserve's C GEMM
     (csrc/f32_gemm.c) over a copy of the weight packed in panels of 16 output channels: each
@@ -74,10 +83,7 @@ class PackedLinear(nn.Linear):
 
     @torch.no_grad()
     def _pack(self) -> None:
-        rows = -(-self.out_features // PACK_TILE) * PACK_TILE
-        padded = F.pad(self.weight.detach().contiguous(), (0, 0, 0, rows - self.out_features))
-        self.register_buffer("packed", padded.view(rows // 16, 16, self.in_features).transpose(1, 2).contiguous(),
-                             persistent=False)
+        self.register_buffer("packed", panels(self.weight.detach().contiguous()), persistent=False)
         self._packed_version = self.weight._version  # a weight edited in place is packed again
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

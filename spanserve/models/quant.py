@@ -28,7 +28,7 @@ from torch import nn
 from spanserve import native
 from spanserve.attention import cpu_kernel
 from spanserve.errors import InvalidRequestError
-from spanserve.models.layout import PACK_TILE
+from spanserve.models import layout
 
 QUANTIZATIONS = ("int8", "int4", "w8a8")
 # The packed int8 kernel against dequantizing every weight for the bf16 GEMM, SmolLM2's 30 layers
@@ -81,10 +81,8 @@ class Int8Linear(nn.Module):
         if self.kernel is None:
             self.register_buffer("qweight", qweight.contiguous())  # torch's kernel reads it row-major
         else:
-            rows = -(-self.out_features // PACK_TILE) * PACK_TILE
-            padded = F.pad(qweight, (0, 0, 0, rows - self.out_features))
-            self.register_buffer("packed", padded.view(rows // 16, 16, self.in_features).transpose(1, 2).contiguous())
-            self.register_buffer("scale32", F.pad(scale.float(), (0, rows - self.out_features)))
+            self.register_buffer("packed", layout.panels(qweight))
+            self.register_buffer("scale32", F.pad(scale.float(), (0, self.packed.shape[0] * 16 - self.out_features)))
         self.register_buffer("scale", scale)
         self.bias = linear.bias
 

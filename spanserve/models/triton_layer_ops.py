@@ -46,7 +46,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(x.shape)
 
 
-
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows = _rows(gate_up)
     width = rows.shape[1] // 2
