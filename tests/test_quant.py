@@ -10,7 +10,7 @@ from torch import nn
 
 from spanserve import LLM, InvalidRequestError
 from spanserve.attention import cpu_kernel
-from spanserve.models import quant
+from spanserve.models import layout, quant
 
 
 @pytest.fixture(params=["c", "torch"])
@@ -25,13 +25,15 @@ def int8_kernel(request, monkeypatch):
     return request.param
 
 
-# x holds 2 x rows rows: a kernel up to PACKED_MAX_ROWS, the GEMM beyond; 200 input channels leave
-# a partial slice of the C kernel's 128, 70 output channels pad its last tile of 48, 9 rows (18)
-# step past its 8
-@pytest.mark.parametrize("rows", [1, 3, 9, quant.PACKED_MAX_ROWS // 2, quant.PACKED_MAX_ROWS // 2 + 1])
+# x holds 2 x rows rows: a kernel up to its row limit, the GEMM beyond ("limit": just at it, "past":
+# one row pair past it); 200 input channels leave a partial slice of the C kernel's 128, 70 output
+# channels pad its last tile of 48, 9 rows (18) step past its 8
+@pytest.mark.parametrize("rows", [1, 3, 9, "limit", "past"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_linear_computes_the_dequantized_product(rows, dtype, int8_kernel):
     torch.manual_seed(0)
+    limit = layout.PACKED_MAX_ROWS if int8_kernel == "c" else quant.TORCH_PACKED_MAX_ROWS
+    rows = {"limit": limit // 2, "past": limit // 2 + 1}.get(rows, rows)
     linear = nn.Linear(200, 70, bias=True).to(dtype)
     q = quant.Int8Linear(linear)
     assert (q.kernel is not None) == (int8_kernel == "c")
@@ -40,7 +42,7 @@ def test_int8_linear_computes_the_dequantized_product(rows, dtype, int8_kernel):
     expected = x.float() @ dequantized.t() + linear.bias.float()
     # torch's kernel reads bf16 activations, for a float32 model too (quant.kernel_dtype); the C
     # one float32, so a float32 model gets float32's rounding there
-    exact = int8_kernel == "c" and dtype == torch.float32 and rows <= quant.PACKED_MAX_ROWS // 2
+    exact = int8_kernel == "c" and dtype == torch.float32 and 2 * rows <= limit
     tol = 1e-5 if exact else 3e-2
     torch.testing.assert_close(q(x).float(), expected, atol=tol, rtol=tol)
     weight = linear.weight.float()  # each row within a step of its grid (127 steps to its largest entry)

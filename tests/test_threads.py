@@ -84,6 +84,28 @@ def test_matmul_hooks_pick_threads_by_rows_and_keep_results():
     assert seen == [2, 2, 1]
 
 
+@pytest.mark.usefixtures("sleeping")
+def test_projections_in_the_c_gemm_get_the_pool_for_few_rows():
+    """The C GEMMs start only the threads their work pays for, so the hook does not hold them to
+    one: a W8A8Linear of 4 rows, far under MATMUL_MIN_WORK, runs with the pool."""
+    from spanserve import native
+    from spanserve.models import quant
+
+    try:
+        native.library()
+    except native.NativeUnavailable:
+        pytest.skip("spanserve's C library is not built here")
+    model = nn.Sequential(quant.W8A8Linear(nn.Linear(64, 16)))
+    seen = []
+    threads.use_pool_for_matmuls(model)
+    model[0].register_forward_hook(lambda m, a, o: seen.append(torch.get_num_threads()), prepend=True)
+    x = torch.randn(4, 64)
+    assert 4 * 64 * 16 < threads.MATMUL_MIN_WORK
+    with threads.step_threads(1):
+        model(x)
+    assert seen == [2]
+
+
 def test_helper_thread_work_runs_on_that_thread_alone():
     """A server helper's torch work must not start a second OpenMP thread team."""
     seen = []

@@ -33,7 +33,7 @@
 #define ROW_CHUNK 192
 #define WORK_PER_THREAD (1 << 18) /* multiply-adds worth another thread (as in int8_gemm.c) */
 #define TILE_WIDTH (TILE_PANELS * PANEL)
-#define SLICE 128 /* inputs of int8 weights widened at a time: TILE_WIDTH x SLICE floats, 24 KB */
+#define SLICE 128 /* inputs a pass over a tile takes (panel_rows): TILE_WIDTH x SLICE floats, 24 KB */
 
 typedef struct {
     const float *x, *packed, *scale, *bias;
@@ -149,26 +149,28 @@ static void widen(const Gemm *g, int64_t p, int64_t i0, int64_t count, float *bu
     }
 }
 
-/* Rows m0 .. m1 - 1 for the panels from p: MAX_ROWS at a time, each group over all of K. */
+/* Rows m0 .. m1 - 1 (at most ROW_CHUNK) for the panels from p, SLICE inputs at a time: each slice
+ * of the tile's weights (TILE_WIDTH x SLICE floats, 24 KB) stays in L1 while every group of
+ * MAX_ROWS rows passes over it. Without the slices each group read the whole tile (up to 295 KB for
+ * a down projection) from L2 again: 26 rows of SmolLM2 ran at 60% of the FMA peak (AMD EPYC). */
 static void panel_rows(const Gemm *g, int64_t m0, int64_t m1, int64_t p) {
     float buf[TILE_PANELS * SLICE * PANEL] __attribute__((aligned(64)));
-    for (; m0 < m1; m0 += MAX_ROWS) {
-        const int rows = m1 - m0 < MAX_ROWS ? (int)(m1 - m0) : MAX_ROWS;
-        float sums[MAX_ROWS][TILE_WIDTH];
-        memset(sums, 0, sizeof sums);
-        if (g->packed) {
-            Slice s = {g->packed + p * g->k * PANEL, g->x + m0 * g->k, g->k * PANEL, g->k, g->k};
-            tile_rows(&s, rows, sums);
-        } else {
-            for (int64_t i0 = 0; i0 < g->k; i0 += SLICE) {
-                const int64_t count = g->k - i0 < SLICE ? g->k - i0 : SLICE;
-                widen(g, p, i0, count, buf);
-                Slice s = {buf, g->x + m0 * g->k + i0, SLICE * PANEL, count, g->k};
-                tile_rows(&s, rows, sums);
-            }
+    float sums[ROW_CHUNK][TILE_WIDTH];
+    memset(sums, 0, (size_t)(m1 - m0) * sizeof sums[0]);
+    for (int64_t i0 = 0; i0 < g->k; i0 += SLICE) {
+        const int64_t count = g->k - i0 < SLICE ? g->k - i0 : SLICE;
+        Slice s = {g->packed + (p * g->k + i0) * PANEL, NULL, g->k * PANEL, count, g->k};
+        if (!g->packed) {
+            widen(g, p, i0, count, buf);
+            s.w = buf, s.stride = SLICE * PANEL;
         }
-        store_tile(g, m0, rows, p, sums);
+        for (int64_t r = m0; r < m1; r += MAX_ROWS) {
+            s.x = g->x + r * g->k + i0;
+            tile_rows(&s, m1 - r < MAX_ROWS ? (int)(m1 - r) : MAX_ROWS, sums + (r - m0));
+        }
     }
+    for (int64_t r = m0; r < m1; r += MAX_ROWS)
+        store_tile(g, r, m1 - r < MAX_ROWS ? (int)(m1 - r) : MAX_ROWS, p, sums + (r - m0));
 }
 
 static int run(const Gemm *g, int64_t m, int64_t n_padded) {

@@ -50,10 +50,12 @@ def store_weights(model: nn.Module, input_major: bool = True) -> None:
 
 
 # The rows the packed kernel runs for; otherwise MKL on the input-major weight: its matrix-vector
-# product for one row, its GEMM (compute-bound there) past 64. SmolLM2's 121 projections, cold
-# (`spanserve bench projections --methods mkl`, session 31): 1 row 32.0 against MKL's 28.7 ms,
-# 8 rows 34.8 against 54.7, 34 rows 71.6 against 93.4, 64 rows 109 against 130, 128 rows even.
-PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 64
+# product for one row, its GEMM for a prefill chunk past 512 rows. SmolLM2's 121 projections, cold
+# (`spanserve bench projections --methods mkl`), session 31 (Xeon): 1 row 32.0 against MKL's 28.7
+# ms, 8 rows 34.8 against 54.7, 64 rows 109 against 130. Session 39 (AMD EPYC, AVX2, the kernel
+# slicing K): 26 rows 130 against 264, 128 rows 550 against 633, 256 rows 1089 against 1205,
+# 512 rows 2161 against 2201, 1024 rows 4291 against 4483 (even, within noise).
+PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 512
 # The most memory the packed copies may add (SmolLM2 0.54 GB, Qwen2.5-0.5B 2.0 GB); a larger
 # float32 model keeps MKL alone rather than double its projections (Qwen2.5-1.5B: 6.1 GB more).
 PACKED_MAX_BYTES = 2_200_000_000
@@ -85,6 +87,10 @@ class PackedLinear(nn.Linear):
     def _pack(self) -> None:
         self.register_buffer("packed", panels(self.weight.detach().contiguous()), persistent=False)
         self._packed_version = self.weight._version  # a weight edited in place is packed again
+
+    def sizes_team(self, rows: int) -> bool:
+        """Whether `rows` rows run in the C GEMM, which starts the threads its work pays for (threads.py)."""
+        return PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS and cpu_kernel.load("gemm") is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features

@@ -34,7 +34,9 @@ QUANTIZATIONS = ("int8", "int4", "w8a8")
 # The packed int8 kernel against dequantizing every weight for the bf16 GEMM, SmolLM2's 30 layers
 # (session 26, threads spinning): 12 against 70 ms at 16 rows, 87 against 102 at 128, 127
 # against 110 at 192. (Session 9, single-threaded small steps, had put the crossover at 8 rows.)
-PACKED_MAX_ROWS = 128
+# The C GEMM (f32_gemm_int8w) runs up to layout.PACKED_MAX_ROWS rows: 256 rows 1065 against 1381
+# ms dequantized, 512 rows even (session 39, AMD EPYC).
+TORCH_PACKED_MAX_ROWS = 128
 # The int4 kernel's time grows with every row; beyond this many, dequantizing for the GEMM wins
 # (session 26, SmolLM2's 30 layers: 39.7 against 60.9 ms at 64 rows, 78.1 against 69.6 at 128).
 INT4_PACKED_MAX_ROWS = 64
@@ -65,9 +67,10 @@ def _int8_per_channel(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[t
 class Int8Linear(nn.Module):
     """A Linear whose weight is int8, per output channel: W ~ qweight * scale[:, None].
 
-    Up to PACKED_MAX_ROWS rows run in spanserve's C GEMM (csrc/f32_gemm.c, f32_gemm_int8w) over the
+    Up to layout.PACKED_MAX_ROWS rows run in spanserve's C GEMM (csrc/f32_gemm.c, f32_gemm_int8w) over the
     int8 weight packed in its panels of 16 output channels, the activations in float32; without
-    that library, in torch's packed kernel over the row-major weight. SmolLM2's 121 projections on
+    that library, up to TORCH_PACKED_MAX_ROWS in torch's packed kernel over the row-major weight;
+    more rows dequantize the weight for the float GEMM. SmolLM2's 121 projections on
     an AMD EPYC with AVX2 only (no bf16 instructions, `spanserve bench projections`, session 38):
     1 row 23.3 ms against torch's 29.9 (float32 43.9), 8 rows 51.0 against 81.4, 64 rows 341
     against 572. The C path's products are float32's, torch's those of bf16 activations."""
@@ -92,14 +95,18 @@ class Int8Linear(nn.Module):
             return self.qweight
         return self.packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
+    def sizes_team(self, rows: int) -> bool:
+        """Whether `rows` rows run in the C GEMM, which starts the threads its work pays for (threads.py)."""
+        return self.kernel is not None and rows <= layout.PACKED_MAX_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > PACKED_MAX_ROWS:
-            out = F.linear(rows, self.int8_weight().to(x.dtype) * self.scale.to(x.dtype)[:, None])
-        elif self.kernel is not None:
+        if self.kernel is not None and rows.shape[0] <= layout.PACKED_MAX_ROWS:
             return self._packed_gemm(rows).to(x.dtype).view(*x.shape[:-1], self.out_features)
-        else:
+        if self.kernel is None and rows.shape[0] <= TORCH_PACKED_MAX_ROWS:
             out = torch._weight_int8pack_mm(rows.to(self.scale.dtype), self.qweight, self.scale).to(x.dtype)
+        else:
+            out = F.linear(rows, self.int8_weight().to(x.dtype) * self.scale.to(x.dtype)[:, None])
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
@@ -136,6 +143,10 @@ class W8A8Linear(nn.Module):
         sums = padded.view(panels, 16, cols // W8A8_BLOCK, W8A8_BLOCK).sum(-1, dtype=torch.int32)
         self.register_buffer("comp", (128 * sums).transpose(1, 2).contiguous())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+
+    def sizes_team(self, rows: int) -> bool:
+        """Always: its C kernel starts the threads its work pays for (threads.py)."""
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
