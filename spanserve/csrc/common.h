@@ -6,6 +6,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 static inline float bf16_to_float(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
     float f;
@@ -85,6 +89,19 @@ static inline vf vexp(vf x) {
     vf f = x - whole * 0.693359375f + whole * 2.12194440e-4f;
     vf p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
     return (vf)(~tiny & (vi)(p * (vf)((n + 127) << 23)));
+}
+
+/* Whether any lane of a comparison's result is true: one instruction (a mask test) on x86. */
+static inline int any_lane(vi mask) {
+#if defined(__AVX512F__)
+    return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask) != 0;
+#elif defined(__AVX2__)
+    return _mm256_movemask_ps((__m256)mask) != 0;
+#else
+    for (int i = 0; i < LANES; i++)
+        if (mask[i]) return 1;
+    return 0;
+#endif
 }
 
 /* LANES floats from p, which need not be aligned. */

@@ -152,47 +152,63 @@ static void chunk(const Args *a, Scratch *s, int64_t seq, int64_t start, int64_t
     }
 }
 
-/* Query head h's online softmax over one key group: scores of its scaled query `q` (chunks
- * vectors) against n <= LANES keys (rows `stride` floats apart), the weights into `weight`, and
- * the running max, sum and weighted values `sums` rescaled to a new max. Inlined with `chunks` a
- * constant where the head size is a common one, so every loop over it unrolls. */
-static inline __attribute__((always_inline)) void group_weights(const vf *q, const float *keys, int64_t stride, int n,
-                                                                int chunks, float *max, float *sum, vf *sums, vf *weight) {
-    vf partial[LANES];
+/* Lazy rescaling: a head's softmax is taken relative to a reference RESCALE_SLACK above the
+ * largest score it has seen when it last moved, so the scores of the blocks after stay below it
+ * (weights at most 1, vexp's domain) until one passes it, and most blocks skip the max over lanes
+ * and the rescale. The reference cancels in the softmax; weights under e^-87 of it, e^-79 of the
+ * largest, round to 0. */
+#define RESCALE_SLACK 8.0f
+
+/* Query head h's online softmax over one block: scores of its scaled query `q` (chunks vectors)
+ * against n keys (rows `stride` floats apart), LANES at a time, their weights into weight[0 ..
+ * n / LANES], and the reference `max`, the sums of the weights (a vector, reduced once at the
+ * end) and the weighted values `sums` rescaled where a score passes the reference. Inlined with `chunks` a constant where
+ * the head size is a common one, so every loop over it unrolls. */
+static inline __attribute__((always_inline)) void block_weights(const vf *q, const float *keys, int64_t stride, int n,
+                                                                int chunks, float *max, vf *sum, vf *sums, vf *weight) {
+    vf top = splat(MASKED);
+    for (int g = 0; g * LANES < n; g++) {
+        const int m = n - g * LANES < LANES ? n - g * LANES : LANES;
+        const float *group = keys + (int64_t)g * LANES * stride;
+        vf partial[LANES];
 #pragma GCC unroll 16
-    for (int t = 0; t < LANES; t++) { /* keys past n read the first one again, then are masked */
-        const float *key = keys + (t < n ? t : 0) * stride;
-        vf acc = q[0] * load_vf(key);
-        for (int c = 1; c < chunks; c++) acc += q[c] * load_vf(key + c * LANES);
-        partial[t] = acc;
+        for (int t = 0; t < LANES; t++) { /* keys past m read the first one again, then are masked */
+            const float *key = group + (t < m ? t : 0) * stride;
+            vf acc = q[0] * load_vf(key);
+            for (int c = 1; c < chunks; c++) acc += q[c] * load_vf(key + c * LANES);
+            partial[t] = acc;
+        }
+        vf scores = sum_lanes(partial);
+        if (m < LANES) scores = pick(lane_ids() < m, scores, splat(MASKED));
+        weight[g] = scores;
+        top = vmax(top, scores);
     }
-    vf scores = sum_lanes(partial);
-    if (n < LANES) scores = pick(lane_ids() < n, scores, splat(MASKED));
-    float top = hmax(scores);
-    if (top > *max) { /* a new maximum: rescale what came before */
-        float rescale = expf(*max - top);
+    if (any_lane(top > splat(*max))) { /* past the reference: a new one, and what came before rescaled */
+        float new_max = hmax(top) + RESCALE_SLACK, rescale = expf(*max - new_max);
         *sum *= rescale;
         for (int c = 0; c < chunks; c++) sums[c] *= rescale;
-        *max = top;
+        *max = new_max;
     }
-    *weight = vexp(scores - *max);
-    *sum += hsum(*weight);
+    for (int g = 0; g * LANES < n; g++) {
+        weight[g] = vexp(weight[g] - *max);
+        *sum += weight[g];
+    }
 }
 
-/* The weighted values of n <= LANES keys (value rows `stride` floats apart) added to the sums of
- * `heads` query heads (their weights, their sums `chunks` vectors apart), for the `width` vectors
- * of the head size from c0: each value vector is loaded once for all of them, and their sums stay
- * in registers over the keys, heads x width independent chains. */
+/* The weighted values of n keys (value rows `stride` floats apart) added to the sums of `heads`
+ * query heads (their weights `wstride` floats apart, their sums `chunks` vectors apart), for the
+ * `width` vectors of the head size from c0: each value vector is loaded once for all of them, and
+ * their sums stay in registers over the keys, heads x width independent chains. */
 static inline __attribute__((always_inline)) void weigh_values(const float *values, int64_t stride, int n, int chunks,
-                                                               int c0, int width, int heads, const vf *weights,
-                                                               vf *sums) {
+                                                               int c0, int width, int heads, const float *weights,
+                                                               int wstride, vf *sums) {
     vf acc[heads][width];
     for (int h = 0; h < heads; h++)
         for (int c = 0; c < width; c++) acc[h][c] = sums[h * chunks + c0 + c];
     for (int t = 0; t < n; t++)
         for (int c = 0; c < width; c++) {
             vf value = load_vf(values + t * stride + (c0 + c) * LANES);
-            for (int h = 0; h < heads; h++) acc[h][c] += weights[h][t] * value;
+            for (int h = 0; h < heads; h++) acc[h][c] += weights[h * wstride + t] * value;
         }
     for (int h = 0; h < heads; h++)
         for (int c = 0; c < width; c++) sums[h * chunks + c0 + c] = acc[h][c];
@@ -209,20 +225,20 @@ static inline __attribute__((always_inline)) void weigh_values(const float *valu
 
 /* weigh_values for `heads` query heads, SUM_WIDTH vectors of the head size at a time. */
 static inline __attribute__((always_inline)) void weigh_heads(const float *values, int64_t stride, int n, int chunks,
-                                                              int heads, const vf *weights, vf *sums) {
+                                                              int heads, const float *weights, int wstride, vf *sums) {
     int c0 = 0;
     for (; c0 + SUM_WIDTH <= chunks; c0 += SUM_WIDTH)
-        weigh_values(values, stride, n, chunks, c0, SUM_WIDTH, heads, weights, sums);
-    if (c0 < chunks) weigh_values(values, stride, n, chunks, c0, chunks - c0, heads, weights, sums);
+        weigh_values(values, stride, n, chunks, c0, SUM_WIDTH, heads, weights, wstride, sums);
+    if (c0 < chunks) weigh_values(values, stride, n, chunks, c0, chunks - c0, heads, weights, wstride, sums);
 }
 
 /* weigh_heads for the `heads` query heads of one KV head, up to 3 at a time. */
 static inline __attribute__((always_inline)) void weigh_group(const float *values, int64_t stride, int n, int chunks,
-                                                              int heads, const vf *weights, vf *sums) {
+                                                              int heads, const float *weights, int wstride, vf *sums) {
     int h = 0;
-    for (; h + 3 <= heads; h += 3) weigh_heads(values, stride, n, chunks, 3, weights + h, sums + h * chunks);
-    if (heads - h == 2) weigh_heads(values, stride, n, chunks, 2, weights + h, sums + h * chunks);
-    if (heads - h == 1) weigh_heads(values, stride, n, chunks, 1, weights + h, sums + h * chunks);
+    for (; h + 3 <= heads; h += 3) weigh_heads(values, stride, n, chunks, 3, weights + h * wstride, wstride, sums + h * chunks);
+    if (heads - h == 2) weigh_heads(values, stride, n, chunks, 2, weights + h * wstride, wstride, sums + h * chunks);
+    if (heads - h == 1) weigh_heads(values, stride, n, chunks, 1, weights + h * wstride, wstride, sums + h * chunks);
 }
 
 /* chunk() where LANES_PATH holds: LANES keys at a time, scores as vectors over keys (a lane-sum
@@ -237,14 +253,15 @@ static inline __attribute__((always_inline)) void lanes_path(const Args *a, Scra
     int heads = a->heads, dim = a->dim, bs = a->block_size, row = a->kv_heads * dim;
     int groups = heads / a->kv_heads, width = dim + 2, in_place = a->kv_dtype == 0;
     const int64_t *table = a->block_tables + seq * a->max_blocks;
-    vf *q = (vf *)s->query, *sums = s->sums, weights[MAX_HEADS];
-    float max[MAX_HEADS], sum[MAX_HEADS];
+    const int per_head = (bs + LANES - 1) / LANES; /* weight vectors of a head in a block */
+    vf *q = (vf *)s->query, *sums = s->sums, *weights = (vf *)s->weight, sum[MAX_HEADS];
+    float max[MAX_HEADS];
     load_floats(a->q, seq * heads * dim, heads * dim, a->dtype, s->query);
     for (int i = 0; i < heads * chunks; i++) {
         q[i] *= a->scale;
         sums[i] = splat(0.0f);
     }
-    for (int h = 0; h < heads; h++) max[h] = NO_MAX, sum[h] = 0.0f;
+    for (int h = 0; h < heads; h++) max[h] = NO_MAX, sum[h] = splat(0.0f);
     for (int64_t first = start; first < end; first += bs) {
         int64_t block = table[first / bs];
         int n = end - first < bs ? (int)(end - first) : bs;
@@ -255,20 +272,18 @@ static inline __attribute__((always_inline)) void lanes_path(const Args *a, Scra
             load_floats(a->v_cache, block * bs * row, n * row, a->kv_dtype, s->value);
             keys = s->key, values = s->value;
         }
-        for (int t0 = 0; t0 < n; t0 += LANES) {
-            int m = n - t0 < LANES ? n - t0 : LANES;
-            for (int kv = 0; kv < a->kv_heads; kv++) {
-                const float *k = keys + t0 * row + kv * dim, *v = values + t0 * row + kv * dim;
-                for (int h = kv * groups; h < (kv + 1) * groups; h++)
-                    group_weights(q + h * chunks, k, row, m, chunks, max + h, sum + h, sums + h * chunks, weights + h);
-                weigh_group(v, row, m, chunks, groups, weights + kv * groups, sums + kv * groups * chunks);
-            }
+        for (int kv = 0; kv < a->kv_heads; kv++) { /* a whole block: one max and one pass of values */
+            for (int h = kv * groups; h < (kv + 1) * groups; h++)
+                block_weights(q + h * chunks, keys + kv * dim, row, n, chunks, max + h, sum + h, sums + h * chunks,
+                              weights + h * per_head);
+            weigh_group(values + kv * dim, row, n, chunks, groups, (const float *)(weights + kv * groups * per_head),
+                        per_head * LANES, sums + kv * groups * chunks);
         }
     }
     for (int h = 0; h < heads; h++) {
         memcpy(state + h * width, sums + h * chunks, dim * sizeof(float));
         state[h * width + dim] = max[h];
-        state[h * width + dim + 1] = sum[h];
+        state[h * width + dim + 1] = hsum(sum[h]);
     }
 }
 
@@ -329,8 +344,9 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
         FLUSH_DENORMALS_BEGIN
         int row = kv_heads * dim;
         size_t vectors = ((size_t)heads * dim * sizeof(float) + sizeof(vf) - 1) / sizeof(vf) * sizeof(vf);
+        size_t weights = (size_t)heads * ((block_size + LANES - 1) / LANES) * sizeof(vf); /* [heads][block rounded up] */
         Scratch s = {aligned_alloc(sizeof(vf), vectors), malloc(block_size * row * sizeof(float)),
-                     malloc(block_size * row * sizeof(float)), malloc(heads * block_size * sizeof(float)),
+                     malloc(block_size * row * sizeof(float)), aligned_alloc(sizeof(vf), weights),
                      aligned_alloc(sizeof(vf), vectors)};
         int64_t seq = 0;
         if (!s.query || !s.key || !s.value || !s.weight || !s.sums) failed = 1;
