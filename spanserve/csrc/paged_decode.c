@@ -162,8 +162,8 @@ static void chunk(const Args *a, Scratch *s, int64_t seq, int64_t start, int64_t
 /* Query head h's online softmax over one block: scores of its scaled query `q` (chunks vectors)
  * against n keys (rows `stride` floats apart), LANES at a time, their weights into weight[0 ..
  * n / LANES], and the reference `max`, the sums of the weights (a vector, reduced once at the
- * end) and the weighted values `sums` rescaled where a score passes the reference. Inlined with `chunks` a constant where
- * the head size is a common one, so every loop over it unrolls. */
+ * end) and the weighted values `sums` rescaled where a score passes the reference. Inlined with
+ * `chunks` a constant where the head size is a common one, so every loop over it unrolls. */
 static inline __attribute__((always_inline)) void block_weights(const vf *q, const float *keys, int64_t stride, int n,
                                                                 int chunks, float *max, vf *sum, vf *sums, vf *weight) {
     vf top = splat(MASKED);
@@ -241,9 +241,9 @@ static inline __attribute__((always_inline)) void weigh_group(const float *value
     if (heads - h == 1) weigh_heads(values, stride, n, chunks, 1, weights + h * wstride, wstride, sums + h * chunks);
 }
 
-/* chunk() where LANES_PATH holds: LANES keys at a time, scores as vectors over keys (a lane-sum
- * tree per group), vector exponentials, values weighed a KV head's query heads together with
- * their sums in registers. float32 caches are read in place, bf16 ones converted a block at a
+/* chunk() where LANES_PATH holds: a block at a time, its scores as vectors over LANES keys (a
+ * lane-sum tree per group), vector exponentials, values weighed a KV head's query heads together
+ * with their sums in registers. float32 caches are read in place, bf16 ones converted a block at a
  * time. The next block is prefetched whole as a block starts: its pages are elsewhere in memory,
  * where the hardware's prefetcher would start on each only at its first miss (8 sequences of 600
  * keys, 30 layers, float32: 0.83-0.87x the time from memory, 1.04-1.06x from cache, session 32;
