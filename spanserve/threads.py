@@ -25,9 +25,16 @@ THREADS_SPIN = not (os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
 # Work is multiply-adds. A matmul is rows x weight size: the layers' matmuls need 10-50 rows,
 # the LM head (49k x 576 here) pays from one row on, as two cores read its weights faster.
 # Attention is query rows x heads x keys (8 decodes over 700 keys: 0.66 ms on 2 threads, 0.86
-# ms on 1).
-SLEEPING_THRESHOLDS = (512, 1 << 24, 1 << 14)
-STEP_MIN_TOKENS, MATMUL_MIN_WORK, ATTENTION_MIN_WORK = (1, 0, 0) if THREADS_SPIN else SLEEPING_THRESHOLDS
+# ms on 1). spanserve's C GEMMs pay from less work than torch's matmuls (use_pool_for_matmuls):
+# SmolLM2's w8a8 decode step on an AMD EPYC (session 39) took 51 ms with every projection on the
+# pool against 45-49 on one thread at batch 1 (one row: 0.3-1.8M multiply-adds), 125-153 against
+# 146-150 at batch 8 (2.7-14M), and a session question's 26 rows 112 against 188 ms. From 2^21
+# (one-off script, decode after 1,024 tokens, taking turns, ms per token): batch 1 40.6-43.7
+# against 41.9-43.7 with none on the pool, batch 8 118.7-126.2 against 139.3-141.2 (float32
+# 127.7-139.7 against 156.4-174.9).
+SLEEPING_THRESHOLDS = (512, 1 << 24, 1 << 14, 1 << 21)
+STEP_MIN_TOKENS, MATMUL_MIN_WORK, ATTENTION_MIN_WORK, C_GEMM_MIN_WORK = \
+    (1, 0, 0, 0) if THREADS_SPIN else SLEEPING_THRESHOLDS
 
 _state = threading.local()  # per stepping thread: OpenMP thread counts are per thread too
 
@@ -60,19 +67,17 @@ def small_ops():
 
 def use_pool_for_matmuls(model: torch.nn.Module) -> None:
     """Hooks on every projection of `model`: inside a step, one with MATMUL_MIN_WORK or more takes
-    the whole pool, and so does one whose call runs spanserve's C GEMM (its `sizes_team(rows)` is
-    true): those start only the threads their work pays for (WORK_PER_THREAD in csrc/), so the pool
-    costs them nothing where one thread is enough. Holding them to one thread made a session
-    question's 26 rows of SmolLM2's w8a8 projections 1.7x slower (188 against 112 ms; the sparse
-    question 336 against 223 ms; AMD EPYC, threads sleeping, session 39). None where
-    every call takes the pool (threads that spin): a hook costs more than nothing."""
+    the whole pool, and so does one with C_GEMM_MIN_WORK or more whose call runs spanserve's C GEMM
+    (its `sizes_team(rows)` is true), which starts only the threads its work pays for
+    (WORK_PER_THREAD in csrc/). None where every call takes the pool (threads that spin): a hook
+    costs more than nothing."""
     if MATMUL_MIN_WORK == 0:
         return
     def before(module, args):
         rows = args[0].numel() // module.in_features
-        sizes_team = getattr(module, "sizes_team", None)
-        large = rows * module.in_features * module.out_features >= MATMUL_MIN_WORK
-        module._spanserve_threads = _threads_for(large or (sizes_team is not None and sizes_team(rows)))
+        work = rows * module.in_features * module.out_features
+        in_c = work >= C_GEMM_MIN_WORK and getattr(module, "sizes_team", None) is not None and module.sizes_team(rows)
+        module._spanserve_threads = _threads_for(work >= MATMUL_MIN_WORK or in_c)
         module._spanserve_threads.__enter__()
 
     def after(module, args, output):

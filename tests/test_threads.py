@@ -24,7 +24,8 @@ def pool_of_two():
 @pytest.fixture
 def sleeping(monkeypatch):
     """The thresholds of threads that sleep at once (OMP_WAIT_POLICY=PASSIVE, no spin count)."""
-    for name, value in zip(("STEP_MIN_TOKENS", "MATMUL_MIN_WORK", "ATTENTION_MIN_WORK"), threads.SLEEPING_THRESHOLDS):
+    names = ("STEP_MIN_TOKENS", "MATMUL_MIN_WORK", "ATTENTION_MIN_WORK", "C_GEMM_MIN_WORK")
+    for name, value in zip(names, threads.SLEEPING_THRESHOLDS):
         monkeypatch.setattr(threads, name, value)
 
 
@@ -85,9 +86,10 @@ def test_matmul_hooks_pick_threads_by_rows_and_keep_results():
 
 
 @pytest.mark.usefixtures("sleeping")
-def test_projections_in_the_c_gemm_get_the_pool_for_few_rows():
-    """The C GEMMs start only the threads their work pays for, so the hook does not hold them to
-    one: a W8A8Linear of 4 rows, far under MATMUL_MIN_WORK, runs with the pool."""
+def test_projections_in_the_c_gemm_get_the_pool_from_less_work():
+    """The C GEMMs start only the threads their work pays for, so the hook gives them the pool from
+    C_GEMM_MIN_WORK, under torch's MATMUL_MIN_WORK: a W8A8Linear of 8 rows runs with the pool, one
+    of 1 row on one thread."""
     from spanserve import native
     from spanserve.models import quant
 
@@ -95,15 +97,15 @@ def test_projections_in_the_c_gemm_get_the_pool_for_few_rows():
         native.library()
     except native.NativeUnavailable:
         pytest.skip("spanserve's C library is not built here")
-    model = nn.Sequential(quant.W8A8Linear(nn.Linear(64, 16)))
+    model = nn.Sequential(quant.W8A8Linear(nn.Linear(512, 512)))
     seen = []
     threads.use_pool_for_matmuls(model)
     model[0].register_forward_hook(lambda m, a, o: seen.append(torch.get_num_threads()), prepend=True)
-    x = torch.randn(4, 64)
-    assert 4 * 64 * 16 < threads.MATMUL_MIN_WORK
+    assert threads.C_GEMM_MIN_WORK <= 8 * 512 * 512 < threads.MATMUL_MIN_WORK
     with threads.step_threads(1):
-        model(x)
-    assert seen == [2]
+        model(torch.randn(8, 512))
+        model(torch.randn(1, 512))
+    assert seen == [2, 1]
 
 
 def test_helper_thread_work_runs_on_that_thread_alone():
