@@ -159,11 +159,11 @@ static void panel_rows(const Gemm *g, int64_t m0, int64_t m1, int64_t p) {
     memset(sums, 0, (size_t)(m1 - m0) * sizeof sums[0]);
     for (int64_t i0 = 0; i0 < g->k; i0 += SLICE) {
         const int64_t count = g->k - i0 < SLICE ? g->k - i0 : SLICE;
-        Slice s = {g->packed + (p * g->k + i0) * PANEL, NULL, g->k * PANEL, count, g->k};
-        if (!g->packed) {
+        Slice s = {buf, NULL, SLICE * PANEL, count, g->k}; /* int8 weights: widened into buf */
+        if (g->packed)
+            s.w = g->packed + (p * g->k + i0) * PANEL, s.stride = g->k * PANEL;
+        else
             widen(g, p, i0, count, buf);
-            s.w = buf, s.stride = SLICE * PANEL;
-        }
         for (int64_t r = m0; r < m1; r += MAX_ROWS) {
             s.x = g->x + r * g->k + i0;
             tile_rows(&s, m1 - r < MAX_ROWS ? (int)(m1 - r) : MAX_ROWS, sums + (r - m0));
