@@ -88,14 +88,17 @@ class PackedLinear(nn.Linear):
         self.register_buffer("packed", panels(self.weight.detach().contiguous()), persistent=False)
         self._packed_version = self.weight._version  # a weight edited in place is packed again
 
+    def _gemm_for(self, rows: int):
+        """The C GEMM where `rows` rows run in it, else None."""
+        return cpu_kernel.load("gemm") if PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS else None
+
     def sizes_team(self, rows: int) -> bool:
         """Whether `rows` rows run in the C GEMM, which starts the threads its work pays for (threads.py)."""
-        return PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS and cpu_kernel.load("gemm") is not None
+        return self._gemm_for(rows) is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        few = PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS and x.dtype == torch.float32
-        kernel = cpu_kernel.load("gemm") if few else None
+        kernel = self._gemm_for(rows) if x.dtype == torch.float32 else None
         if kernel is None or records_grad(x, self.weight):
             return F.linear(x, self.weight, self.bias)
         if self.weight._version != self._packed_version:

@@ -101,7 +101,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.kernel is not None and rows.shape[0] <= layout.PACKED_MAX_ROWS:
+        if self.sizes_team(rows.shape[0]):
             return self._packed_gemm(rows).to(x.dtype).view(*x.shape[:-1], self.out_features)
         if self.kernel is None and rows.shape[0] <= TORCH_PACKED_MAX_ROWS:
             out = torch._weight_int8pack_mm(rows.to(self.scale.dtype), self.qweight, self.scale).to(x.dtype)
