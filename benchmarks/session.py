@@ -162,10 +162,13 @@ def _warm(llm, session, params) -> None:
         session.query(_asked(q), params)
 
 
-def _asked(question: str) -> str:
-    """The computed paths ask the registered questions with a trailing space: the same meaning,
-    other tokens, so the session computes its answer rather than returning the kept one."""
-    return question + " "
+def _asked(question: str, repeat: int = 0) -> str:
+    """The computed paths ask the registered questions with trailing spaces: the same meaning and
+    length in tokens, other tokens, so the session computes its answer rather than returning the
+    kept one. Each repeat has its own number of spaces: a stateless request asked the very same
+    prompt again would find its question's whole blocks in the prefix cache (a repeat of
+    stateless cached took 3 rows, not 26: session 40)."""
+    return question + " " * (repeat + 1)
 
 
 def _ingest(llm, session, text: str, question: str, params, repeats: int, rng: random.Random) -> dict:
@@ -228,21 +231,21 @@ def _measure(llm, session, params, peers: list, step: int, sparse=None, repeats:
     times: dict[str, list[float]] = {k: [] for k in ("session", "flash_hit", "stateless", "stateless_cached")}
     if sparse is not None:
         times["session_sparse"], rows["sparse_agree"] = [], 0.0
-    first = data + fmt.question(QUESTIONS[step % len(QUESTIONS)] + "  ")
+    first = data + fmt.question(_asked(QUESTIONS[step % len(QUESTIONS)], repeats))  # a variant no repeat asks
     times["stateless"].append(_timed(llm.generate, {"prompt_token_ids": first}, params))
     for peer in peers:
         times[peer.name] = [peer.answer(first)]
         times[f"{peer.name}_cached"] = []
     _settle(peers)
-    asked = QUESTIONS * repeats  # each path asks them in turn, the same number of times
-    for q in asked:
-        prompt = data + fmt.question(_asked(q))
+    asked = [(q, r) for r in range(repeats) for q in QUESTIONS]  # each path asks them in turn
+    for q, r in asked:
+        prompt = data + fmt.question(_asked(q, r))
         llm.generate({"prompt_token_ids": data}, params)  # the data alone, then the question on it
         times["stateless_cached"].append(_timed(llm.generate, {"prompt_token_ids": prompt}, params))
-        seconds, dense = _timed_answer(session, _asked(q), params)
+        seconds, dense = _timed_answer(session, _asked(q, r), params)
         times["session"].append(seconds)
         if sparse is not None:
-            seconds, answer = _timed_answer(session, _asked(q), sparse)
+            seconds, answer = _timed_answer(session, _asked(q, r), sparse)
             times["session_sparse"].append(seconds)
             rows["sparse_agree"] += (answer == dense) / len(asked)
         hit = session.query(q, params)

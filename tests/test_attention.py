@@ -98,11 +98,13 @@ def test_a_step_of_decodes_short_and_long_prefills_over_the_paged_cache_equals_t
 
 def test_bf16_matmul_attention_stays_close_to_float32(default_model_path):
     """On the real model in bf16 (scores rounded to bf16), a warm span prompt (rotated keys, a
-    question over 1.2k cached keys) gives the float32 engine's greedy token and first-token
-    logprobs within 0.3 of its. The flash kernel, which keeps float32 scores, was 0.10 and 0.19
-    away on these two prompts (session 5), bf16 scores 0.16 and 0.15. Session 30: 0.08 and 0.10
-    with torch ops only, 0.15 and 0.21 with the C attention kernels, 0.29 and 0.10 with the C
-    norm and SwiGLU too (bf16 rounding noise: the same roundings in another order)."""
+    question over 1.2k cached keys) gives the float32 engine's greedy token, and first-token
+    logprobs close to its: the largest gap over the 5 top tokens, for 8 orders of the spans, is
+    0.2 on average and never 0.5. Session 40 measured that distribution: a change to the
+    attention kernel that moves float32 results by 1e-7 (summing in another order) took one order
+    from 0.08 to 0.37, and the kernel before it was at 0.41 on an order not tested then; means
+    0.13 to 0.15 (bf16 rounding noise: the same roundings in another order). The flash kernel,
+    which keeps float32 scores, was 0.10 and 0.19 away on the first two orders (session 5)."""
     from spanserve import LLM, SamplingParams, Span
 
     # ~300 tokens each: a context past BATCH_MAX_CONTEXT, so the question is a chunk of its own
@@ -120,7 +122,10 @@ def test_bf16_matmul_attention_stays_close_to_float32(default_model_path):
 
     fp32 = LLM(model=str(default_model_path), dtype="float32", num_blocks=160)
     bf16 = LLM(model=str(default_model_path), dtype="bfloat16", num_blocks=160)
-    for order in ([2, 0, 3, 1], [3, 1, 2, 0]):
+    gaps = []
+    for order in ([2, 0, 3, 1], [3, 1, 2, 0], [0, 1, 2, 3], [1, 2, 3, 0], [3, 2, 1, 0], [2, 3, 0, 1], [0, 2, 1, 3],
+                  [1, 3, 0, 2]):
         (token, expected), (got_token, got) = first_token(fp32, order), first_token(bf16, order)
         assert got_token == token
-        assert max(abs(got[t] - lp) for t, lp in expected.items() if t in got) < 0.3
+        gaps.append(max(abs(got[t] - lp) for t, lp in expected.items() if t in got))
+    assert sum(gaps) / len(gaps) < 0.2 and max(gaps) < 0.5, gaps

@@ -240,6 +240,51 @@ def test_prefill_kernel_rotates_moved_keys_as_it_reads_them(dtype, tolerance):
         torch.testing.assert_close(out[rows].double(), expected, rtol=tolerance, atol=tolerance)
 
 
+@needs_kernel
+@pytest.mark.parametrize("ramp", ["rising", "falling"])
+def test_prefill_softmax_follows_scores_far_apart(ramp):
+    """The prefill kernel's rows keep their softmax relative to references that move only when a
+    score passes them (RESCALE_SLACK, csrc/common.h), lane by lane: keys whose scores climb (the
+    references move often) or fall tens of units (weights far under them), read by queries at
+    many positions, in key ranges split over tasks and merged, give the plain softmax."""
+    lens, block_size, heads, kv_heads, dim = [16 * 60 + 9], 16, 9, 3, 64
+    cache, tables, contexts = paged(lens, block_size, kv_heads, dim, torch.float32, seed=3)
+    scale = torch.linspace(0.2, 6.0, lens[0])
+    scale = scale if ramp == "rising" else scale.flip(0)
+    slots = [int(tables[0, t // block_size]) * block_size + t % block_size for t in range(lens[0])]
+    keys = contexts[0][0] * scale[:, None, None]
+    cache[0].view(-1, kv_heads, dim)[slots] = keys
+    positions = torch.cat([torch.tensor([0, 5, 17, 300]), torch.arange(lens[0] - 26, lens[0])])
+    q = torch.randn(len(positions), heads, dim, generator=torch.Generator().manual_seed(5)) * 2
+    out = cpu_kernel.paged_prefill(q, cache[0], cache[1], tables, torch.tensor([0, len(positions)]), positions,
+                                   torch.tensor(lens), 0.5)
+    expected = reference(q, keys, contexts[0][1], positions, 0.5)
+    # scores reach the hundreds, whose float32 rounding (3e-5 at 300) the weights inherit
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 16), (9, 3, 64), (12, 2, 128)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_rows_do_not_depend_on_the_rows_beside_them(heads, kv_heads, dim, threads):
+    """The last queries of a prompt computed after a prefix-cache hit (a short chunk over the cached
+    keys) give exactly the bits the whole prompt's prefill gives them, whatever rows share their
+    vector lanes and register blocks."""
+    n, tail = 200, 8
+    cache, tables, contexts = paged([n], 16, kv_heads, dim, torch.float32, seed=4)
+    q = torch.randn(n, heads, dim, generator=torch.Generator().manual_seed(6))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = cpu_kernel.paged_prefill(q, cache[0], cache[1], tables, torch.tensor([0, n]), torch.arange(n),
+                                         torch.tensor([n]), 0.25)
+        chunk = cpu_kernel.paged_prefill(q[n - tail:].contiguous(), cache[0], cache[1], tables,
+                                         torch.tensor([0, tail]), torch.arange(n - tail, n), torch.tensor([n]), 0.25)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(whole[n - tail:], chunk)
+
+
 def prefill_meta(q_positions: list[torch.Tensor], lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
     """A step of prefill chunks (and decode tokens: one position), each query written at its
     position's slot."""

@@ -61,6 +61,12 @@ typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 #define NO_MAX (-1e20f)
 #define MASKED (-1e30f)
 
+/* Lazy rescaling of an online softmax: scores are taken relative to a reference this far above
+ * the largest score seen when it last moved, so the scores after stay below it (weights at most
+ * 1, vexp's domain) until one passes it; only then are the sums so far rescaled. The reference
+ * cancels in the softmax; weights under e^-87 of it, e^-79 of the largest, round to 0. */
+#define RESCALE_SLACK 8.0f
+
 #if defined(__clang__)
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else

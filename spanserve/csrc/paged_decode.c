@@ -152,12 +152,9 @@ static void chunk(const Args *a, Scratch *s, int64_t seq, int64_t start, int64_t
     }
 }
 
-/* Lazy rescaling: a head's softmax is taken relative to a reference RESCALE_SLACK above the
- * largest score it has seen when it last moved, so the scores of the blocks after stay below it
- * (weights at most 1, vexp's domain) until one passes it, and most blocks skip the max over lanes
- * and the rescale. The reference cancels in the softmax; weights under e^-87 of it, e^-79 of the
- * largest, round to 0. */
-#define RESCALE_SLACK 8.0f
+/* Lazy rescaling (RESCALE_SLACK, common.h): a head's softmax is taken relative to a reference above
+ * the largest score it has seen when it last moved, so most blocks skip the max over lanes and the
+ * rescale. */
 
 /* Query head h's online softmax over one block: scores of its scaled query `q` (chunks vectors)
  * against n keys (rows `stride` floats apart), LANES at a time, their weights into weight[0 ..

@@ -25,6 +25,13 @@
  * rot_starts[b] keys are rotated by the angles of rows rot_starts[b] .. as they are read (span
  * keys reused at new positions), so that shared blocks are never rewritten.
  */
+/* A row's output must not depend on the rows it is computed with: a prompt's last tokens computed
+ * after a prefix-cache hit must give the bits that prompt computed whole gives. -ffast-math lets
+ * gcc reassociate a sum over the head size differently in each inlined copy of the loops (one per
+ * count of row groups), which moved results by 1e-7 (session 40); so not here, at no cost in
+ * speed. Before the includes: the helpers inlined into the kernel must be compiled alike. */
+#pragma GCC optimize("no-associative-math")
+
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -125,9 +132,19 @@ static void load_queries(const Args *a, const Scratch *s, const Unit *u) {
 }
 
 /* Up to MAX_GROUPS row groups are stepped together, so that a key element broadcast once serves
- * each of them and a query column or weight vector loaded once serves several keys: the sums
- * below are kept in registers, about 16 vectors of them. */
+ * each of them and a query column or weight vector loaded once serves several keys. The sums of
+ * a product (groups x keys for scores, groups x width for values) must stay in registers, with a
+ * register left for the broadcast element: about 16 vectors where there are 32 (AVX-512), 8 to
+ * 12 where there are 16 (AVX2; NEON's 32 hold 16 of these 8-lane vectors). On AVX2 the AVX-512
+ * blocking (4 groups, 4 x 4 sums) spilled: 3 groups with 12 sums ran 17-20% faster (session 40,
+ * AMD EPYC, 26 to 2,048 queries over 512 to 7,600 keys). Index: the number of groups. */
+#if LANES == 16
 #define MAX_GROUPS 4
+static const int SCORE_KEYS[MAX_GROUPS + 1] = {0, 16, 8, 4, 4}, VALUE_WIDTH[MAX_GROUPS + 1] = {0, 8, 8, 4, 4};
+#else
+#define MAX_GROUPS 3
+static const int SCORE_KEYS[MAX_GROUPS + 1] = {0, 8, 4, 4}, VALUE_WIDTH[MAX_GROUPS + 1] = {0, 8, 4, 4};
+#endif
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* Scores of row groups [0, groups) against panel keys k0 .. k0 + keys - 1, into scores[g][key]. */
@@ -153,9 +170,13 @@ ALWAYS_INLINE void score_keys(const vf *queries, const float *panel, int dim, in
 }
 
 /* The online softmax of one row group over LANES keys from `kbegin` (n of them real): scores become
- * weights, the running max and sum in state move on; returns the factor that rescales what the
- * sum of values held before. */
-ALWAYS_INLINE vf softmax_step(vf scores[LANES], vi pos, int64_t min_pos, int64_t kbegin, int n, vf *max, vf *sum) {
+ * weights relative to each row's reference `ref`, and their sum joins `sum`. Lazy rescaling, as in
+ * paged_decode.c: a row's reference sits RESCALE_SLACK above the largest score it had seen when
+ * it last moved, and moves only when a score passes it, so most key groups skip the rescale of
+ * the row's sums. Returns whether some row's reference moved, with the factor that rescales what
+ * the sums held before in *rescale. */
+ALWAYS_INLINE int softmax_step(vf scores[LANES], vi pos, int64_t min_pos, int64_t kbegin, int n, vf *ref, vf *sum,
+                               vf *rescale) {
     if (kbegin + LANES > min_pos || n < LANES) { /* some row does not see some key */
         for (int t = 0; t < LANES; t++)
             scores[t] = pick((pos >= splat_int((int32_t)(kbegin + t))) & splat_int(t < n ? -1 : 0), scores[t],
@@ -165,25 +186,35 @@ ALWAYS_INLINE vf softmax_step(vf scores[LANES], vi pos, int64_t min_pos, int64_t
     for (int t = 0; t < LANES / 2; t++) top[t] = vmax(scores[t], scores[t + LANES / 2]);
     for (int w = LANES / 4; w > 0; w /= 2)
         for (int t = 0; t < w; t++) top[t] = vmax(top[t], top[t + w]);
-    vf new_max = vmax(*max, top[0]), rescale = vexp(*max - new_max), total = splat(0.0f);
+    vi passed = top[0] > *ref;
+    int moved = any_lane(passed);
+    if (moved) {
+        vf moved_ref = pick(passed, top[0] + RESCALE_SLACK, *ref);
+        *rescale = vexp(*ref - moved_ref);
+        *sum *= *rescale;
+        *ref = moved_ref;
+    }
+    vf total = splat(0.0f);
     for (int t = 0; t < LANES; t++) {
-        scores[t] = vexp(scores[t] - new_max);
+        scores[t] = vexp(scores[t] - *ref);
         total += scores[t];
     }
-    *max = new_max;
-    *sum = *sum * rescale + total;
-    return rescale;
+    *sum += total;
+    return moved;
 }
 
-/* Dimensions d0 .. d0 + width - 1 of each row group's sum of values: rescaled, plus the LANES keys'
- * weighted values (each value element broadcast once for every row group). */
+/* Dimensions d0 .. d0 + width - 1 of each row group's sum of values: rescaled (if `rescaled`, a
+ * constant where inlined), plus the LANES keys' weighted values (each value element broadcast once
+ * for every row group). */
 ALWAYS_INLINE void weigh_values(const float *panel, int dim, int groups, int d0, int width,
-                                vf weights[MAX_GROUPS][LANES], const vf *rescale, vf *state, int stride) {
+                                vf weights[MAX_GROUPS][LANES], int rescaled, const vf *rescale, vf *state,
+                                int stride) {
     vf sums[MAX_GROUPS][8];
 #pragma GCC unroll 4
     for (int g = 0; g < groups; g++)
 #pragma GCC unroll 8
-        for (int j = 0; j < width; j++) sums[g][j] = state[g * stride + d0 + j] * rescale[g];
+        for (int j = 0; j < width; j++)
+            sums[g][j] = rescaled ? state[g * stride + d0 + j] * rescale[g] : state[g * stride + d0 + j];
     for (int t = 0; t < LANES; t++) {
 #pragma GCC unroll 8
         for (int j = 0; j < width; j++) {
@@ -198,20 +229,27 @@ ALWAYS_INLINE void weigh_values(const float *panel, int dim, int groups, int d0,
         for (int j = 0; j < width; j++) state[g * stride + d0 + j] = sums[g][j];
 }
 
+ALWAYS_INLINE void weigh_all_values(const float *panel, int dim, int groups, int width, vf weights[MAX_GROUPS][LANES],
+                                    int rescaled, const vf *rescale, vf *state, int stride) {
+    int d = 0;
+    for (; d + width <= dim; d += width) weigh_values(panel, dim, groups, d, width, weights, rescaled, rescale, state, stride);
+    for (; d < dim; d++) weigh_values(panel, dim, groups, d, 1, weights, rescaled, rescale, state, stride);
+}
+
 /* Row groups g0 .. g0 + groups - 1 over the LANES panel keys from `kbegin`, their states (each
- * [dim] sums of values, then max, sum) at state, `stride` vectors apart. */
+ * [dim] sums of values, then the softmax's reference and sum) at state, `stride` vectors apart. */
 ALWAYS_INLINE void step_groups(const Scratch *s, int g0, int groups, int64_t kbegin, int n, vf *state, int dim) {
-    int stride = dim + 2, width = groups <= 2 ? 8 : 4;
-    int keys = groups == 1 ? 16 : groups == 2 ? 8 : 4; /* keys scored together: at most a vector's lanes */
-    keys = keys < LANES ? keys : LANES;
+    int stride = dim + 2, width = VALUE_WIDTH[groups], keys = SCORE_KEYS[groups]; /* keys: a divisor of LANES */
     vf scores[MAX_GROUPS][LANES], rescale[MAX_GROUPS];
     for (int k0 = 0; k0 < LANES; k0 += keys) score_keys(s->queries + g0 * dim, s->keys, dim, groups, k0, keys, scores);
-    for (int g = 0; g < groups; g++)
-        rescale[g] = softmax_step(scores[g], s->rows_pos[g0 + g], s->min_pos[g0 + g], kbegin, n,
-                                  state + g * stride + dim, state + g * stride + dim + 1);
-    int d = 0;
-    for (; d + width <= dim; d += width) weigh_values(s->values, dim, groups, d, width, scores, rescale, state, stride);
-    for (; d < dim; d++) weigh_values(s->values, dim, groups, d, 1, scores, rescale, state, stride);
+    int moved = 0;
+    for (int g = 0; g < groups; g++) {
+        rescale[g] = splat(1.0f);
+        moved |= softmax_step(scores[g], s->rows_pos[g0 + g], s->min_pos[g0 + g], kbegin, n,
+                              state + g * stride + dim, state + g * stride + dim + 1, &rescale[g]);
+    }
+    if (moved) weigh_all_values(s->values, dim, groups, width, scores, 1, rescale, state, stride);
+    else weigh_all_values(s->values, dim, groups, width, scores, 0, rescale, state, stride);
 }
 
 /* step_groups compiled for each count of row groups and the common head sizes, whose panels are
@@ -228,7 +266,9 @@ static void step(const Scratch *s, int g0, int groups, int64_t kbegin, int n, vf
         STEP_FOR_DIM(1)
         STEP_FOR_DIM(2)
         STEP_FOR_DIM(3)
+#if MAX_GROUPS == 4
         STEP_FOR_DIM(4)
+#endif
     }
 }
 
@@ -292,8 +332,11 @@ static Unit *plan_units(const Args *a, int64_t num_seqs, int64_t *num_units, int
                 units[i++] = (Unit){b, row, kend, (int)(end - row), kv, 0, 1};
         }
     }
-    /* Few units for the threads: split each into ranges of at least SPLIT_KEYS keys. */
-    int64_t want = count >= 4 * omp_get_max_threads() ? 1 : (4 * omp_get_max_threads() + count - 1) / (count ? count : 1);
+    /* Few units for the threads: split each into ranges of at least SPLIT_KEYS keys, as many tasks
+     * in all as a multiple of the threads (3 units on 2 threads: 12 tasks, not 9). */
+    int threads = omp_get_max_threads();
+    int64_t want = count >= 4 * threads ? 1 : (4 * threads + count - 1) / (count ? count : 1);
+    while (want > 1 && count * want % threads) want++;
     int64_t tasks = 0;
     for (i = 0; i < count; i++) {
         int64_t pieces = (units[i].kend + SPLIT_KEYS - 1) / SPLIT_KEYS;
