@@ -54,6 +54,18 @@ def test_kernel_equals_the_reference(dtype, tolerance, block_size, heads, kv_hea
         torch.testing.assert_close(out[i].double(), expected[0], rtol=tolerance, atol=tolerance)
 
 
+def ramped(ramp: str, n: int, kv_heads: int, dim: int):
+    """One sequence of n keys in 16-token blocks whose scale rises from 0.2 to 6 along the context
+    ("rising") or falls from 6 ("falling"): (cache, tables, keys, values)."""
+    cache, tables, contexts = paged([n], 16, kv_heads, dim, torch.float32, seed=3)
+    scale = torch.linspace(0.2, 6.0, n)
+    scale = scale if ramp == "rising" else scale.flip(0)
+    slots = [int(tables[0, t // 16]) * 16 + t % 16 for t in range(n)]
+    keys = contexts[0][0] * scale[:, None, None]
+    cache[0].view(-1, kv_heads, dim)[slots] = keys
+    return cache, tables, keys, contexts[0][1]
+
+
 @needs_kernel
 @pytest.mark.parametrize("ramp", ["rising", "falling"])
 def test_decode_softmax_follows_scores_far_apart(ramp):
@@ -61,16 +73,11 @@ def test_decode_softmax_follows_scores_far_apart(ramp):
     score passes it (RESCALE_SLACK in csrc/paged_decode.c): keys whose scores climb past it block
     after block (rescaled many times), or start high and fall tens of units below (weights far
     under the reference), give the plain softmax."""
-    lens, block_size, heads, kv_heads, dim = [16 * 40 + 9], 16, 6, 2, 32
-    cache, tables, contexts = paged(lens, block_size, kv_heads, dim, torch.float32, seed=3)
-    scale = torch.linspace(0.2, 6.0, lens[0])
-    scale = scale if ramp == "rising" else scale.flip(0)
-    slots = [int(tables[0, t // block_size]) * block_size + t % block_size for t in range(lens[0])]
-    keys = contexts[0][0] * scale[:, None, None]
-    cache[0].view(-1, kv_heads, dim)[slots] = keys
-    q = torch.randn(1, heads, dim, generator=torch.Generator().manual_seed(5)) * 2
+    lens, heads = [16 * 40 + 9], 6
+    cache, tables, keys, values = ramped(ramp, lens[0], kv_heads=2, dim=32)
+    q = torch.randn(1, heads, 32, generator=torch.Generator().manual_seed(5)) * 2
     out = cpu_kernel.paged_decode(q, cache[0], cache[1], tables, torch.tensor(lens), 0.5)
-    expected = reference(q, keys, contexts[0][1], torch.tensor([lens[0] - 1]), 0.5)
+    expected = reference(q, keys, values, torch.tensor([lens[0] - 1]), 0.5)
     # scores reach the hundreds, whose float32 rounding (3e-5 at 300) the weights inherit: the
     # kernel before lazy rescaling was off by as much (up to 3.4e-5 over 200 queries)
     torch.testing.assert_close(out[0].double(), expected[0], rtol=1e-4, atol=1e-4)
@@ -247,18 +254,13 @@ def test_prefill_softmax_follows_scores_far_apart(ramp):
     score passes them (RESCALE_SLACK, csrc/common.h), lane by lane: keys whose scores climb (the
     references move often) or fall tens of units (weights far under them), read by queries at
     many positions, in key ranges split over tasks and merged, give the plain softmax."""
-    lens, block_size, heads, kv_heads, dim = [16 * 60 + 9], 16, 9, 3, 64
-    cache, tables, contexts = paged(lens, block_size, kv_heads, dim, torch.float32, seed=3)
-    scale = torch.linspace(0.2, 6.0, lens[0])
-    scale = scale if ramp == "rising" else scale.flip(0)
-    slots = [int(tables[0, t // block_size]) * block_size + t % block_size for t in range(lens[0])]
-    keys = contexts[0][0] * scale[:, None, None]
-    cache[0].view(-1, kv_heads, dim)[slots] = keys
+    lens, heads, dim = [16 * 60 + 9], 9, 64
+    cache, tables, keys, values = ramped(ramp, lens[0], kv_heads=3, dim=dim)
     positions = torch.cat([torch.tensor([0, 5, 17, 300]), torch.arange(lens[0] - 26, lens[0])])
     q = torch.randn(len(positions), heads, dim, generator=torch.Generator().manual_seed(5)) * 2
     out = cpu_kernel.paged_prefill(q, cache[0], cache[1], tables, torch.tensor([0, len(positions)]), positions,
                                    torch.tensor(lens), 0.5)
-    expected = reference(q, keys, contexts[0][1], positions, 0.5)
+    expected = reference(q, keys, values, positions, 0.5)
     # scores reach the hundreds, whose float32 rounding (3e-5 at 300) the weights inherit
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
 
