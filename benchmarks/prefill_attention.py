@@ -5,13 +5,18 @@ same queries over the same paged cache, taking turns so the machine's noise hits
 Cases are the chunks the engine meets, at the head shapes of the models we judge on: a session's
 question over its cached data (34 query tokens), a prompt after a prefix-cache hit, and a whole
 prompt. Each time is the best of --repeats calls; the error is each path's largest difference
-from a float64 softmax over the same inputs (accuracy beside speed).
+from a float64 softmax over the same inputs (accuracy beside speed). --baseline REV adds the
+kernel as it was at git revision REV (its csrc/ built beside today's, in the same turns): a change
+to the kernel measured against its earlier self in one process, on this machine's noise alike.
 
-    spanserve bench prefill_attention [--dtype float32|bfloat16|both] [--repeats 10]
+    spanserve bench prefill_attention [--dtype float32|bfloat16|both] [--repeats 10] [--baseline REV]
 """
 
 import argparse
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from benchmarks import harness
 
@@ -30,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="also time the kernel of this git revision (needs a git checkout)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/prefill_attention.json)")
 
 
@@ -40,23 +47,40 @@ def run(args: argparse.Namespace) -> dict:
     from spanserve.attention import cpu_kernel
     if cpu_kernel.load("prefill") is None:
         sys.exit("the C prefill kernel is not available here (no compiler, or SPANSERVE_CPU_KERNELS)")
+    baseline = _baseline(args.baseline) if args.baseline else None
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
     rows, table = [], []
     for dtype_name in dtypes:
         for case in CASES:
-            row = _measure(case, getattr(torch, dtype_name), args.repeats)
+            row = _measure(case, getattr(torch, dtype_name), args.repeats, baseline)
             rows.append({"dtype": dtype_name, **row})
             table.append([dtype_name, row["case"], f"{row['torch_ms']:.2f}", f"{row['kernel_ms']:.2f}",
-                          f"{row['speedup']:.2f}x", f"{row['torch_error']:.1e}", f"{row['kernel_error']:.1e}"])
-    harness.print_table(["dtype", "case", "torch ms", "kernel ms", "speedup", "torch max err", "kernel max err"],
-                        table, title=f"prefill attention, one layer, {threads} threads")
-    result = {"benchmark": "prefill_attention", "threads": threads, "repeats": args.repeats, "rows": rows,
-              "machine": harness.machine_info()}
+                          f"{row['speedup']:.2f}x", f"{row['torch_error']:.1e}", f"{row['kernel_error']:.1e}"]
+                         + ([f"{row['baseline_ms']:.2f}", f"{row['over_baseline']:.2f}x"] if baseline else []))
+    extra = [f"{args.baseline} ms", f"over {args.baseline}"] if baseline else []
+    harness.print_table(["dtype", "case", "torch ms", "kernel ms", "speedup", "torch max err", "kernel max err",
+                         *extra], table, title=f"prefill attention, one layer, {threads} threads")
+    result = {"benchmark": "prefill_attention", "threads": threads, "repeats": args.repeats,
+              "baseline": args.baseline, "rows": rows, "machine": harness.machine_info()}
     harness.write_json(result, path=args.out or harness.result_path("prefill_attention"))
     return result
 
 
-def _measure(case: tuple, dtype, repeats: int) -> dict:
+def _baseline(rev: str):
+    """The kernels as they were at git revision `rev`: its csrc/ files, built (native.library_at)."""
+    from spanserve import native
+
+    repo, csrc = Path(__file__).resolve().parents[1], Path(tempfile.mkdtemp(prefix="spanserve-baseline-"))
+    for path in [*native.SOURCES, *native.HEADERS]:
+        shown = subprocess.run(["git", "show", f"{rev}:spanserve/csrc/{path.name}"], cwd=repo, capture_output=True)
+        if shown.returncode != 0:
+            sys.exit(f"--baseline {rev}: cannot read spanserve/csrc/{path.name} there: "
+                     f"{shown.stderr.decode(errors='replace').strip()}")
+        (csrc / path.name).write_bytes(shown.stdout)
+    return native.library_at(csrc)
+
+
+def _measure(case: tuple, dtype, repeats: int, baseline=None) -> dict:
     import torch
 
     from spanserve.attention import cpu_kernel
@@ -79,13 +103,22 @@ def _measure(case: tuple, dtype, repeats: int) -> dict:
         keys, values = gather_head_major(cache[0], cache[1], table[0], context, None, rows)
         return _matmul_attention(q, keys, values, positions, scale)
 
-    best = harness.best_ms_in_turns({"kernel": kernel, "torch": torch_path}, repeats)
+    def baseline_kernel():
+        with cpu_kernel.using(baseline):
+            return kernel()
+
+    paths = {"kernel": kernel, "torch": torch_path, **({"baseline": baseline_kernel} if baseline else {})}
+    best = harness.best_ms_in_turns(paths, repeats)
     expected = _reference(q, cache, table[0], context, positions, scale)
-    return {"case": name, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "context": context,
-            "queries": queries, "kernel_ms": best["kernel"], "torch_ms": best["torch"],
-            "speedup": best["torch"] / best["kernel"],
-            "kernel_error": float((kernel().double() - expected).abs().max()),
-            "torch_error": float((torch_path().double() - expected).abs().max())}
+    row = {"case": name, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "context": context,
+           "queries": queries, "kernel_ms": best["kernel"], "torch_ms": best["torch"],
+           "speedup": best["torch"] / best["kernel"],
+           "kernel_error": float((kernel().double() - expected).abs().max()),
+           "torch_error": float((torch_path().double() - expected).abs().max())}
+    if baseline:
+        row.update(baseline_ms=best["baseline"], over_baseline=best["baseline"] / best["kernel"],
+                   baseline_error=float((baseline_kernel().double() - expected).abs().max()))
+    return row
 
 
 def _reference(q, cache, table, context: int, positions, scale: float):

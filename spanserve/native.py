@@ -56,29 +56,37 @@ def library() -> ctypes.CDLL:
     return _library
 
 
-def build() -> Path:
-    """Compile the kernels for this CPU unless a build of the same sources and flags is cached."""
+def build(csrc: Path = CSRC) -> Path:
+    """Compile the kernels (SOURCES as they are in `csrc`: the package's, or a copy of an earlier
+    revision's) for this CPU unless a build of the same sources and flags is cached."""
     from spanserve.models.loader import cache_dir  # (models imports the attention kernels, which import this)
 
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("no C compiler found (install gcc or set CC)")
+    sources = [csrc / path.name for path in SOURCES]
     identity = " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_features()])  # -march=native: per CPU
-    code = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
+    code = b"".join(path.read_bytes() for path in [*sources, *(csrc / path.name for path in HEADERS)])
     digest = hashlib.sha256(code + identity.encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"spanserve-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builds: the last rename wins
-        built, objects = Path(tmp) / target.name, [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
-        steps = [[*COMPILE_FLAGS, str(source), "-o", str(obj)] for source, obj in zip(SOURCES, objects)]
+        built, objects = Path(tmp) / target.name, [Path(tmp) / f"{source.stem}.o" for source in sources]
+        steps = [[*COMPILE_FLAGS, str(source), "-o", str(obj)] for source, obj in zip(sources, objects)]
         for step in [*steps, [*map(str, objects), *LINK_FLAGS, "-o", str(built)]]:
             result = subprocess.run([compiler, *step], capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {result.stderr}")
         os.replace(built, target)
     return target
+
+
+def library_at(csrc: Path) -> ctypes.CDLL:
+    """The kernels built from another copy of csrc/ (an earlier revision's), typed as the package's:
+    a benchmark compares a kernel with its earlier self in one process (cpu_kernel.using)."""
+    return _typed(ctypes.CDLL(str(build(csrc))))
 
 
 def _cpu_features() -> str:

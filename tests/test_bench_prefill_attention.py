@@ -2,6 +2,8 @@
 in turn, each with its error against a float64 softmax."""
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 from helpers import bench_args
@@ -21,3 +23,24 @@ def test_prefill_attention_bench_times_both_paths_and_checks_them(tmp_path, monk
     for row in rows:
         assert row["kernel_ms"] > 0 and row["torch_ms"] > 0
         assert row["kernel_error"] < (1e-4 if row["dtype"] == "float32" else 5e-2)
+
+
+@pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler: the kernel is not built")
+def test_prefill_attention_bench_times_an_earlier_revision_beside_it(tmp_path, monkeypatch):
+    """--baseline REV builds the kernel of that revision beside today's and times it in the same
+    turns (HEAD here: in a clean checkout the same sources, so the build is the cached one)."""
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    monkeypatch.setattr(prefill_attention, "CASES", [("question", 6, 2, 32, 300, 5)])
+    out = tmp_path / "pa.json"
+    prefill_attention.run(bench_args(prefill_attention, ["--dtype", "float32", "--repeats", "2", "--baseline", "HEAD",
+                                                         "--out", str(out)]))
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert result["baseline"] == "HEAD" and row["baseline_ms"] > 0 and row["over_baseline"] > 0
+    assert row["baseline_error"] < 1e-4
+
+
+def test_an_unknown_baseline_revision_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="cannot read spanserve/csrc/"):
+        prefill_attention._baseline("no-such-revision-xyz")

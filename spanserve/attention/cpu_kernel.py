@@ -179,6 +179,20 @@ def only_kernels(names: set[str]):
         _allowed = before
 
 
+@contextmanager
+def using(library):
+    """Within: the kernels are those of `library` (native.library_at: another build), to compare
+    builds in one process (benchmarks/prefill_attention.py). Not for use while another thread steps."""
+    global _kernel
+    load()
+    before = _kernel
+    _kernel = library
+    try:
+        yield
+    finally:
+        _kernel = before
+
+
 def _kernels_allowed(value: str) -> frozenset[str]:
     value = value.strip().lower()
     if value in ("", "1"):
