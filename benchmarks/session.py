@@ -163,12 +163,13 @@ def _warm(llm, session, params) -> None:
 
 
 def _asked(question: str, repeat: int = 0) -> str:
-    """The computed paths ask the registered questions with trailing spaces: the same meaning and
-    length in tokens, other tokens, so the session computes its answer rather than returning the
-    kept one. Each repeat has its own number of spaces: a stateless request asked the very same
-    prompt again would find its question's whole blocks in the prefix cache (a repeat of
-    stateless cached took 3 rows, not 26: session 40)."""
-    return question + " " * (repeat + 1)
+    """The computed paths ask the registered questions numbered and with a trailing space: the same
+    meaning and length in tokens, other tokens, so the session computes its answer rather than
+    returning the kept one. Each repeat has its own number, at the question's start: a stateless
+    request whose prompt matched an earlier one's up to its question's first block would find that
+    block in the prefix cache (with the repeats told apart by trailing spaces alone, a repeat of
+    stateless cached computed 12 of 28 rows: session 40) while the session computes every row."""
+    return f"Q{repeat + 1}. {question} "
 
 
 def _ingest(llm, session, text: str, question: str, params, repeats: int, rng: random.Random) -> dict:
@@ -231,7 +232,10 @@ def _measure(llm, session, params, peers: list, step: int, sparse=None, repeats:
     times: dict[str, list[float]] = {k: [] for k in ("session", "flash_hit", "stateless", "stateless_cached")}
     if sparse is not None:
         times["session_sparse"], rows["sparse_agree"] = [], 0.0
-    first = data + fmt.question(_asked(QUESTIONS[step % len(QUESTIONS)], repeats))  # a variant no repeat asks
+    def prompt_of(question: str) -> list[int]:  # the tokens a session question sees (Session.prompt)
+        return data + fmt.question_header + fmt.question(question)
+
+    first = prompt_of(_asked(QUESTIONS[step % len(QUESTIONS)], repeats))  # a variant no repeat asks
     times["stateless"].append(_timed(llm.generate, {"prompt_token_ids": first}, params))
     for peer in peers:
         times[peer.name] = [peer.answer(first)]
@@ -239,7 +243,7 @@ def _measure(llm, session, params, peers: list, step: int, sparse=None, repeats:
     _settle(peers)
     asked = [(q, r) for r in range(repeats) for q in QUESTIONS]  # each path asks them in turn
     for q, r in asked:
-        prompt = data + fmt.question(_asked(q, r))
+        prompt = prompt_of(_asked(q, r))
         llm.generate({"prompt_token_ids": data}, params)  # the data alone, then the question on it
         times["stateless_cached"].append(_timed(llm.generate, {"prompt_token_ids": prompt}, params))
         seconds, dense = _timed_answer(session, _asked(q, r), params)
