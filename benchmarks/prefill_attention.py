@@ -70,14 +70,19 @@ def _baseline(rev: str):
     """The kernels as they were at git revision `rev`: its csrc/ files, built (native.library_at)."""
     from spanserve import native
 
-    repo, csrc = Path(__file__).resolve().parents[1], Path(tempfile.mkdtemp(prefix="spanserve-baseline-"))
-    for path in [*native.SOURCES, *native.HEADERS]:
-        shown = subprocess.run(["git", "show", f"{rev}:spanserve/csrc/{path.name}"], cwd=repo, capture_output=True)
-        if shown.returncode != 0:
-            sys.exit(f"--baseline {rev}: cannot read spanserve/csrc/{path.name} there: "
-                     f"{shown.stderr.decode(errors='replace').strip()}")
-        (csrc / path.name).write_bytes(shown.stdout)
-    return native.library_at(csrc)
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="spanserve-baseline-") as tmp:  # the build lands in the cache
+        for path in [*native.SOURCES, *native.HEADERS]:
+            try:
+                shown = subprocess.run(["git", "show", f"{rev}:spanserve/csrc/{path.name}"], cwd=repo,
+                                       capture_output=True)
+            except FileNotFoundError:
+                sys.exit("--baseline needs git")
+            if shown.returncode != 0:
+                sys.exit(f"--baseline {rev}: cannot read spanserve/csrc/{path.name} there: "
+                         f"{shown.stderr.decode(errors='replace').strip()}")
+            (Path(tmp) / path.name).write_bytes(shown.stdout)
+        return native.library_at(Path(tmp))
 
 
 def _measure(case: tuple, dtype, repeats: int, baseline=None) -> dict:
