@@ -164,11 +164,12 @@ def _warm(llm, session, params) -> None:
 
 def _asked(question: str, repeat: int = 0) -> str:
     """The computed paths ask the registered questions numbered and with a trailing space: the same
-    meaning and length in tokens, other tokens, so the session computes its answer rather than
-    returning the kept one. Each repeat has its own number, at the question's start: a stateless
-    request whose prompt matched an earlier one's up to its question's first block would find that
-    block in the prefix cache (with the repeats told apart by trailing spaces alone, a repeat of
-    stateless cached computed 12 of 28 rows: session 40) while the session computes every row."""
+    meaning in other tokens (3 more; as many for every repeat), so the session computes its answer
+    rather than returning the kept one. Each repeat has its own number, at the question's start:
+    a stateless request whose prompt matched an earlier one's up to its question's first block
+    would find that block in the prefix cache (with the repeats told apart by trailing spaces
+    alone, a repeat of stateless cached computed 12 of 28 rows: session 40) while the session
+    computes every row."""
     return f"Q{repeat + 1}. {question} "
 
 
