@@ -233,8 +233,8 @@ def _measure(llm, session, params, peers: list, step: int, sparse=None, repeats:
     times: dict[str, list[float]] = {k: [] for k in ("session", "flash_hit", "stateless", "stateless_cached")}
     if sparse is not None:
         times["session_sparse"], rows["sparse_agree"] = [], 0.0
-    def prompt_of(question: str) -> list[int]:  # the tokens a session question sees (Session.prompt)
-        return data + fmt.question_header + fmt.question(question)
+    def prompt_of(question: str) -> list[int]:  # the tokens the session's question sees
+        return session._session.prompt(fmt.question(question))
 
     first = prompt_of(_asked(QUESTIONS[step % len(QUESTIONS)], repeats))  # a variant no repeat asks
     times["stateless"].append(_timed(llm.generate, {"prompt_token_ids": first}, params))
