@@ -112,6 +112,6 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     for entry in (lib.paged_decode, lib.paged_prefill, lib.int8_gemm, lib.f32_gemm, lib.f32_gemm_int8w,
                   lib.rms_norm, lib.silu_mul, lib.rope_store):
         entry.restype = i32
-    lib.centroid_topk.argtypes = [pointer, i32, pointer, i64, pointer, i32] + [i64] * 6 + [pointer]
+    lib.centroid_topk.argtypes = [pointer, i32, pointer, i64, pointer, i64, pointer, i32] + [i64] * 8 + [pointer]
     lib.centroid_topk.restype = i64
     return lib

@@ -23,9 +23,11 @@ TEXT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a ti
 TINY_MODELS = ["tiny_llama_path", "tiny_qwen3_path", "tiny_qwen2_path", "tiny_llama3_rope_path"]
 
 
-def our_logits(llm: LLM, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
+def our_logits(llm: LLM, token_ids: list[int], chunk: int | None = None, keep=None) -> torch.Tensor:
     """Logits at every position from our model over the paged KV cache, fed `chunk` tokens at a
-    time (later chunks attend to the earlier ones through the cache)."""
+    time (later chunks attend to the earlier ones through the cache). With `keep(start, end)`
+    (the rows of a chunk whose outputs are wanted), the last layer computes those alone: the
+    logits of the rows kept."""
     engine, model = llm.engine, llm.engine.runner.model
     block_size = engine.kv.block_size
     blocks = engine.kv.pool.allocate(cdiv(len(token_ids), block_size))
@@ -42,9 +44,10 @@ def our_logits(llm: LLM, token_ids: list[int], chunk: int | None = None) -> torc
                 query_lens=[end - start], context_lens=[end], block_tables=table,
                 context_lens_tensor=torch.tensor([end], device=device), positions=positions,
             )
+            rows = None if keep is None else torch.tensor(keep(start, end), dtype=torch.long, device=device)
             with torch.inference_mode():
                 ids = torch.tensor(token_ids[start:end], device=device)
-                logits.append(model.compute_logits(model(ids, positions, meta)).cpu())
+                logits.append(model.compute_logits(model(ids, positions, meta, keep=rows)).cpu())
     finally:
         engine.kv.pool.release(blocks)
     return torch.cat(logits)
@@ -95,6 +98,25 @@ def test_tiny_model_logits_match_transformers_when_the_prompt_is_fed_in_chunks(t
     prompt = random_prompt(100, seed=2)
     torch.testing.assert_close(our_logits(llm, prompt, chunk=23), hf_logits(hf_model, prompt),
                                atol=TINY_ATOL, rtol=0)
+
+
+def test_a_last_layer_computing_some_rows_alone_gives_their_logits_and_stores_every_rows_keys(tiny):
+    """The engine's last layer computes only the rows it samples from (none in a prefill chunk
+    before a prompt's last): those rows' logits are still transformers', and the chunks after
+    read the keys and values of every row of the chunks before, none of whose rows were kept."""
+    llm, hf_model = tiny
+    prompt = random_prompt(100, seed=3)
+    chunk = 23  # chunks 0 and 2 keep no row, 1 and 3 every seventh and their last, 4 its last
+    def kept(start: int, end: int) -> list[int]:
+        rows = end - start
+        if (start // chunk) % 2:
+            return sorted({*range(0, rows, 7), rows - 1})
+        return [rows - 1] if end == len(prompt) else []
+
+    positions = [start + row for start in range(0, len(prompt), chunk)
+                 for row in kept(start, min(start + chunk, len(prompt)))]
+    ours = our_logits(llm, prompt, chunk=chunk, keep=kept)
+    torch.testing.assert_close(ours, hf_logits(hf_model, prompt)[positions], atol=TINY_ATOL, rtol=0)
 
 
 def test_tiny_model_greedy_tokens_match_transformers_generate(tiny):

@@ -286,23 +286,30 @@ def test_every_flow_runs_in_bfloat16(tiny_llama_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_topk_picks_in_c_what_it_picks_in_torch(dtype):
-    """BlockTopK reads its centroids in place in one C call (csrc/block_pick.c); its picks are the
-    torch path's (forward_indexer over the fields read out), sinks and window included."""
+    """BlockTopK reads its centroids in place in one C call (csrc/block_pick.c) and writes the
+    block table's row; its picks are the torch path's (forward_indexer over the fields read out,
+    the queries folded by KV head), sinks and window included, the step's own blocks after them.
+    The queries are rows of a wider tensor, as when RoPE ran in torch on the qkv projection's views."""
     from spanserve.attention import cpu_kernel
+    from spanserve.attention.torch_ref import fold_query_heads
     from spanserve.sparse.flow import IndexerContext
 
     gen = torch.Generator().manual_seed(7)
     cache = torch.randn(2, 2, 40, BS, KV_HEADS, DIM, generator=gen).to(dtype)
     store, flow = FieldStore(cache, torch.zeros(40, dtype=torch.long)), BUILTINS["block_topk"]()
-    ids = torch.randperm(40, generator=gen)[:30]
+    ids, own = torch.randperm(40, generator=gen)[:30], torch.tensor([37, 38])
     store.refresh(flow, ids)
-    q = torch.randn(KV_HEADS, 3 * (HEADS // KV_HEADS), DIM, generator=gen).to(dtype)  # a bf16 model's queries
-    assert cpu_kernel.centroid_topk(store.layer_field(flow, 1, "centroid"), ids, q, 1, 4, 8) is not None
+    qkv = torch.randn(3, HEADS + 2 * KV_HEADS, DIM, generator=gen).to(dtype)  # a bf16 model's queries
+    q = qkv[:, :HEADS]
     for budget, num in ((9, 30), (12, 30), (6, 30), (9, 7), (9, 3)):
-        ctx = IndexerContext(num, budget, 1, 1)
-        picks = flow.pick_blocks(q, store, 1, ids[:num], {}, ctx)
-        reference = flow.forward_indexer(q, store.read(flow, 1, ids[:num]), {}, ctx)
-        assert picks.tolist() == reference.tolist(), (budget, num)
+        ctx, table = IndexerContext(num, budget, 1, 1), torch.full((34,), -1)
+        chosen = flow.pick_into(q, store, 1, ids[:num], own, table, {}, ctx)
+        reference = flow.forward_indexer(fold_query_heads(q, KV_HEADS), store.read(flow, 1, ids[:num]), {}, ctx)
+        assert chosen == len(reference), (budget, num)
+        assert table[:chosen + 2].tolist() == [*ids[reference].tolist(), 37, 38], (budget, num)
+        assert (table[chosen + 2:] == -1).all()
+    assert cpu_kernel.centroid_topk(store.layer_field(flow, 1, "centroid"), ids, own, q.float(), 1, 4, 8,
+                                    torch.zeros(32, dtype=torch.int32)) is None  # not int64: the torch path
 
 
 def test_a_block_topk_subclass_with_its_own_indexer_runs_it():
@@ -318,5 +325,7 @@ def test_a_block_topk_subclass_with_its_own_indexer_runs_it():
     cache = torch.randn(1, 2, 40, BS, KV_HEADS, DIM)
     store, flow, ids = FieldStore(cache, torch.zeros(40, dtype=torch.long)), Last(), torch.arange(30)
     store.refresh(flow, ids)
-    q = torch.randn(KV_HEADS, HEADS // KV_HEADS, DIM)
-    assert flow.pick_blocks(q, store, 0, ids, {}, IndexerContext(30, 9, 0, 1)).tolist() == list(range(22, 30))
+    q, ctx = torch.randn(1, HEADS, DIM), IndexerContext(30, 9, 0, 1)
+    assert flow.pick_into(q, store, 0, ids, torch.tensor([31]), torch.zeros(31, dtype=torch.long), {}, ctx) is None
+    folded = q.view(KV_HEADS, HEADS // KV_HEADS, DIM)
+    assert flow.pick_blocks(folded, store, 0, ids, {}, ctx).tolist() == list(range(22, 30))

@@ -99,28 +99,28 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-def centroid_topk(centroids: torch.Tensor, block_ids: torch.Tensor, q: torch.Tensor, sinks: int, recent: int,
-                  slots: int) -> torch.Tensor | None:
-    """Block top-k's picks (csrc/block_pick.c): indices into block_ids [n] of the `sinks` first
-    blocks, the `recent` last and the best others by centroid . (q summed over its rows), `slots`
-    in all at most, in order; centroids [pool_blocks, kv_heads, D] (one layer's), q [kv_heads,
-    rows, D] (flow.py's folded queries). None where the kernel cannot run it: the caller then
-    takes the torch path."""
+def centroid_topk(centroids: torch.Tensor, block_ids: torch.Tensor, own: torch.Tensor, q: torch.Tensor,
+                  sinks: int, recent: int, slots: int, table: torch.Tensor) -> int | None:
+    """Block top-k's picks (csrc/block_pick.c) written into `table` (int64, contiguous): the ids,
+    in order, of the `sinks` first blocks of block_ids [n], the `recent` last and the best others
+    by centroid . (q summed over its rows and query heads), `slots` in all at most, then `own`; how
+    many of block_ids it picked. centroids [pool_blocks, kv_heads, D] (one layer's), q [rows,
+    heads, D] (the step's queries of the sequence). None where the kernel cannot run these: the
+    caller then takes the torch path."""
     if centroids.device.type != "cpu" or centroids.dtype not in native.DTYPES or not centroids.is_contiguous() \
-            or q.dtype not in native.DTYPES:
+            or q.dtype not in native.DTYPES or q.stride(2) != 1 or q.stride(1) != q.shape[2] \
+            or not all(t.dtype == torch.long and t.is_contiguous() for t in (block_ids, own, table)):
         return None
     kernel = load("sparse")
     if kernel is None:
         return None
-    ids, q = block_ids.long().contiguous(), q.contiguous()
-    (num,), (kv_heads, rows, dim) = ids.shape, q.shape
-    out = torch.empty(num, dtype=torch.long)
-    count = kernel.centroid_topk(centroids.data_ptr(), native.DTYPES[centroids.dtype], ids.data_ptr(), num,
-                                 q.data_ptr(), native.DTYPES[q.dtype], kv_heads, rows, dim, sinks, recent, slots,
-                                 out.data_ptr())
+    (rows, heads, dim), kv_heads, num = q.shape, centroids.shape[1], block_ids.shape[0]
+    count = kernel.centroid_topk(centroids.data_ptr(), native.DTYPES[centroids.dtype], block_ids.data_ptr(), num,
+                                 own.data_ptr(), own.shape[0], q.data_ptr(), native.DTYPES[q.dtype], rows, heads,
+                                 kv_heads, dim, q.stride(0), sinks, recent, slots, table.data_ptr())
     if count < 0:
         raise RuntimeError(f"centroid_topk failed: {num} blocks, queries {tuple(q.shape)}")
-    return out[:count]
+    return count - own.shape[0]
 
 
 def key_rotations(rotations: list[KeyRotation | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -3,12 +3,15 @@
  * summed over KV heads; the `sinks` first blocks, the `recent` last and the best-scoring blocks
  * between them are picked, `slots` in all at most, in order (flow.py's select). In torch the
  * same is a gather of the centroids, a matrix-vector product, a top-k and a sort (about 0.5 ms a
- * layer of Python and small ops); here the centroids are read in place, one block after another.
+ * layer of Python and small ops); here the centroids are read in place, one block after another,
+ * and the picks go straight into the sequence's narrowed block table.
  *
  * Layouts: centroids [pool_blocks][width] float32 (dtype 0) or bfloat16 (1), one layer's, width =
- * KV heads x head dim; block_ids [num_blocks] int64 rows of it; q [kv_heads][rows][dim], the
- * step's queries folded by KV head (q_dtype 0 or 1), summed over rows here; out [num_blocks] int64.
- * Returns how many indices (into block_ids) it wrote, or -1 for bad sizes or no memory.
+ * KV heads x head dim; block_ids [num_blocks] int64 rows of it; own [num_own] int64; q the step's
+ * query rows as the model computes them, [rows][q_row_stride] with [heads][dim] at each row's
+ * start (q_dtype 0 or 1), query head h reading KV head h / (heads / kv_heads); table [num_blocks
+ * + num_own] int64. Returns how many ids it wrote to table (the picked block ids, then own), or -1
+ * for bad sizes or no memory.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -55,31 +58,37 @@ static float score(const void *centroids, int dtype, int64_t row, const float *q
     return sum;
 }
 
-/* The sum over rows of each KV head's queries, [kv_heads][dim] as float32. */
-static float *query_sum(const void *q, int q_dtype, int64_t kv_heads, int64_t rows, int64_t dim) {
-    float *sum = calloc(kv_heads * dim, sizeof(float)), row[512];
+/* The sum of each KV head's queries over the rows and the query heads reading it, [kv_heads][dim]
+ * as float32. */
+static float *query_sum(const void *q, int q_dtype, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
+                        int64_t q_row_stride) {
+    float *sum = calloc(kv_heads * dim, sizeof(float)), head[512];
     if (sum == NULL) return NULL;
-    for (int64_t h = 0; h < kv_heads; h++)
-        for (int64_t r = 0; r < rows; r++) {
-            load_floats(q, (h * rows + r) * dim, (int)dim, q_dtype, row);
-            for (int64_t d = 0; d < dim; d++) sum[h * dim + d] += row[d];
+    int64_t group = heads / kv_heads;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            load_floats(q, r * q_row_stride + h * dim, (int)dim, q_dtype, head);
+            float *into = sum + (h / group) * dim;
+            for (int64_t d = 0; d < dim; d++) into[d] += head[d];
         }
     return sum;
 }
 
 int64_t centroid_topk(const void *centroids, int dtype, const int64_t *block_ids, int64_t num_blocks,
-                      const void *q, int q_dtype, int64_t kv_heads, int64_t rows, int64_t dim, int64_t sinks,
-                      int64_t recent, int64_t slots, int64_t *out) {
+                      const int64_t *own, int64_t num_own, const void *q, int q_dtype, int64_t rows, int64_t heads,
+                      int64_t kv_heads, int64_t dim, int64_t q_row_stride, int64_t sinks, int64_t recent,
+                      int64_t slots, int64_t *table) {
     int64_t width = kv_heads * dim;
-    if (num_blocks < 0 || kv_heads <= 0 || rows < 0 || dim <= 0 || dim > 512 || sinks < 0 || recent < 0 ||
-        (dtype != 0 && dtype != 1) || (q_dtype != 0 && q_dtype != 1))
+    if (num_blocks < 0 || num_own < 0 || kv_heads <= 0 || heads % kv_heads || rows < 0 || dim <= 0 || dim > 512 ||
+        q_row_stride < heads * dim || sinks < 0 || recent < 0 || (dtype != 0 && dtype != 1) ||
+        (q_dtype != 0 && q_dtype != 1))
         return -1;
     int64_t first = sinks < num_blocks ? sinks : num_blocks;                    /* the middle's first block */
     int64_t last = num_blocks - recent > first ? num_blocks - recent : first;  /* the window's first block */
     int64_t room = slots - first - (num_blocks - last), take = room < last - first ? room : last - first;
     if (take < 0) take = 0;
     Scored *heap = malloc((take ? take : 1) * sizeof(Scored));
-    float *q_sum = query_sum(q, q_dtype, kv_heads, rows, dim);
+    float *q_sum = query_sum(q, q_dtype, rows, heads, kv_heads, dim, q_row_stride);
     if (heap == NULL || q_sum == NULL) {
         free(heap);
         free(q_sum);
@@ -103,9 +112,10 @@ int64_t centroid_topk(const void *centroids, int dtype, const int64_t *block_ids
     }
     qsort(heap, size, sizeof(Scored), by_index);
     int64_t n = 0;
-    for (int64_t i = 0; i < first; i++) out[n++] = i;
-    for (int64_t i = 0; i < size; i++) out[n++] = heap[i].index;
-    for (int64_t i = last; i < num_blocks; i++) out[n++] = i;
+    for (int64_t i = 0; i < first; i++) table[n++] = block_ids[i];
+    for (int64_t i = 0; i < size; i++) table[n++] = block_ids[heap[i].index];
+    for (int64_t i = last; i < num_blocks; i++) table[n++] = block_ids[i];
+    for (int64_t i = 0; i < num_own; i++) table[n++] = own[i];
     free(heap);
     free(q_sum);
     return n;

@@ -61,15 +61,18 @@ class ModelRunner:
         input_ids, positions, meta, logit_rows, plugin_rows = self._prepare(batch)
         with self._threads(len(input_ids)), self._encoding(*plugin_rows):
             if self.graphs is not None and not any(plugin_rows) and self.graphs.fits(meta):
-                hidden = self.graphs.run(input_ids, meta)
+                hidden = self.graphs.run(input_ids, meta)[logit_rows]
             else:
+                # the last layer computes the sampled rows alone; a plug-in's deltas index every row
+                keep = None if any(plugin_rows) else self._tensor(logit_rows)
                 try:
-                    hidden = self.model(input_ids, positions, meta, stop)
+                    hidden = self.model(input_ids, positions, meta, stop, keep)
                 except ForwardStopped:
                     return None
+                hidden = hidden if keep is not None else hidden[logit_rows]
             if not logit_rows:
                 return []
-            logits = self.model.compute_logits(hidden[logit_rows]).cpu()
+            logits = self.model.compute_logits(hidden).cpu()
             return sample(logits, [item.request for item in batch if item.samples])
 
     def use_encoder(self, plugin) -> None:

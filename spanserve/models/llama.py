@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from spanserve.attention import AttentionBackend, AttentionMetadata
+from spanserve.attention.torch_ref import store_kv
 from spanserve.models import layer_ops
 from spanserve.models.config import ModelConfig
 from spanserve.models.rope import RotaryEmbedding
@@ -56,7 +57,9 @@ class Attention(nn.Module):
         q, _ = self.rope(positions, q, q)
         return q
 
-    def forward(self, x, positions, meta: AttentionMetadata, rope_tables=None):
+    def forward(self, x, positions, meta: AttentionMetadata, rope_tables=None, keep: torch.Tensor | None = None):
+        """The attention output of every row, or of rows `keep` alone; the keys and values of
+        every row are stored all the same."""
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -65,10 +68,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, stored = layer_ops.rope_store(self.rope, positions, q, k, v, self.kv_cache, meta.slot_mapping,
                                             rope_tables)
+        if keep is not None and not keep.numel():  # no row's output is read: only the cache changes
+            if not stored:
+                store_kv(self.kv_cache[0], self.kv_cache[1], k, v, meta.slot_mapping)
+            return x[:0]
         if meta.sparse is not None:  # decode over the blocks sparse flows pick, at this layer
             meta = meta.sparse.restrict(self.layer, q, meta)
         out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, stored=stored)
-        return self.o_proj(out.flatten(1))
+        return self.o_proj((out if keep is None else out[keep]).flatten(1))
 
 
 class MLP(nn.Module):
@@ -89,8 +96,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, meta, rope_tables=None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, rope_tables)
+    def forward(self, x, positions, meta, rope_tables=None, keep: torch.Tensor | None = None):
+        """The layer's output for every row, or for rows `keep` alone (Attention.forward)."""
+        attended = self.self_attn(self.input_layernorm(x), positions, meta, rope_tables, keep)
+        if keep is not None:
+            x = x[keep]
+            if not x.shape[0]:
+                return x
+        x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -112,15 +125,19 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids, positions, meta: AttentionMetadata,
-                stop: Callable[[], bool] | None = None) -> torch.Tensor:
-        """Final hidden states [T, hidden] of every token in the flat batch. With `stop`, asked
-        before every layer: raises ForwardStopped once it returns True."""
+                stop: Callable[[], bool] | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states [T, hidden] of every token in the flat batch, or with `keep` (row
+        indices) of those rows alone: the last layer computes its output for them only, after
+        storing every row's keys and values (the rows sampled from: a session question's one row
+        of 29, none in a prefill chunk before a prompt's last). With `stop`, asked before every
+        layer: raises ForwardStopped once it returns True."""
         x = self.embed_tokens(input_ids)
         tables = self.rope.tables(positions, x.dtype)  # the same in every layer
-        for layer in self.layers:
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
             if stop is not None and stop():
                 raise ForwardStopped
-            x = layer(x, positions, meta, tables)
+            x = layer(x, positions, meta, tables, keep if i == last else None)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

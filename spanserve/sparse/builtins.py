@@ -31,15 +31,15 @@ class BlockTopK(_Centroids):
         scores = fields["centroid"].flatten(1) @ q.float().sum(1).flatten()
         return select(scores, self, ctx)
 
-    def pick_blocks(self, q, store, layer, block_ids, state, ctx: IndexerContext):
-        """forward_indexer's picks in one C call over the centroids where they are (on CPU): a
-        layer's picks in tens of microseconds, not half a millisecond of small ops, after which
-        the next kernel would also start slow (attention/cpu_kernel.py's note on warm-up)."""
-        picks = None
-        if type(self).forward_indexer is BlockTopK.forward_indexer:  # a subclass's own indexer runs as written
-            picks = cpu_kernel.centroid_topk(store.layer_field(self, layer, "centroid"), block_ids, q,
-                                             self.sink_blocks, self.recent_blocks, ctx.budget_blocks - 1)
-        return picks if picks is not None else super().pick_blocks(q, store, layer, block_ids, state, ctx)
+    def pick_into(self, q, store, layer, block_ids, own, table, state, ctx: IndexerContext):
+        """forward_indexer's picks in one C call over the centroids where they are (on CPU), into
+        the block table: a layer's picks in tens of microseconds, not half a millisecond of small
+        ops, after which the next kernel would also start slow (attention/cpu_kernel.py's note on
+        warm-up). A subclass's own indexer runs as written (None: pick_blocks)."""
+        if type(self).forward_indexer is not BlockTopK.forward_indexer:
+            return None
+        return cpu_kernel.centroid_topk(store.layer_field(self, layer, "centroid"), block_ids, own, q,
+                                        self.sink_blocks, self.recent_blocks, ctx.budget_blocks - 1, table)
 
 
 class Quest(Flow):

@@ -84,16 +84,13 @@ class SparseStep:
         if not narrowed:
             return meta
         tables, lens, done = meta.block_tables.clone(), list(meta.context_lens), []
-        kv_heads = self.fields.kv_cache.shape[-2]
         for i in narrowed:
             seq = self._plan[i]
-            chosen = self._choose(self.sequences[i], layer, fold_query_heads(q[seq.rows], kv_heads), seq.before)
+            # the chosen blocks, then the blocks of the step's own queries (the newest token's at decode)
+            chosen = self._choose(self.sequences[i], layer, q[seq.rows], seq, tables[i])
             if chosen is None:
                 continue
-            # the chosen blocks, then the blocks of the step's own queries (the newest token's at decode)
-            picked = torch.cat([seq.before.index_select(0, chosen.to(tables.device)), seq.own])
-            tables[i, :picked.shape[0]] = picked  # (shape, not len(): Tensor.__len__ is Python, 30 calls a step)
-            lens[i] += (chosen.shape[0] - seq.before.shape[0]) * self.block_size
+            lens[i] += (chosen - seq.before.shape[0]) * self.block_size  # (shape, not len(): Python, 30 calls a step)
             done.append(i)
         if not done:
             return meta
@@ -148,19 +145,26 @@ class SparseStep:
             return False
         return num_blocks >= NARROW_FROM * decode.budget_blocks
 
-    def _choose(self, decode: SparseDecode, layer: int, q: torch.Tensor,
-                block_ids: torch.Tensor) -> torch.Tensor | None:
-        """The flow's picks, checked; None (full attention this step) if it failed, which ends the
-        request with the error after the step."""
-        kv_heads, num_blocks = self.fields.kv_cache.shape[-2], block_ids.shape[0]
+    def _choose(self, decode: SparseDecode, layer: int, q: torch.Tensor, seq: _Narrowing,
+                table: torch.Tensor) -> int | None:
+        """The flow's picks written into `table` (the sequence's row), its own blocks after them:
+        how many blocks before its queries it chose, or None (full attention this step) if it
+        failed, which ends the request with the error after the step."""
+        num_blocks, state = seq.before.shape[0], decode.state.setdefault(layer, {})
         ctx = IndexerContext(num_blocks, decode.budget_blocks, layer, decode.steps)
         try:
-            chosen = decode.flow.pick_blocks(q.view(kv_heads, -1, q.shape[-1]), self.fields, layer, block_ids,
-                                             decode.state.setdefault(layer, {}), ctx)
-            return _checked(chosen, num_blocks, decode.budget_blocks - 1)
+            count = decode.flow.pick_into(q, self.fields, layer, seq.before, seq.own, table, state, ctx)
+            if count is not None:
+                return count
+            folded = fold_query_heads(q, self.fields.kv_cache.shape[-2])
+            chosen = decode.flow.pick_blocks(folded, self.fields, layer, seq.before, state, ctx)
+            chosen = _checked(chosen, num_blocks, decode.budget_blocks - 1)
         except Exception as exc:  # a user's flow: the request fails, the batch goes on
             decode.error = f"sparse flow {decode.flow.name!r} failed at layer {layer}: {exc}"
             return None
+        picked = torch.cat([seq.before.index_select(0, chosen.to(table.device)), seq.own])
+        table[:picked.shape[0]] = picked
+        return chosen.shape[0]
 
 
 def _checked(chosen, num_blocks: int, most: int) -> torch.Tensor:

@@ -60,6 +60,15 @@ class Flow:
         in place instead (BlockTopK: one C call)."""
         return self.forward_indexer(q, store.read(self, layer, block_ids), state, ctx)
 
+    def pick_into(self, q: torch.Tensor, store, layer: int, block_ids: torch.Tensor, own: torch.Tensor,
+                  table: torch.Tensor, state: dict, ctx: IndexerContext) -> int | None:
+        """What pick_blocks does, where a flow can do it in one call (BlockTopK: C on CPU): its
+        picks written straight into `table` as block ids, in order, `own` (the blocks of the
+        step's queries) after them; returns how many of `block_ids` it picked. q: the step's
+        query rows as the model computes them, [T, heads, D]. None: not here, the engine calls
+        pick_blocks."""
+        return None
+
     def min_budget_blocks(self) -> int:
         """The fewest blocks a budget must allow: the sinks, the recent window and the newest block."""
         return self.sink_blocks + self.recent_blocks + 1
