@@ -188,8 +188,17 @@ class _OutOfRange(Flow):
         return torch.tensor([ctx.num_blocks + 5])
 
 
+class _PicksIntoTooMany(Flow):
+    """Writes the table itself (pick_into) and claims more blocks than the budget allows."""
+
+    name = "picks_into_too_many"
+
+    def pick_into(self, q, store, layer, block_ids, own, table, state, ctx):
+        return ctx.budget_blocks
+
+
 @pytest.mark.parametrize("flow, message", [(_Raises, "boom"), (_FieldsRaise, "no fields"),
-                                           (_OutOfRange, "must be in")])
+                                           (_OutOfRange, "must be in"), (_PicksIntoTooMany, "the budget allows")])
 def test_a_failing_flow_ends_its_request_only(tiny_llama_path, flow, message):
     llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=256)
     llm.engine.sparse_flows[flow.name] = flow()
@@ -310,6 +319,8 @@ def test_block_topk_picks_in_c_what_it_picks_in_torch(dtype):
         assert (table[chosen + 2:] == -1).all()
     assert cpu_kernel.centroid_topk(store.layer_field(flow, 1, "centroid"), ids, own, q.float(), 1, 4, 8,
                                     torch.zeros(32, dtype=torch.int32)) is None  # not int64: the torch path
+    with pytest.raises(ValueError, match="cannot hold 30 blocks and 2 more"):
+        cpu_kernel.centroid_topk(store.layer_field(flow, 1, "centroid"), ids, own, q, 1, 4, 8, torch.zeros(31).long())
 
 
 def test_a_block_topk_subclass_with_its_own_indexer_runs_it():

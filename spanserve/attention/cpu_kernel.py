@@ -115,6 +115,8 @@ def centroid_topk(centroids: torch.Tensor, block_ids: torch.Tensor, own: torch.T
     if kernel is None:
         return None
     (rows, heads, dim), kv_heads, num = q.shape, centroids.shape[1], block_ids.shape[0]
+    if table.shape[0] < num + own.shape[0]:
+        raise ValueError(f"a table of {table.shape[0]} ids cannot hold {num} blocks and {own.shape[0]} more")
     count = kernel.centroid_topk(centroids.data_ptr(), native.DTYPES[centroids.dtype], block_ids.data_ptr(), num,
                                  own.data_ptr(), own.shape[0], q.data_ptr(), native.DTYPES[q.dtype], rows, heads,
                                  kv_heads, dim, q.stride(0), sinks, recent, slots, table.data_ptr())

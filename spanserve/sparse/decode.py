@@ -154,7 +154,10 @@ class SparseStep:
         ctx = IndexerContext(num_blocks, decode.budget_blocks, layer, decode.steps)
         try:
             count = decode.flow.pick_into(q, self.fields, layer, seq.before, seq.own, table, state, ctx)
-            if count is not None:
+            if count is not None:  # (the ids it wrote are the flow's to get right: checking them costs what it saves)
+                if not 0 <= count <= min(num_blocks, decode.budget_blocks - 1):
+                    raise ValueError(f"pick_into picked {count} of {num_blocks} blocks, the budget allows "
+                                     f"{decode.budget_blocks - 1}")
                 return count
             folded = fold_query_heads(q, self.fields.kv_cache.shape[-2])
             chosen = decode.flow.pick_blocks(folded, self.fields, layer, seq.before, state, ctx)

@@ -57,7 +57,7 @@ class Flow:
                     ctx: IndexerContext) -> torch.Tensor:
         """The engine's call at each step and layer: the fields of blocks `block_ids` read from
         `store` (fields.py, refreshed this step), then forward_indexer. A flow may read its fields
-        in place instead (BlockTopK: one C call)."""
+        in place instead, or offer pick_into (BlockTopK: one C call)."""
         return self.forward_indexer(q, store.read(self, layer, block_ids), state, ctx)
 
     def pick_into(self, q: torch.Tensor, store, layer: int, block_ids: torch.Tensor, own: torch.Tensor,
