@@ -88,7 +88,8 @@ class SparseStep:
             seq = self._plan[i]
             # the chosen blocks, then the blocks of the step's own queries (the newest token's at decode)
             chosen = self._choose(self.sequences[i], layer, q[seq.rows], seq, tables[i])
-            if chosen is None:
+            if chosen is None:  # full attention this step, over its row as it was (a failed flow may have written it)
+                tables[i] = meta.block_tables[i]
                 continue
             lens[i] += (chosen - seq.before.shape[0]) * self.block_size  # (shape, not len(): Python, 30 calls a step)
             done.append(i)
