@@ -66,7 +66,9 @@ class Flow:
         picks written straight into `table` as block ids, in order, `own` (the blocks of the
         step's queries) after them; returns how many of `block_ids` it picked. q: the step's
         query rows as the model computes them, [T, heads, D]. None: not here, the engine calls
-        pick_blocks."""
+        pick_blocks. The engine checks the count only: the ids must be of `block_ids`, in order,
+        as pick_blocks' picks are checked to be (an id from elsewhere reads keys not the
+        sequence's own)."""
         return None
 
     def min_budget_blocks(self) -> int:
