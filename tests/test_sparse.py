@@ -69,34 +69,6 @@ def test_quest_picks_the_blocks_of_the_brute_force_bound_and_attends_over_them_o
     torch.testing.assert_close(out[0], _attend(q[0], flat_k[tokens], flat_v[tokens]))
 
 
-def test_a_flow_failing_after_writing_its_row_leaves_that_row_whole_beside_a_narrowed_one(monkeypatch):
-    """Two sequences in one step: the first's flow writes its table row, then fails (a count over
-    its budget); the second narrows. The step's tables hold the first's row as it was, with its
-    whole context, and the second's picks; the first ends with the error after the step."""
-    monkeypatch.setattr(decode_module, "NARROW_FROM", 1)
-    cache, table, ctx, q, _ = _decode_step(num_blocks=12)
-    q2 = torch.cat([q, q])
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor([int(table[-1]) * BS + (ctx - 1) % BS] * 2), query_lens=[1, 1],
-        context_lens=[ctx, ctx], block_tables=torch.stack([table, table]),
-        context_lens_tensor=torch.tensor([ctx, ctx]), positions=torch.tensor([ctx - 1, ctx - 1]))
-
-    class WritesThenFails(Flow):
-        name = "writes_then_fails"
-
-        def pick_into(self, q, store, layer, block_ids, own, table, state, ctx):
-            table.fill_(0)
-            return ctx.budget_blocks
-
-    failing = SparseDecode(WritesThenFails(), budget_tokens=8 * BS, block_size=BS)
-    narrowing = SparseDecode(BUILTINS["block_topk"](), budget_tokens=8 * BS, block_size=BS)
-    store = FieldStore(cache, torch.zeros(cache.shape[2], dtype=torch.long))
-    narrowed = SparseStep(store, {0: failing, 1: narrowing}, BS).restrict(0, q2, meta)
-    assert narrowed.block_tables[0].tolist() == table.tolist() and narrowed.context_lens[0] == ctx
-    assert narrowed.context_lens[1] == 7 * BS + ctx - 11 * BS and narrowed.block_tables[1, 7] == table[11]
-    assert "the budget allows" in failing.error and narrowing.error is None
-
-
 def test_a_context_under_narrow_from_budgets_stays_dense():
     """Picking blocks costs more than it saves until the context is NARROW_FROM budgets long: 11
     blocks before the newest token with a budget of 8 are attended in full, the meta unchanged."""
@@ -217,11 +189,12 @@ class _OutOfRange(Flow):
 
 
 class _PicksIntoTooMany(Flow):
-    """Writes the table itself (pick_into) and claims more blocks than the budget allows."""
+    """Writes its table row itself (pick_into), then claims more blocks than the budget allows."""
 
     name = "picks_into_too_many"
 
     def pick_into(self, q, store, layer, block_ids, own, table, state, ctx):
+        table.fill_(0)
         return ctx.budget_blocks
 
 
@@ -236,6 +209,26 @@ def test_a_failing_flow_ends_its_request_only(tiny_llama_path, flow, message):
     assert outs[0].outputs[0].token_ids == alone.outputs[0].token_ids
     assert outs[1].outputs[0].finish_reason == "error" and message in outs[1].outputs[0].stop_reason
     assert_engine_idle(llm)
+
+
+def test_a_flow_failing_after_writing_its_row_leaves_that_row_whole_beside_a_narrowed_one(monkeypatch):
+    """Two sequences in one step: the first's flow writes its table row, then fails (a count over
+    its budget); the second narrows. The step's tables hold the first's row as it was, with its
+    whole context, and the second's picks; the first ends with the error after the step."""
+    monkeypatch.setattr(decode_module, "NARROW_FROM", 1)
+    cache, table, ctx, q, _ = _decode_step(num_blocks=12)
+    q2 = torch.cat([q, q])
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([int(table[-1]) * BS + (ctx - 1) % BS] * 2), query_lens=[1, 1],
+        context_lens=[ctx, ctx], block_tables=torch.stack([table, table]),
+        context_lens_tensor=torch.tensor([ctx, ctx]), positions=torch.tensor([ctx - 1, ctx - 1]))
+    failing = SparseDecode(_PicksIntoTooMany(), budget_tokens=8 * BS, block_size=BS)
+    narrowing = SparseDecode(BUILTINS["block_topk"](), budget_tokens=8 * BS, block_size=BS)
+    store = FieldStore(cache, torch.zeros(cache.shape[2], dtype=torch.long))
+    narrowed = SparseStep(store, {0: failing, 1: narrowing}, BS).restrict(0, q2, meta)
+    assert narrowed.block_tables[0].tolist() == table.tolist() and narrowed.context_lens[0] == ctx
+    assert narrowed.context_lens[1] == 7 * BS + ctx - 11 * BS and narrowed.block_tables[1, 7] == table[11]
+    assert "the budget allows" in failing.error and narrowing.error is None
 
 
 def test_bad_sparse_requests_are_refused(llm):
