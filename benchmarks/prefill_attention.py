@@ -1,4 +1,4 @@
-"""Prefill attention on CPU: the C kernel (csrc/paged_prefill.c) against the torch path
+"""Prefill attention on CPU: the C kernel (kernels/csrc/paged_prefill.c) against the torch path
 it replaces (a head-major gather of the cached context, two matmuls and a masked softmax), on the
 same queries over the same paged cache, taking turns so the machine's noise hits both alike.
 
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> dict:
     threads = harness.configure_threads(args.threads)
     import torch
 
-    from spanserve.attention import cpu_kernel
+    from spanserve.kernels import cpu_kernel
     if cpu_kernel.load("prefill") is None:
         sys.exit("the C prefill kernel is not available here (no compiler, or SPANSERVE_CPU_KERNELS)")
     baseline = _baseline(args.baseline) if args.baseline else None
@@ -67,29 +67,34 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _baseline(rev: str):
-    """The kernels as they were at git revision `rev`: its csrc/ files, built (native.library_at)."""
-    from spanserve import native
+    """The kernels as they were at git revision `rev`: its kernels/csrc/ (or csrc/) files, built (native.library_at)."""
+    from spanserve.kernels import native
 
     repo = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory(prefix="spanserve-baseline-") as tmp:  # the build lands in the cache
         for path in [*native.SOURCES, *native.HEADERS]:
-            try:
-                shown = subprocess.run(["git", "show", f"{rev}:spanserve/csrc/{path.name}"], cwd=repo,
-                                       capture_output=True)
-            except FileNotFoundError:
-                sys.exit("--baseline needs git")
-            if shown.returncode != 0:
-                sys.exit(f"--baseline {rev}: cannot read spanserve/csrc/{path.name} there: "
-                         f"{shown.stderr.decode(errors='replace').strip()}")
-            (Path(tmp) / path.name).write_bytes(shown.stdout)
+            (Path(tmp) / path.name).write_bytes(_source_at(repo, rev, path.name))
         return native.library_at(Path(tmp))
+
+
+def _source_at(repo: Path, rev: str, name: str) -> bytes:
+    """A C source as it was at `rev`: under spanserve/kernels/csrc/, or spanserve/csrc/ before the kernels' package."""
+    for folder in ("spanserve/kernels/csrc", "spanserve/csrc"):
+        try:
+            shown = subprocess.run(["git", "show", f"{rev}:{folder}/{name}"], cwd=repo, capture_output=True)
+        except FileNotFoundError:
+            sys.exit("--baseline needs git")
+        if shown.returncode == 0:
+            return shown.stdout
+    sys.exit(f"--baseline {rev}: cannot read {name} under spanserve/kernels/csrc/ or spanserve/csrc/ there: "
+             f"{shown.stderr.decode(errors='replace').strip()}")
 
 
 def _measure(case: tuple, dtype, repeats: int, baseline=None) -> dict:
     import torch
 
-    from spanserve.attention import cpu_kernel
     from spanserve.attention.torch_ref import _matmul_attention, gather_head_major, head_major_rows
+    from spanserve.kernels import cpu_kernel
 
     name, heads, kv_heads, dim, context, queries = case
     gen = torch.Generator().manual_seed(0)

@@ -2,7 +2,7 @@
 
 A session holds --context tokens of the session benchmark's price bars; the same questions are
 asked over a block_topk flow (sparse_prefill, --budget tokens), the picks made in turn by the C
-kernel (csrc/block_pick.c) and by the torch path (forward_indexer over the fields read out,
+kernel (kernels/csrc/block_pick.c) and by the torch path (forward_indexer over the fields read out,
 SPANSERVE_CPU_KERNELS without `sparse`), --rounds rounds of every question, alternating. Reported:
 the median question latency, the median time spent picking (every layer's SparseStep.restrict),
 and how many answers the two agree on (the picks are the same, so all of them should).
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     harness.configure_threads()
     from spanserve import LLM, SamplingParams
-    from spanserve.attention import cpu_kernel
+    from spanserve.kernels import cpu_kernel
     from spanserve.sparse.decode import SparseStep
 
     llm = LLM(model=args.model, kv_cache_memory_gb=3.0, quantization=args.quantization)

@@ -94,7 +94,7 @@ def _parts(profile: cProfile.Profile) -> dict[str, float]:
 def _part(path: str, name: str) -> str:
     if path.endswith(("models/quant.py", "models/layout.py")) or name == "<built-in method torch._C._nn.linear>":
         return "projections"
-    if "spanserve/attention/" in path:
+    if "spanserve/attention/" in path or path.endswith("kernels/cpu_kernel.py"):
         return "attention"
     if path.endswith(("models/layer_ops.py", "models/triton_layer_ops.py", "models/rope.py")):
         return "layer ops"

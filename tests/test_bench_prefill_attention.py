@@ -9,7 +9,7 @@ import pytest
 from helpers import bench_args
 
 from benchmarks import prefill_attention
-from spanserve.attention import cpu_kernel
+from spanserve.kernels import cpu_kernel
 
 
 @pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler: the kernel is not built")
@@ -42,5 +42,5 @@ def test_prefill_attention_bench_times_an_earlier_revision_beside_it(tmp_path, m
 
 
 def test_an_unknown_baseline_revision_is_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="cannot read spanserve/csrc/"):
+    with pytest.raises(SystemExit, match="cannot read .* under spanserve/kernels/csrc/"):
         prefill_attention._baseline("no-such-revision-xyz")

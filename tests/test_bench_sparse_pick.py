@@ -5,7 +5,7 @@ import json
 from helpers import bench_args
 
 from benchmarks import sparse_pick
-from spanserve.attention import cpu_kernel
+from spanserve.kernels import cpu_kernel
 from spanserve.sparse import decode as decode_module
 
 

@@ -24,6 +24,6 @@ def test_step_bench_times_each_batch_and_splits_its_profile(tiny_llama_path, tmp
 def test_profile_entries_fall_in_their_parts():
     assert step._part("/x/spanserve/models/quant.py", "forward") == "projections"
     assert step._part("~", "<built-in method torch._C._nn.linear>") == "projections"
-    assert step._part("/x/spanserve/attention/cpu_kernel.py", "paged_decode") == "attention"
+    assert step._part("/x/spanserve/kernels/cpu_kernel.py", "paged_decode") == "attention"
     assert step._part("/x/spanserve/models/layer_ops.py", "rms_norm") == "layer ops"
     assert step._part("/x/spanserve/engine/scheduler.py", "schedule") == "rest"

@@ -1,4 +1,4 @@
-"""The C attention kernels (csrc/paged_decode.c, paged_prefill.c) against a plain softmax
+"""The C attention kernels (kernels/csrc/paged_decode.c, paged_prefill.c) against a plain softmax
 attention, the torch paths they stand in for, and their fallbacks."""
 
 import logging
@@ -7,9 +7,9 @@ import pytest
 import torch
 from test_attention import reference
 
-from spanserve import native
-from spanserve.attention import AttentionMetadata, KeyRotation, cpu_kernel, torch_ref
+from spanserve.attention import AttentionMetadata, KeyRotation, torch_ref
 from spanserve.attention.torch_ref import TorchAttention
+from spanserve.kernels import cpu_kernel, native
 
 needs_kernel = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler: the kernel is not built")
 
@@ -238,7 +238,7 @@ def test_prefill_kernel_rotates_moved_keys_as_it_reads_them(dtype, tolerance):
         angles = torch.rand(moved, 32, generator=gen) * 6.28
         rotations[i] = KeyRotation.from_angles(angles.cos(), angles.sin(), 3)
     out = cpu_kernel.paged_prefill(q, cache[0], cache[1], tables, starts, positions, lens, 0.3,
-                                   rotations=cpu_kernel.key_rotations(rotations))
+                                   rotations=torch_ref.key_rotations(rotations))
     assert torch.equal(cache, before)
     for i, (keys, values) in enumerate(contexts):
         rows = slice(int(starts[i]), int(starts[i + 1]))

@@ -9,9 +9,9 @@ from test_attention import reference
 from test_cpu_kernel import needs_kernel, paged, prefill_case
 
 from spanserve import LLM, SamplingParams
-from spanserve.attention import cpu_kernel
 from spanserve.config import EngineConfig
 from spanserve.errors import InvalidRequestError
+from spanserve.kernels import cpu_kernel
 
 PROMPTS = [random_prompt(n, seed=n) for n in (5, 40, 130)]
 

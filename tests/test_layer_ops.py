@@ -1,12 +1,12 @@
 """A layer's RMSNorm, silu(gate) * up and RoPE with the cache store in one C call each
-(csrc/layer_ops.c) against the torch code they stand in for, and the cases that keep the torch path."""
+(kernels/csrc/layer_ops.c) against the torch code they stand in for, and the cases that keep the torch path."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from spanserve.attention import cpu_kernel
 from spanserve.attention.torch_ref import store_kv
+from spanserve.kernels import cpu_kernel
 from spanserve.models import layer_ops
 from spanserve.models.rope import RotaryEmbedding
 

@@ -1,6 +1,6 @@
 """Float32 projection weights on CPU (spanserve/models/layout.py): stored input-major (same shapes,
 same values, a tied embedding still shared and looked up right, the engine's outputs those of the
-checkpoint's layout), and packed for the C GEMM of few rows (csrc/f32_gemm.c) against F.linear."""
+checkpoint's layout), and packed for the C GEMM of few rows (kernels/csrc/f32_gemm.c) against F.linear."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from helpers import greedy, random_prompt
 
 from spanserve import LLM
-from spanserve.attention import cpu_kernel
+from spanserve.kernels import cpu_kernel
 from spanserve.models import layout
 
 needs_gemm = pytest.mark.skipif(cpu_kernel.load("gemm") is None, reason="no C compiler: the kernel is not built")

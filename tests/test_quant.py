@@ -9,7 +9,7 @@ from helpers import greedy, random_prompt
 from torch import nn
 
 from spanserve import LLM, InvalidRequestError
-from spanserve.attention import cpu_kernel
+from spanserve.kernels import cpu_kernel
 from spanserve.models import layout, quant
 
 
@@ -188,7 +188,7 @@ def _dequantized(module) -> torch.Tensor:
 
 
 def test_w8a8_without_its_c_kernel_is_refused_at_start(tiny_llama_path, monkeypatch, tmp_path):
-    from spanserve import native
+    from spanserve.kernels import native
 
     monkeypatch.setattr(native, "_library", None)
     monkeypatch.setattr(native, "_failure", None)

@@ -316,12 +316,12 @@ def test_every_flow_runs_in_bfloat16(tiny_llama_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_topk_picks_in_c_what_it_picks_in_torch(dtype):
-    """BlockTopK reads its centroids in place in one C call (csrc/block_pick.c) and writes the
+    """BlockTopK reads its centroids in place in one C call (kernels/csrc/block_pick.c) and writes the
     block table's row; its picks are the torch path's (forward_indexer over the fields read out,
     the queries folded by KV head), sinks and window included, the step's own blocks after them.
     The queries are rows of a wider tensor, as when RoPE ran in torch on the qkv projection's views."""
-    from spanserve.attention import cpu_kernel
     from spanserve.attention.torch_ref import fold_query_heads
+    from spanserve.kernels import cpu_kernel
     from spanserve.sparse.flow import IndexerContext
 
     gen = torch.Generator().manual_seed(7)

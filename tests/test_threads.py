@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from spanserve import threads
+from spanserve.kernels import threads
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +32,7 @@ def sleeping(monkeypatch):
 def test_the_package_lets_threads_spin_before_they_sleep():
     """Imported before torch (as the CLI and server do), spanserve asks for threads that spin a
     bounded while, then sleep, and then gives every op of a step the whole pool."""
-    script = ("import spanserve, os, torch; from spanserve import threads as t; torch.set_num_threads(2)\n"
+    script = ("import spanserve, os, torch; from spanserve.kernels import threads as t; torch.set_num_threads(2)\n"
               "with t.step_threads(1), t.attention_threads(1): n = torch.get_num_threads()\n"
               "print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'], t.THREADS_SPIN, n)")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
@@ -90,7 +90,7 @@ def test_projections_in_the_c_gemm_get_the_pool_from_less_work():
     """The C GEMMs start only the threads their work pays for, so the hook gives them the pool from
     C_GEMM_MIN_WORK, under torch's MATMUL_MIN_WORK: a W8A8Linear of 8 rows runs with the pool, one
     of 1 row on one thread."""
-    from spanserve import native
+    from spanserve.kernels import native
     from spanserve.models import quant
 
     try:

@@ -2,8 +2,8 @@ import torch
 
 from spanserve.attention.backend import AttentionBackend, AttentionMetadata, KeyRotation, SpanShare
 from spanserve.attention.torch_ref import TorchAttention
-from spanserve.attention.triton_paged import triton_available
 from spanserve.errors import InvalidRequestError
+from spanserve.kernels.gpu import triton_available
 
 BACKENDS = ("auto", "torch", "triton")
 

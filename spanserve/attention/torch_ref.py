@@ -7,9 +7,9 @@ the reweighting needs each query's scores before its softmax."""
 import torch
 import torch.nn.functional as F
 
-from spanserve.attention.backend import AttentionBackend, AttentionMetadata
-from spanserve.attention.cpu_kernel import key_rotations, paged_decode, paged_prefill
-from spanserve.threads import attention_threads
+from spanserve.attention.backend import AttentionBackend, AttentionMetadata, KeyRotation
+from spanserve.kernels.cpu_kernel import paged_decode, paged_prefill
+from spanserve.kernels.threads import attention_threads
 
 # Sequences computing at most this many queries in a step (decode tokens, short prefill chunks
 # over at most BATCH_MAX_CONTEXT keys) share one padded, masked call when there are two or more:
@@ -165,7 +165,7 @@ def _prefill_plan(meta: AttentionMetadata, starts: list[int], device):
 
 
 def _step_rotations(meta: AttentionMetadata, seqs: list[int]):
-    """cpu_kernel.key_rotations of sequences `seqs`: the same in every layer, so made once per step."""
+    """key_rotations of sequences `seqs`: the same in every layer, so made once per step."""
     if not meta.key_rotation:
         return None
     key = ("prefill_rotations", tuple(seqs))
@@ -423,3 +423,15 @@ def _sdpa(q, k, v, mask, scale, causal=False):
         attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
     )
     return out[0].transpose(0, 1)
+
+
+def key_rotations(rotations: list[KeyRotation | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """paged_prefill's `rotations` for sequences whose first keys move by these KeyRotations (None:
+    none move): each sequence's rows in one table of angles, and those tables. None if none move."""
+    if all(r is None for r in rotations):
+        return None
+    lens = [len(r) if r is not None else 0 for r in rotations]
+    starts = torch.tensor([0, *lens]).cumsum(0)
+    moving = [r for r in rotations if r is not None]
+    cos, sin = (torch.cat([getattr(r, name) for r in moving]).float().contiguous() for name in ("half_cos", "half_sin"))
+    return starts, cos, sin

@@ -7,7 +7,6 @@ own whose tensors it refills in place (engine/cuda_graphs.py). Sequences whose q
 span keys (APE) take the torch reference: the kernel has no pre-softmax hook.
 """
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,15 +18,6 @@ from spanserve.attention.torch_ref import TorchAttention, store_kv
 BLOCK_N = 64  # keys per kernel iteration (four 16-token pages)
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 32
-
-
-@functools.cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
 
 
 @dataclass

@@ -7,19 +7,20 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 import torch
 
-from spanserve.attention import AttentionMetadata, KeyRotation, SpanShare, cpu_kernel
+from spanserve.attention import AttentionMetadata, KeyRotation, SpanShare
 from spanserve.attention.torch_ref import fold_query_heads, store_kv
 from spanserve.attention.triton_paged import TritonAttention
 from spanserve.engine.cuda_graphs import DecodeGraphs
 from spanserve.engine.sampler import Sample, sample
 from spanserve.engine.scheduler import ScheduledRequest
 from spanserve.heap import keep_freed_memory
+from spanserve.kernels import cpu_kernel
+from spanserve.kernels.threads import step_threads, use_pool_for_matmuls
 from spanserve.models.llama import ForwardStopped, LlamaModel
 from spanserve.pic.focus import focus_blocks, span_blocks
 from spanserve.pic.voters import ProbeVoters
 from spanserve.sparse.decode import SparseStep
 from spanserve.sparse.fields import FieldStore
-from spanserve.threads import step_threads, use_pool_for_matmuls
 
 FOCUS_ROWS = 8  # focus_select: the question's last tokens whose attention scores the spans
 

@@ -11,9 +11,8 @@ plug-in), and wherever the C library is not built or SPANSERVE_CPU_KERNELS leave
 import torch
 import torch.nn.functional as F
 
-from spanserve import native
-from spanserve.attention import cpu_kernel
-from spanserve.attention.triton_paged import triton_available
+from spanserve.kernels import cpu_kernel, native
+from spanserve.kernels.gpu import triton_available
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

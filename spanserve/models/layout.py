@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spanserve.attention import cpu_kernel
+from spanserve.kernels import cpu_kernel
 from spanserve.models.layer_ops import records_grad
 
 log = logging.getLogger(__name__)

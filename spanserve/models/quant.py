@@ -10,7 +10,7 @@ the fly and use the GEMM. Activations, the KV cache, norms and the embedding sta
 dtype; a float32 model's activations enter the packed kernels as bf16 (kernel_dtype).
 
 w8a8 keeps int8's weights and quantizes the activations too, in spanserve's own C kernel
-(csrc/int8_gemm.c), one scale per row and block of 64 input channels, so the product is int8 by
+(kernels/csrc/int8_gemm.c), one scale per row and block of 64 input channels, so the product is int8 by
 int8 (VNNI on x86). Per-block scales keep an outlier channel from flattening its whole row, what
 per-token scales (torch._int_mm, session 28) lost. SmolLM2's 121 projections with cold weights on
 a 2-core Xeon without bf16 (session 29, `spanserve bench projections`): 12.1 against 30.2 ms
@@ -25,9 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spanserve import native
-from spanserve.attention import cpu_kernel
 from spanserve.errors import InvalidRequestError
+from spanserve.kernels import cpu_kernel, native
 from spanserve.models import layout
 
 QUANTIZATIONS = ("int8", "int4", "w8a8")
@@ -41,7 +40,7 @@ TORCH_PACKED_MAX_ROWS = 128
 # (session 26, SmolLM2's 30 layers: 39.7 against 60.9 ms at 64 rows, 78.1 against 69.6 at 128).
 INT4_PACKED_MAX_ROWS = 64
 # w8a8: input channels sharing one activation scale, and the output channels its kernel computes
-# together (csrc/int8_gemm.c's QBLOCK and TILE_PANELS x PANEL)
+# together (kernels/csrc/int8_gemm.c's QBLOCK and TILE_PANELS x PANEL)
 W8A8_BLOCK = 64
 W8A8_TILE = 64
 INT4_GROUP = 32  # input channels sharing one scale and offset
@@ -67,7 +66,7 @@ def _int8_per_channel(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[t
 class Int8Linear(nn.Module):
     """A Linear whose weight is int8, per output channel: W ~ qweight * scale[:, None].
 
-    Up to layout.PACKED_MAX_ROWS rows run in spanserve's C GEMM (csrc/f32_gemm.c, f32_gemm_int8w) over the
+    Up to layout.PACKED_MAX_ROWS rows run in spanserve's C GEMM (kernels/csrc/f32_gemm.c, f32_gemm_int8w) over the
     int8 weight packed in its panels of 16 output channels, the activations in float32; without
     that library, up to TORCH_PACKED_MAX_ROWS in torch's packed kernel over the row-major weight;
     more rows dequantize the weight for the float GEMM. SmolLM2's 121 projections on
@@ -126,7 +125,7 @@ class Int8Linear(nn.Module):
 
 class W8A8Linear(nn.Module):
     """int8 weights, one scale per output channel, times activations quantized to int8 per row and
-    block of W8A8_BLOCK input channels, in spanserve's C kernel (csrc/int8_gemm.c: AVX-512 VNNI
+    block of W8A8_BLOCK input channels, in spanserve's C kernel (kernels/csrc/int8_gemm.c: AVX-512 VNNI
     where the CPU has it). The weights are packed for it once: panels of 16 output channels, 4
     input channels per int32 lane, with each block's share of the activations' +128 offset."""
 

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from spanserve import __version__
 from spanserve.engine.async_engine import AsyncLLM
 from spanserve.errors import InvalidRequestError
+from spanserve.kernels.threads import helper_thread
 from spanserve.outputs import RequestOutput
 from spanserve.server import openai_format as fmt
 from spanserve.server.metrics import ServerMetrics
@@ -39,7 +40,6 @@ from spanserve.server.tenants import Tenants, cache_salt
 from spanserve.spans.api import prepare, run_async
 from spanserve.spans.ir import Generate, QueryError
 from spanserve.spans.limits import QueryLimits
-from spanserve.threads import helper_thread
 
 log = logging.getLogger("spanserve.server")
 

@@ -7,7 +7,7 @@ its bound being per head).
 
 import torch
 
-from spanserve.attention import cpu_kernel
+from spanserve.kernels import cpu_kernel
 from spanserve.sparse.flow import Flow, IndexerContext, select
 
 
@@ -34,7 +34,7 @@ class BlockTopK(_Centroids):
     def pick_into(self, q, store, layer, block_ids, own, table, state, ctx: IndexerContext):
         """forward_indexer's picks in one C call over the centroids where they are (on CPU), into
         the block table: a layer's picks in tens of microseconds, not half a millisecond of small
-        ops, after which the next kernel would also start slow (attention/cpu_kernel.py's note on
+        ops, after which the next kernel would also start slow (kernels/cpu_kernel.py's note on
         warm-up). A subclass's own indexer runs as written (None: pick_blocks)."""
         if type(self).forward_indexer is not BlockTopK.forward_indexer:
             return None

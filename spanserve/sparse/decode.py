@@ -21,9 +21,9 @@ from typing import NamedTuple
 
 import torch
 
-from spanserve import threads
 from spanserve.attention.torch_ref import fold_query_heads
 from spanserve.errors import InvalidRequestError
+from spanserve.kernels import threads
 from spanserve.sparse.builtins import BUILTINS
 from spanserve.sparse.fields import FieldStore
 from spanserve.sparse.flow import Flow, IndexerContext

@@ -69,7 +69,7 @@ def use_pool_for_matmuls(model: torch.nn.Module) -> None:
     """Hooks on every projection of `model`: inside a step, one with MATMUL_MIN_WORK or more takes
     the whole pool, and so does one with C_GEMM_MIN_WORK or more whose call runs spanserve's C GEMM
     (its `sizes_team(rows)` is true), which starts only the threads its work pays for
-    (WORK_PER_THREAD in csrc/). None where every call takes the pool (threads that spin): a hook
+    (WORK_PER_THREAD in kernels/csrc/). None where every call takes the pool (threads that spin): a hook
     costs more than nothing."""
     if MATMUL_MIN_WORK == 0:
         return
@@ -83,10 +83,8 @@ def use_pool_for_matmuls(model: torch.nn.Module) -> None:
     def after(module, args, output):
         module._spanserve_threads.__exit__(None, None, None)
 
-    from spanserve.models.quant import Int8Linear, W8A8Linear
-
-    for module in model.modules():
-        if isinstance(module, (torch.nn.Linear, Int8Linear, W8A8Linear)):
+    for module in model.modules():  # a quantized projection that may run the C GEMM has sizes_team
+        if isinstance(module, torch.nn.Linear) or hasattr(module, "sizes_team"):
             module.register_forward_pre_hook(before)
             module.register_forward_hook(after)
 

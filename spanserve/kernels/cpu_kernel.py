@@ -17,7 +17,7 @@ powered down): the same prefill call over 1,050 keys took 0.35 ms longer on one 
 0.6 ms Python pause than back to back, and not after a pause of small matmuls (one-off timing,
 session 33). Work between a step's kernels is kept short for that too (sparse/builtins.py).
 
-Both come from spanserve's C library (spanserve/native.py), built on first use. Without a
+Both come from spanserve's C library (spanserve/kernels/native.py), built on first use. Without a
 compiler, or with SPANSERVE_CPU_KERNELS=0, attention keeps the torch path; the reason is logged
 once. SPANSERVE_CPU_KERNELS=decode (or prefill, layer: models/layer_ops.py, gemm:
 models/layout.py, sparse: centroid_topk below) keeps the kernels it names and gives the others'
@@ -32,8 +32,7 @@ from contextlib import contextmanager
 
 import torch
 
-from spanserve import native
-from spanserve.attention.backend import KeyRotation
+from spanserve.kernels import native
 
 log = logging.getLogger(__name__)
 
@@ -123,18 +122,6 @@ def centroid_topk(centroids: torch.Tensor, block_ids: torch.Tensor, own: torch.T
     if count < 0:
         raise RuntimeError(f"centroid_topk failed: {num} blocks, queries {tuple(q.shape)}")
     return count - own.shape[0]
-
-
-def key_rotations(rotations: list[KeyRotation | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """paged_prefill's `rotations` for sequences whose first keys move by these KeyRotations (None:
-    none move): each sequence's rows in one table of angles, and those tables. None if none move."""
-    if all(r is None for r in rotations):
-        return None
-    lens = [len(r) if r is not None else 0 for r in rotations]
-    starts = torch.tensor([0, *lens]).cumsum(0)
-    moving = [r for r in rotations if r is not None]
-    cos, sin = (torch.cat([getattr(r, name) for r in moving]).float().contiguous() for name in ("half_cos", "half_sin"))
-    return starts, cos, sin
 
 
 def _raise_on(status: int, name: str, q: torch.Tensor, k_cache: torch.Tensor) -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from spanserve.paths import cache_dir
+
 # The `dtype` codes every kernel takes for the tensors it reads and writes (common.h's load_floats).
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -59,8 +61,6 @@ def library() -> ctypes.CDLL:
 def build(csrc: Path = CSRC) -> Path:
     """Compile the kernels (SOURCES as they are in `csrc`: the package's, or a copy of an earlier
     revision's) for this CPU unless a build of the same sources and flags is cached."""
-    from spanserve.models.loader import cache_dir  # (models imports the attention kernels, which import this)
-
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("no C compiler found (install gcc or set CC)")
