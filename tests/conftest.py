@@ -103,3 +103,21 @@ def smollm2_llm(default_model_path):
     """One float32 SmolLM2 engine shared by every module (each test leaves it idle)."""
     return LLM(model=str(default_model_path), dtype="float32", num_blocks=64)
 
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which builds of the C kernels this run executed on this CPU, and which it only compiled."""
+    import sys
+
+    variants_tests = sys.modules.get("test_kernel_variants")
+    if variants_tests is not None and (variants_tests.RAN or variants_tests.COMPILED):
+        flags = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in _cpu_flags()]
+        terminalreporter.write_line(f"C kernel variants run on this CPU ({' '.join(flags) or 'no AVX2'}): "
+                                    f"{', '.join(variants_tests.RAN) or 'none'}; compiled only: "
+                                    f"{', '.join(variants_tests.COMPILED) or 'none'}")
+
+
+def _cpu_flags() -> frozenset[str]:
+    from spanserve.kernels import native
+
+    return native.cpu_flags()

@@ -44,6 +44,7 @@ _lock = threading.Lock()
 _kernel: ctypes.CDLL | None = None  # the library, its entry points typed
 _allowed: frozenset[str] = frozenset(KERNELS)
 _tried = False
+_failure: str | None = None  # why the library is not used, where it is not
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -195,11 +196,23 @@ def _kernels_allowed(value: str) -> frozenset[str]:
     return names
 
 
+def unavailable_reason(name: str = "gemm") -> str:
+    """Why load(name) gives None, for a log line ("" where it does not)."""
+    load()
+    if _kernel is not None and name in _allowed:
+        return ""
+    if _kernel is None and _allowed:
+        return _failure or "not built"
+    return f"SPANSERVE_CPU_KERNELS={os.environ.get('SPANSERVE_CPU_KERNELS', '')!r} leaves out {name!r}"
+
+
 def _built() -> ctypes.CDLL | None:
+    global _failure
     try:
         lib = native.library()
-        log.info("attention kernels: %s", ", ".join(sorted(_allowed)))
+        log.info("C kernels: %s", ", ".join(sorted(_allowed)))
         return lib
     except native.NativeUnavailable as exc:
-        log.warning("the C attention kernels could not be built (%s); attention takes the torch path", exc)
+        _failure = f"the C kernels could not be used: {exc}"
+        log.warning("%s; attention, layer ops and projections take the torch path", _failure)
         return None

@@ -4,7 +4,9 @@ projections and a layer's elementwise ops (RMSNorm, silu(gate) * up).
 They are compiled on first use with the system C compiler (gcc or $CC, -march=native for this
 CPU) into one library in spanserve's cache directory, and called through ctypes: no Python
 headers, no build step at install. A build is cached by its sources, flags and the CPU's
-features, so a cache directory shared by machines keeps one per kind of CPU.
+features, so a cache directory shared by machines keeps one per kind of CPU. Before the engine
+uses a build, it passes selfcheck.py's known products; tests build the other variants
+(variants.py) with the same function.
 """
 
 import ctypes
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from spanserve.kernels.selfcheck import check
 from spanserve.paths import cache_dir
 
 # The `dtype` codes every kernel takes for the tensors it reads and writes (common.h's load_floats).
@@ -29,28 +32,36 @@ SOURCES = [CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "int8_gemm.
 HEADERS = [CSRC / "common.h"]
 # Compiled with -ffast-math (for glibc's vector expf), linked without it: gcc 12 links a shared
 # library built with it to code that sets flush-to-zero for the whole process at load.
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+# -Wno-psabi: vectors wider than the target's registers (a portable variant) only warn of an ABI
+# that static inline functions never expose.
+COMPILE_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-Wno-psabi", "-c"]
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+NATIVE = ("-march=native",)
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
-_failure: str | None = None  # why the library could not be built, once tried
+_failure: str | None = None  # why the library could not be built or failed its check, once tried
 
 
 class NativeUnavailable(RuntimeError):
-    """The kernels could not be built here (no compiler, or it failed)."""
+    """The kernels could not be built here (no compiler, or it failed), or failed their self-check."""
 
 
 def library() -> ctypes.CDLL:
-    """The compiled kernels with typed entry points, built on the first call (seconds, once per
-    machine). Raises NativeUnavailable, with the reason, if they cannot be built; the outcome is
-    kept, so a failed build is not retried on every call."""
+    """The compiled kernels for this CPU with typed entry points, built on the first call (seconds,
+    once per machine) and checked (selfcheck.py). Raises NativeUnavailable, with the reason, if
+    they cannot be built or give a wrong product; the outcome is kept, so it is not retried on
+    every call."""
     global _library, _failure
     if _library is None and _failure is None:
         with _lock:
             if _library is None and _failure is None:
                 try:
-                    _library = _typed(ctypes.CDLL(str(build())))
+                    lib = typed(ctypes.CDLL(str(build())))
+                    problem = check(lib)
+                    if problem:
+                        raise RuntimeError(f"the build failed its self-check: {problem}")
+                    _library = lib
                 except (OSError, subprocess.CalledProcessError, RuntimeError) as exc:
                     _failure = str(exc).strip()[-500:]
     if _library is None:
@@ -58,35 +69,54 @@ def library() -> ctypes.CDLL:
     return _library
 
 
-def build(csrc: Path = CSRC) -> Path:
+def build(csrc: Path = CSRC, target: tuple[str, ...] = NATIVE, extra_link: tuple[str, ...] = (),
+          link: bool = True) -> Path:
     """Compile the kernels (SOURCES as they are in `csrc`: the package's, or a copy of an earlier
-    revision's) for this CPU unless a build of the same sources and flags is cached."""
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    revision's) with the target flags (-march, -D, -fsanitize) unless a build of the same sources
+    and flags is cached; the shared library's path, or (link=False, a build for another CPU that
+    is only compiled) the folder of its objects."""
+    compiler = compiler_path()
     if compiler is None:
         raise RuntimeError("no C compiler found (install gcc or set CC)")
     sources = [csrc / path.name for path in SOURCES]
-    identity = " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_features()])  # -march=native: per CPU
+    compile_flags, link_flags = [*COMPILE_FLAGS, *target], [*LINK_FLAGS, *extra_link]
+    identity = " ".join([compiler, *compile_flags, *link_flags, _cpu_features()])  # -march=native: per CPU
     code = b"".join(path.read_bytes() for path in [*sources, *(csrc / path.name for path in HEADERS)])
     digest = hashlib.sha256(code + identity.encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"spanserve-{digest}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builds: the last rename wins
-        built, objects = Path(tmp) / target.name, [Path(tmp) / f"{source.stem}.o" for source in sources]
-        steps = [[*COMPILE_FLAGS, str(source), "-o", str(obj)] for source, obj in zip(sources, objects)]
-        for step in [*steps, [*map(str, objects), *LINK_FLAGS, "-o", str(built)]]:
-            result = subprocess.run([compiler, *step], capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {result.stderr}")
-        os.replace(built, target)
-    return target
+    built = cache_dir() / "kernels" / (f"spanserve-{digest}.so" if link else f"spanserve-{digest}-objects")
+    if built.exists():
+        return built
+    built.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=built.parent) as tmp:  # concurrent builds: the last rename wins
+        objects = [Path(tmp) / f"{source.stem}.o" for source in sources]
+        steps = [[*compile_flags, str(source), "-o", str(obj)] for source, obj in zip(sources, objects)]
+        _run_all(compiler, steps)  # one process per source: a build takes the longest file's time
+        if link:
+            _run_all(compiler, [[*map(str, objects), *link_flags, "-o", str(Path(tmp) / built.name)]])
+            os.replace(Path(tmp) / built.name, built)
+        else:
+            os.replace(tmp, built)
+            os.mkdir(tmp)  # for the context's cleanup
+    return built
+
+
+def compiler_path() -> str | None:
+    """$CC, else gcc or cc on the PATH; None if there is none."""
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
 def library_at(csrc: Path) -> ctypes.CDLL:
     """The kernels built from another copy of csrc/ (an earlier revision's), typed as the package's:
     a benchmark compares a kernel with its earlier self in one process (cpu_kernel.using)."""
-    return _typed(ctypes.CDLL(str(build(csrc))))
+    return typed(ctypes.CDLL(str(build(csrc))))
+
+
+def _run_all(compiler: str, steps: list[list[str]]) -> None:
+    running = [subprocess.Popen([compiler, *step], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for step in steps]
+    errors = [err for proc in running for _, err in [proc.communicate()] if proc.returncode != 0]
+    if errors:
+        raise RuntimeError(f"{compiler} failed: {errors[0]}")
 
 
 def _cpu_features() -> str:
@@ -98,7 +128,13 @@ def _cpu_features() -> str:
         return ""
 
 
-def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (avx2, avx512f, avx512_vnni, amx_tile...)."""
+    return frozenset(_cpu_features().partition(":")[2].split())
+
+
+def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with every entry point's argument and result types set."""
     pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.paged_decode.argtypes = [pointer] * 6 + [i64, i64, i32, i32, i32, i32, f32, i32, i32]
     lib.paged_prefill.argtypes = [pointer] * 11 + [i64, i64, i64, i32, i32, i32, i32, f32, i32, i32]

@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from spanserve.kernels import cpu_kernel
+from spanserve.kernels.layouts import f32_panels
 from spanserve.models.layer_ops import records_grad
 
 log = logging.getLogger(__name__)
-PACK_TILE = 48  # output channels of one tile of csrc/f32_gemm.c (TILE_PANELS x PANEL): the padding unit
 
 
 def wants_input_major(dtype: torch.dtype, device: torch.device) -> bool:
@@ -61,15 +61,6 @@ PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 512
 PACKED_MAX_BYTES = 2_200_000_000
 
 
-def panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] in csrc/f32_gemm.c's layout, float32 or int8: [padded out / 16][in][16],
-    the output channels padded with zeros to a multiple of PACK_TILE."""
-    out_features, in_features = weight.shape
-    rows = -(-out_features // PACK_TILE) * PACK_TILE
-    padded = F.pad(weight, (0, 0, 0, rows - out_features))
-    return padded.view(rows // 16, 16, in_features).transpose(1, 2).contiguous()
-
-
 class PackedLinear(nn.Linear):
     """A float32 Linear whose few-row products (decode, a question) run in spanserve's C GEMM
     (csrc/f32_gemm.c) over a copy of the weight packed in panels of 16 output channels: each
@@ -85,7 +76,7 @@ class PackedLinear(nn.Linear):
 
     @torch.no_grad()
     def _pack(self) -> None:
-        self.register_buffer("packed", panels(self.weight.detach().contiguous()), persistent=False)
+        self.register_buffer("packed", f32_panels(self.weight.detach().contiguous()), persistent=False)
         self._packed_version = self.weight._version  # a weight edited in place is packed again
 
     def _gemm_for(self, rows: int):

@@ -20,6 +20,7 @@ for 8, 297 against 285 for 64. `spanserve bench quant` reports the drift beside 
 """
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,10 @@ from torch import nn
 
 from spanserve.errors import InvalidRequestError
 from spanserve.kernels import cpu_kernel, native
+from spanserve.kernels.layouts import W8A8_BLOCK, f32_panels, w8a8_panels, w8a8_twin, w8a8_unpacked
 from spanserve.models import layout
+
+log = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("int8", "int4", "w8a8")
 # The packed int8 kernel against dequantizing every weight for the bf16 GEMM, SmolLM2's 30 layers
@@ -39,10 +43,10 @@ TORCH_PACKED_MAX_ROWS = 128
 # The int4 kernel's time grows with every row; beyond this many, dequantizing for the GEMM wins
 # (session 26, SmolLM2's 30 layers: 39.7 against 60.9 ms at 64 rows, 78.1 against 69.6 at 128).
 INT4_PACKED_MAX_ROWS = 64
-# w8a8: input channels sharing one activation scale, and the output channels its kernel computes
-# together (kernels/csrc/int8_gemm.c's QBLOCK and TILE_PANELS x PANEL)
-W8A8_BLOCK = 64
-W8A8_TILE = 64
+# torch's packed int8 kernel on AVX-512 (torch 2.13, `_weight_int8pack_mm`) reads input channels
+# 16 at a time with no tail: other sizes gave garbage or a segfault on an AMD Zen 4 and an Intel
+# Sapphire Rapids. Its weight and activations are zero-padded to a multiple of this.
+TORCH_INT8_K_MULTIPLE = 16
 INT4_GROUP = 32  # input channels sharing one scale and offset
 INT4_LANES = 64  # a weight's rows are padded to this, a multiple of every packed layout's block
 
@@ -80,10 +84,11 @@ class Int8Linear(nn.Module):
         # the scale as torch's kernel reads it: both paths below multiply by the same weight
         qweight, scale = _int8_per_channel(linear.weight, kernel_dtype(linear.weight.dtype))
         self.kernel = cpu_kernel.load("gemm")
-        if self.kernel is None:
-            self.register_buffer("qweight", qweight.contiguous())  # torch's kernel reads it row-major
+        if self.kernel is None:  # torch's kernel reads it row-major, padded (TORCH_INT8_K_MULTIPLE)
+            self.k_pad = -self.in_features % TORCH_INT8_K_MULTIPLE
+            self.register_buffer("qweight", F.pad(qweight, (0, self.k_pad)).contiguous())
         else:
-            self.register_buffer("packed", layout.panels(qweight))
+            self.register_buffer("packed", f32_panels(qweight))
             self.register_buffer("scale32", F.pad(scale.float(), (0, self.packed.shape[0] * 16 - self.out_features)))
         self.register_buffer("scale", scale)
         self.bias = linear.bias
@@ -91,7 +96,7 @@ class Int8Linear(nn.Module):
     def int8_weight(self) -> torch.Tensor:
         """The int8 weight [out_features, in_features], from whichever layout holds it."""
         if self.kernel is None:
-            return self.qweight
+            return self.qweight[:, : self.in_features]
         return self.packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def sizes_team(self, rows: int) -> bool:
@@ -103,7 +108,8 @@ class Int8Linear(nn.Module):
         if self.sizes_team(rows.shape[0]):
             return self._packed_gemm(rows).to(x.dtype).view(*x.shape[:-1], self.out_features)
         if self.kernel is None and rows.shape[0] <= TORCH_PACKED_MAX_ROWS:
-            out = torch._weight_int8pack_mm(rows.to(self.scale.dtype), self.qweight, self.scale).to(x.dtype)
+            padded = F.pad(rows, (0, self.k_pad)) if self.k_pad else rows
+            out = torch._weight_int8pack_mm(padded.to(self.scale.dtype), self.qweight, self.scale).to(x.dtype)
         else:
             out = F.linear(rows, self.int8_weight().to(x.dtype) * self.scale.to(x.dtype)[:, None])
         if self.bias is not None:
@@ -125,32 +131,34 @@ class Int8Linear(nn.Module):
 
 class W8A8Linear(nn.Module):
     """int8 weights, one scale per output channel, times activations quantized to int8 per row and
-    block of W8A8_BLOCK input channels, in spanserve's C kernel (kernels/csrc/int8_gemm.c: AVX-512 VNNI
-    where the CPU has it). The weights are packed for it once: panels of 16 output channels, 4
-    input channels per int32 lane, with each block's share of the activations' +128 offset."""
+    block of W8A8_BLOCK input channels, in spanserve's C kernel (kernels/csrc/int8_gemm.c: AVX-512
+    VNNI where the CPU has it), over weights packed for it once (kernels/layouts.py). Where the C
+    library is not there (no compiler, or it failed its self-check) the same product runs in its
+    torch twin, slower; the engine says so at start (check)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         _require_divisible("w8a8", self.in_features, W8A8_BLOCK)
         qweight, scale = _int8_per_channel(linear.weight, torch.float32)
-        rows = -(-self.out_features // W8A8_TILE) * W8A8_TILE
-        padded = F.pad(qweight, (0, 0, 0, rows - self.out_features))
-        self.register_buffer("scale", F.pad(scale, (0, rows - self.out_features)).contiguous())
-        panels, cols = rows // 16, self.in_features
-        self.register_buffer("packed", padded.view(panels, 16, cols // 4, 4).transpose(1, 2).contiguous())
-        sums = padded.view(panels, 16, cols // W8A8_BLOCK, W8A8_BLOCK).sum(-1, dtype=torch.int32)
-        self.register_buffer("comp", (128 * sums).transpose(1, 2).contiguous())
+        packed, comp, padded_scale = w8a8_panels(qweight, scale)
+        self.register_buffer("packed", packed)
+        self.register_buffer("comp", comp)
+        self.register_buffer("scale", padded_scale)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        self.kernel = cpu_kernel.load("gemm")
 
     def sizes_team(self, rows: int) -> bool:
-        """Always: its C kernel starts the threads its work pays for (threads.py)."""
-        return True
+        """Whether its C kernel runs, which starts the threads its work pays for (threads.py)."""
+        return self.kernel is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
+        if self.kernel is None:
+            out = w8a8_twin(rows, self.int8_weight(), self.scale, self.bias).to(x.dtype)
+            return out.view(*x.shape[:-1], self.out_features)
         out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
-        status = native.library().int8_gemm(
+        status = self.kernel.int8_gemm(
             rows.data_ptr(), self.packed.data_ptr(), self.comp.data_ptr(), self.scale.data_ptr(),
             None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows.shape[0],
             self.out_features, self.scale.shape[0], self.in_features, native.DTYPES[x.dtype])
@@ -160,8 +168,7 @@ class W8A8Linear(nn.Module):
 
     def int8_weight(self) -> torch.Tensor:
         """The int8 weight [out_features, in_features], read back from the packed panels."""
-        panels, groups = self.packed.shape[:2]
-        return self.packed.transpose(1, 2).reshape(panels * 16, groups * 4)[: self.out_features]
+        return w8a8_unpacked(self.packed, self.out_features)
 
 
 class Int4Linear(nn.Module):
@@ -248,12 +255,10 @@ def check(method: str, device: torch.device, dtype: torch.dtype) -> None:
                                   f"{device.type}")
     if dtype not in (torch.bfloat16, torch.float32):
         raise InvalidRequestError(f"quantization {method!r} needs bfloat16 or float32 activations, not {dtype}")
-    if method == "w8a8":
-        try:
-            native.library()
-        except native.NativeUnavailable as exc:
-            raise InvalidRequestError(f"quantization 'w8a8' runs in spanserve's C kernel, which could not be "
-                                      f"built here: {exc}") from None
+    if method in ("w8a8", "int8") and cpu_kernel.load("gemm") is None:
+        log.warning("quantization %r: spanserve's C GEMM is not used here (%s); its projections run in "
+                    "torch (slower)%s", method, cpu_kernel.unavailable_reason(),
+                    ", in the w8a8 kernel's torch twin" if method == "w8a8" else "")
 
 
 def quantize(model: nn.Module, method: str = "int8") -> None:

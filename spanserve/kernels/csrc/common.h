@@ -46,12 +46,21 @@ static inline void store_floats(void *base, int64_t index, int n, int dtype, con
 
 /* Vectors of LANES float32s, written once with GCC vector extensions: the compiler maps them to
  * the CPU's registers. 16 lanes with AVX-512 (one register); 8 elsewhere (one AVX2 register, two
- * NEON ones): 16-lane vectors in 16 AVX2 registers spilled the kernels' sums to the stack. */
+ * NEON ones): 16-lane vectors in 16 AVX2 registers spilled the kernels' sums to the stack.
+ * SPANSERVE_LANES sets it for a test build (kernels/variants.py): 16-lane code lowered to pairs
+ * of 8-lane registers runs on any CPU, so its indexing, tiling and tails are tested everywhere.
+ * Intrinsics below are keyed on both the instruction set and LANES. */
+#if !defined(SPANSERVE_LANES)
 #if defined(__AVX512F__)
-#define LANES 16
+#define SPANSERVE_LANES 16
 #else
-#define LANES 8
+#define SPANSERVE_LANES 8
 #endif
+#endif
+#if SPANSERVE_LANES != 8 && SPANSERVE_LANES != 16
+#error "SPANSERVE_LANES must be 8 or 16"
+#endif
+#define LANES SPANSERVE_LANES
 typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 
@@ -99,9 +108,9 @@ static inline vf vexp(vf x) {
 
 /* Whether any lane of a comparison's result is true: one instruction (a mask test) on x86. */
 static inline int any_lane(vi mask) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && LANES == 16
     return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask) != 0;
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && LANES == 8
     return _mm256_movemask_ps((__m256)mask) != 0;
 #else
     for (int i = 0; i < LANES; i++)

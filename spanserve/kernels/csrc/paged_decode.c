@@ -20,7 +20,7 @@
 
 #include "common.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && LANES == 16 /* its sums are 16-lane vf */
 #include <immintrin.h>
 #define BF16_DOT 1 /* bf16 keys dotted as they are stored: vdpbf16ps, float32 sums */
 #endif

@@ -1,0 +1,62 @@
+"""The weight layouts the C GEMMs read, and the w8a8 product's torch twin.
+
+f32_gemm.c (float32 and int8 weights) reads panels of 16 output channels, [padded out / 16][in][16],
+padded to a tile of 48; int8_gemm.c (w8a8) reads panels of 16 output channels with 4 input
+channels per int32 lane, [padded out / 16][in / 4][16][4], padded to a tile of 64, beside each
+block's share of the activations' +128 offset. The twin computes what int8_gemm computes, in
+torch: the reference its tests and self-check hold it to, and w8a8's path where the C library
+is not there.
+"""
+
+import torch
+import torch.nn.functional as F
+
+F32_TILE = 48  # output channels of one tile of f32_gemm.c (TILE_PANELS x PANEL): the padding unit
+W8A8_BLOCK = 64  # input channels sharing one activation scale (int8_gemm.c's QBLOCK)
+W8A8_TILE = 64  # output channels its kernel computes together (TILE_PANELS x PANEL)
+
+
+def f32_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in], float32 or int8, in f32_gemm.c's layout, output channels zero-padded to F32_TILE."""
+    out_features, in_features = weight.shape
+    rows = -(-out_features // F32_TILE) * F32_TILE
+    padded = F.pad(weight, (0, 0, 0, rows - out_features))
+    return padded.view(rows // 16, 16, in_features).transpose(1, 2).contiguous()
+
+
+def w8a8_panels(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 weight [out, in] (in a multiple of W8A8_BLOCK) and its float32 scale per output channel
+    as int8_gemm.c reads them: (packed, comp, scale padded with zeros)."""
+    out_features, in_features = qweight.shape
+    rows = -(-out_features // W8A8_TILE) * W8A8_TILE
+    padded = F.pad(qweight, (0, 0, 0, rows - out_features))
+    panels = rows // 16
+    packed = padded.view(panels, 16, in_features // 4, 4).transpose(1, 2).contiguous()
+    sums = padded.view(panels, 16, in_features // W8A8_BLOCK, W8A8_BLOCK).sum(-1, dtype=torch.int32)
+    comp = (128 * sums).transpose(1, 2).contiguous()
+    return packed, comp, F.pad(scale.float(), (0, rows - out_features)).contiguous()
+
+
+def w8a8_unpacked(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The int8 weight [out_features, in] back from its w8a8 panels."""
+    panels, groups = packed.shape[:2]
+    return packed.transpose(1, 2).reshape(panels * 16, groups * 4)[:out_features]
+
+
+def w8a8_twin(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """int8_gemm's product in torch: x [M, in] quantized per row and block of W8A8_BLOCK channels
+    (the block's largest magnitude to 127, rounded half to even), the integer products of each
+    block summed exactly (float32 holds 64 x 127 x 127), scaled by the block's scale and summed
+    over blocks, then by the channel's scale, plus bias; float32 [M, out]."""
+    rows, in_features = x.shape
+    blocks = in_features // W8A8_BLOCK
+    xb = x.float().reshape(rows, blocks, W8A8_BLOCK)
+    top = xb.abs().amax(-1, keepdim=True)
+    # (127.0 / top would be top.reciprocal() * 127 in torch: a last bit off a division, a rounding tie moved)
+    inv = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
+    xq = (xb * inv).round().clamp(-127, 127)
+    w = qweight.float().reshape(-1, blocks, W8A8_BLOCK)
+    per_block = torch.bmm(xq.transpose(0, 1), w.permute(1, 2, 0))  # [blocks, M, out], exact integers
+    out = (per_block * (top / 127.0).transpose(0, 1)).sum(0) * scale.float()[: qweight.shape[0]]
+    return out if bias is None else out + bias.float()

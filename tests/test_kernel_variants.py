@@ -1,0 +1,294 @@
+"""Every build variant of the C kernels (spanserve/kernels/variants.py) that this CPU can execute,
+each entry point against its torch reference on random shapes (hypothesis): rows 1..600, sizes
+that are not multiples of the vectors or tiles, float32 and bfloat16, strided inputs, 1 and 2
+threads, block tables with holes. The variants this CPU cannot execute are compiled with their
+-march. The run's summary names which variants ran and which were only compiled (conftest.py).
+
+SPANSERVE_KERNEL_VARIANTS=sanitized runs the same tests on the native build under ASan and UBSan
+alone (tests/test_kernel_sanitizers.py starts that run with the sanitizers' runtime preloaded)."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from spanserve.kernels import cpu_kernel, native, selfcheck, variants
+from spanserve.kernels.layouts import W8A8_BLOCK, f32_panels, w8a8_panels, w8a8_twin
+
+needs_compiler = pytest.mark.skipif(native.compiler_path() is None, reason="no C compiler")
+SANITIZED_RUN = os.environ.get("SPANSERVE_KERNEL_VARIANTS") == "sanitized"
+CHOSEN = (variants.SANITIZED,) if SANITIZED_RUN else variants.VARIANTS
+EXAMPLES = int(os.environ.get("SPANSERVE_KERNEL_EXAMPLES", "12" if SANITIZED_RUN else "25"))
+# derandomize: the same examples in every run (CI stays reproducible); the shapes still differ per test
+PROPERTY = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+RAN: list[str] = []  # variants executed in this run, and those only compiled, for the summary (conftest.py)
+COMPILED: list[str] = []
+
+
+@pytest.fixture(scope="module", params=CHOSEN, ids=lambda v: v.name)
+def lib(request):
+    """The variant's library, installed as the kernels every wrapper calls (cpu_kernel.using)."""
+    variant = request.param
+    if native.compiler_path() is None:
+        pytest.skip("no C compiler")
+    if not variant.runs_here():
+        missing = " ".join(sorted(variant.needs - native.cpu_flags()))
+        pytest.skip(f"{variant.name}: this CPU lacks {missing}; compiled only (test_every_variant_compiles)")
+    built = variants.library(variant)
+    if variant.name not in RAN:
+        RAN.append(variant.name)
+    with cpu_kernel.using(built):
+        yield built
+
+
+@needs_compiler
+@pytest.mark.skipif(SANITIZED_RUN, reason="the sanitized run checks the native build only")
+@pytest.mark.parametrize("variant", [*variants.VARIANTS, *variants.COMPILE_ONLY], ids=lambda v: v.name)
+def test_every_variant_compiles(variant):
+    if not variants.compiler_knows(variant):
+        pytest.skip(f"{variant.name}: this C compiler does not know {variant.flags[0]}")
+    assert variants.compile_only(variant).is_dir()
+    if not variant.runs_here() or variant in variants.COMPILE_ONLY:
+        COMPILED.append(variant.name)
+
+
+def test_each_variant_gives_the_known_products(lib):
+    assert selfcheck.check(lib) == ""
+
+
+def _threads(n: int):
+    """torch's thread count, which the kernels' OpenMP shares (one libgomp in the process)."""
+    class Threads:
+        def __enter__(self):
+            self.before = torch.get_num_threads()
+            torch.set_num_threads(n)
+
+        def __exit__(self, *exc):
+            torch.set_num_threads(self.before)
+    return Threads()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
+    """Within float32's summation error, or bf16's rounding of the result, of `want` (float64)."""
+    tol = (2e-5 if dtype == torch.float32 else 1e-2) * scale
+    torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol)
+
+
+dtypes = st.sampled_from([torch.float32, torch.bfloat16])
+threads = st.sampled_from([1, 2])
+seeds = st.integers(0, 2**31 - 1)  # torch's inputs, drawn like the shapes
+
+
+def _cache(data, dtype, lens: list[int], block_size: int, kv_heads: int, dim: int):
+    """A paged cache with the sequences' blocks scattered over a pool with unused blocks (holes)
+    and tables padded past each sequence's blocks; the gathered keys and values, float64."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    per_seq = [-(-n // block_size) for n in lens]
+    pool = sum(per_seq) + data.draw(st.integers(0, 5))
+    k_cache = torch.randn(pool, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(pool, block_size, kv_heads, dim, generator=gen).to(dtype)
+    order = torch.randperm(pool, generator=gen).tolist()
+    width = max(per_seq) + data.draw(st.integers(0, 2))
+    tables = torch.full((len(lens), width), pool + 7)  # entries past a sequence's blocks are never read
+    keys, values = [], []
+    for s, (n, blocks) in enumerate(zip(lens, per_seq)):
+        ids = [order.pop() for _ in range(blocks)]
+        tables[s, :blocks] = torch.tensor(ids)
+        keys.append(k_cache[ids].reshape(-1, kv_heads, dim)[:n].double())
+        values.append(v_cache[ids].reshape(-1, kv_heads, dim)[:n].double())
+    return k_cache, v_cache, tables, keys, values
+
+
+def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [heads, dim] over keys, values [n, kv_heads, dim], float64."""
+    group = q.shape[0] // keys.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (keys, values))
+    weights = torch.softmax((k @ q.double()[:, :, None]).squeeze(-1) * scale, dim=-1)
+    return (weights[:, None, :] @ v).squeeze(1)
+
+
+head_shapes = st.tuples(st.integers(1, 3), st.integers(1, 4), st.sampled_from([8, 16, 24, 40, 64, 80, 128]))
+
+
+@PROPERTY
+@given(seed=seeds, data=st.data(), dtype=dtypes, n_threads=threads, heads=head_shapes,
+       block_size=st.sampled_from([1, 3, 4, 16]), lens=st.lists(st.integers(1, 90), min_size=1, max_size=4))
+def test_paged_decode_is_softmax_attention(lib, seed, data, dtype, n_threads, heads, block_size, lens):
+    torch.manual_seed(seed)
+    kv_heads, group, dim = heads
+    k_cache, v_cache, tables, keys, values = _cache(data, dtype, lens, block_size, kv_heads, dim)
+    q = torch.randn(len(lens), kv_heads * group, dim).to(dtype)
+    scale = dim ** -0.5
+    with _threads(n_threads):
+        out = cpu_kernel.paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens), scale)
+    want = torch.stack([_attention(q[s], keys[s], values[s], scale) for s in range(len(lens))])
+    _close(out, want, dtype)
+
+
+@PROPERTY
+@given(seed=seeds, data=st.data(), dtype=dtypes, n_threads=threads, heads=head_shapes,
+       block_size=st.sampled_from([1, 4, 16]), seqs=st.lists(st.tuples(st.integers(1, 120), st.integers(1, 40)), min_size=1, max_size=3))
+def test_paged_prefill_is_causal_softmax_attention(lib, seed, data, dtype, n_threads, heads, block_size, seqs):
+    """Each sequence's last `rows` tokens (at most its length) query its keys up to their position."""
+    torch.manual_seed(seed)
+    kv_heads, group, dim = heads
+    lens = [n for n, _ in seqs]
+    rows = [min(r, n) for n, r in seqs]
+    k_cache, v_cache, tables, keys, values = _cache(data, dtype, lens, block_size, kv_heads, dim)
+    positions = torch.cat([torch.arange(n - r, n) for n, r in zip(lens, rows)])
+    starts = torch.tensor([0, *rows]).cumsum(0)
+    q = torch.randn(int(starts[-1]), kv_heads * group, dim).to(dtype)
+    scale = dim ** -0.5
+    with _threads(n_threads):
+        out = cpu_kernel.paged_prefill(q, k_cache, v_cache, tables, starts, positions, torch.tensor(lens), scale)
+    seq_of = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(rows))
+    want = torch.stack([_attention(q[t], keys[s][: p + 1], values[s][: p + 1], scale)
+                        for t, (s, p) in enumerate(zip(seq_of.tolist(), positions.tolist()))])
+    _close(out, want, dtype)
+
+
+gemm_shapes = st.tuples(st.integers(1, 600), st.integers(1, 300), st.integers(1, 200))
+
+
+@PROPERTY
+@given(seed=seeds, shape=gemm_shapes, n_threads=threads, with_bias=st.booleans())
+def test_f32_gemm_is_the_matmul(lib, seed, shape, n_threads, with_bias):
+    torch.manual_seed(seed)
+    rows, k, n = shape
+    x, w = torch.randn(rows, k), torch.randn(n, k)
+    bias = torch.randn(n) if with_bias else None
+    packed, out = f32_panels(w), torch.empty(rows, n)
+    with _threads(n_threads):
+        status = lib.f32_gemm(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                              out.data_ptr(), rows, n, packed.shape[0] * 16, k)
+    assert status == 0
+    want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    _close(out, want, torch.float32, scale=k ** 0.5)
+
+
+@PROPERTY
+@given(seed=seeds, shape=gemm_shapes, n_threads=threads)
+def test_f32_gemm_int8w_is_the_dequantized_matmul(lib, seed, shape, n_threads):
+    torch.manual_seed(seed)
+    rows, k, n = shape
+    x = torch.randn(rows, k)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scale = torch.rand(n) / 127
+    packed = f32_panels(q)
+    padded, out = F.pad(scale, (0, packed.shape[0] * 16 - n)), torch.empty(rows, n)
+    with _threads(n_threads):
+        status = lib.f32_gemm_int8w(x.data_ptr(), packed.data_ptr(), padded.data_ptr(), None, out.data_ptr(), rows,
+                                    n, padded.shape[0], k)
+    assert status == 0
+    _close(out, x.double() @ (q.double() * scale.double()[:, None]).t(), torch.float32, scale=k ** 0.5)
+
+
+@PROPERTY
+@given(seed=seeds, rows=st.integers(1, 600), blocks=st.integers(1, 5), n=st.integers(1, 200), dtype=dtypes,
+       n_threads=threads, with_bias=st.booleans())
+def test_int8_gemm_is_its_torch_twin(lib, seed, rows, blocks, n, dtype, n_threads, with_bias):
+    torch.manual_seed(seed)
+    k = blocks * W8A8_BLOCK
+    x = torch.randn(rows, k).to(dtype)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scale, bias = torch.rand(n) / 127, (torch.randn(n) if with_bias else None)
+    packed, comp, padded = w8a8_panels(q, scale)
+    out = torch.empty(rows, n, dtype=dtype)
+    with _threads(n_threads):
+        status = lib.int8_gemm(x.data_ptr(), packed.data_ptr(), comp.data_ptr(), padded.data_ptr(),
+                               None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, padded.shape[0], k,
+                               native.DTYPES[dtype])
+    assert status == 0
+    _close(out, w8a8_twin(x, q, scale, bias), dtype)
+
+
+@PROPERTY
+@given(seed=seeds, rows=st.integers(1, 600), width=st.integers(1, 300), dtype=dtypes, n_threads=threads)
+def test_rms_norm_and_silu_mul_are_their_formulas(lib, seed, rows, width, dtype, n_threads):
+    torch.manual_seed(seed)
+    x, w = torch.randn(rows, width).to(dtype), torch.randn(width).to(dtype)
+    gate_up = (4 * torch.randn(rows, 2 * width)).to(dtype)
+    normed, silu = torch.empty_like(x), torch.empty(rows, width, dtype=dtype)
+    with _threads(n_threads):
+        assert lib.rms_norm(x.data_ptr(), w.data_ptr(), normed.data_ptr(), rows, width, 1e-6, native.DTYPES[dtype]) == 0
+        assert lib.silu_mul(gate_up.data_ptr(), silu.data_ptr(), rows, width, native.DTYPES[dtype]) == 0
+    x64 = x.double()
+    _close(normed, w.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6), dtype)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    _close(silu, F.silu(gate) * up, dtype, scale=4.0)
+
+
+@PROPERTY
+@given(seed=seeds, data=st.data(), dtype=dtypes, n_threads=threads, tokens=st.integers(1, 40), heads=head_shapes,
+       fused=st.booleans())
+def test_rope_store_rotates_and_stores(lib, seed, data, dtype, n_threads, tokens, heads, fused):
+    """q, k and v as views into one qkv row (strided, as the model splits them) or separate tensors."""
+    torch.manual_seed(seed)
+    kv_heads, group, dim = heads
+    heads_q, max_position = kv_heads * group, 64
+    if fused:
+        qkv = torch.randn(tokens, (heads_q + 2 * kv_heads) * dim).to(dtype)
+        q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([heads_q * dim, kv_heads * dim, kv_heads * dim], -1))
+    else:
+        q, k, v = (torch.randn(tokens, h, dim).to(dtype) for h in (heads_q, kv_heads, kv_heads))
+    angles = torch.arange(max_position)[:, None].float() * (0.3 ** torch.arange(dim // 2).float())
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    positions = torch.tensor(data.draw(st.lists(st.integers(0, max_position - 1), min_size=tokens, max_size=tokens)))
+    slots = torch.randperm(tokens + 5)[:tokens]
+    cache = torch.zeros(2, tokens + 5, kv_heads, dim, dtype=dtype)
+    q_out, k_out = torch.empty(q.shape, dtype=dtype), torch.empty(k.shape, dtype=dtype)
+    with _threads(n_threads):
+        status = lib.rope_store(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
+                                positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), max_position, q_out.data_ptr(),
+                                k_out.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), slots.data_ptr(),
+                                tokens + 5, tokens, heads_q, kv_heads, dim, native.DTYPES[dtype], native.DTYPES[dtype])
+    assert status == 0
+
+    def rotated(x):  # as the model's torch path computes it: tables and each product rounded to the dtype
+        c, s = cos[positions][:, None, :].to(dtype), sin[positions][:, None, :].to(dtype)
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+
+    _close(q_out, rotated(q), dtype)
+    _close(k_out, rotated(k), dtype)
+    _close(cache[0][slots], rotated(k), dtype)
+    assert torch.equal(cache[1][slots], v)
+
+
+@PROPERTY
+@given(seed=seeds, data=st.data(), dtype=dtypes, blocks=st.integers(0, 60), heads=head_shapes, rows=st.integers(1, 30),
+       sinks=st.integers(0, 3), recent=st.integers(0, 3), slots=st.integers(0, 40), row_pad=st.integers(0, 8))
+def test_centroid_topk_picks_sinks_recent_and_the_best_scores(lib, seed, data, dtype, blocks, heads, rows, sinks,
+                                                              recent, slots, row_pad):
+    """Queries with a row stride (rows of a qkv projection); block ids scattered over a larger pool."""
+    torch.manual_seed(seed)
+    kv_heads, group, dim = heads
+    heads_q = kv_heads * group
+    centroids = torch.randn(blocks + 10, kv_heads, dim).to(dtype)
+    block_ids = torch.randperm(blocks + 10)[:blocks]
+    own = torch.tensor([blocks + 50])
+    q = torch.randn(rows, heads_q * dim + row_pad).to(dtype)[:, : heads_q * dim].view(rows, heads_q, dim)
+    table = torch.full((blocks + 1,), -1)
+    count = cpu_kernel.centroid_topk(centroids, block_ids, own, q, sinks, recent, slots, table)
+    first = min(sinks, blocks)
+    last = max(blocks - recent, first)
+    take = max(0, min(slots - first - (blocks - last), last - first))
+    assert count == first + take + (blocks - last)
+    picked = table[:count].tolist()
+    assert picked[:first] == block_ids[:first].tolist() and picked[first + take:] == block_ids[last:].tolist()
+    assert table[count] == own[0]
+    middle = picked[first:first + take]
+    order = [block_ids.tolist().index(b) for b in middle]
+    assert order == sorted(order) and all(first <= i < last for i in order)
+    folded = q.double().view(rows, kv_heads, group, dim).sum((0, 2)).flatten()
+    scores = centroids.double().flatten(1)[block_ids[first:last]] @ folded
+    chosen = torch.tensor([i - first for i in order], dtype=torch.long)
+    others = torch.ones(last - first, dtype=torch.bool)
+    others[chosen] = False
+    if take and others.any():  # every pick scores at least every block left out (to rounding)
+        slack = 1e-3 * (scores.abs().max().item() + 1)
+        assert scores[chosen].min() >= scores[others].max() - slack
