@@ -131,7 +131,8 @@ def test_paged_decode_is_softmax_attention(lib, seed, data, dtype, n_threads, he
 
 @PROPERTY
 @given(seed=seeds, data=st.data(), dtype=dtypes, n_threads=threads, heads=head_shapes,
-       block_size=st.sampled_from([1, 4, 16]), seqs=st.lists(st.tuples(st.integers(1, 120), st.integers(1, 40)), min_size=1, max_size=3))
+       block_size=st.sampled_from([1, 4, 16]),
+       seqs=st.lists(st.tuples(st.integers(1, 120), st.integers(1, 40)), min_size=1, max_size=3))
 def test_paged_prefill_is_causal_softmax_attention(lib, seed, data, dtype, n_threads, heads, block_size, seqs):
     """Each sequence's last `rows` tokens (at most its length) query its keys up to their position."""
     torch.manual_seed(seed)
