@@ -98,13 +98,13 @@ def test_a_step_of_decodes_short_and_long_prefills_over_the_paged_cache_equals_t
 
 def test_bf16_matmul_attention_stays_close_to_float32(default_model_path):
     """On the real model in bf16 (scores rounded to bf16), a warm span prompt (rotated keys, a
-    question over 1.2k cached keys) gives the float32 engine's greedy token, and first-token
-    logprobs close to its: the largest gap over the 5 top tokens, for 8 orders of the spans, is
-    0.2 on average and never 0.5. Session 40 measured that distribution: a change to the
-    attention kernel that moves float32 results by 1e-7 (summing in another order) took one order
-    from 0.08 to 0.37, and the kernel before it was at 0.41 on an order not tested then; means
-    0.13 to 0.15 (bf16 rounding noise: the same roundings in another order). The flash kernel,
-    which keeps float32 scores, was 0.10 and 0.19 away on the first two orders (session 5)."""
+    question over 1.2k cached keys) gives first-token logprobs close to the float32 engine's: the
+    largest gap over the 5 top tokens, for 8 orders of the spans, is 0.2 on average and never
+    0.5 (bf16 rounding noise: an AMD EPYC gave means of 0.13-0.15 with single orders up to 0.41,
+    an AMD Zen 4 with bf16 dot products 0.17, at most 0.27). The greedy token must be float32's
+    only where float32's top two are more than twice that bound apart: with each logprob within
+    0.5 no such pair can swap. Two of the orders have margins of 0.07 and 0.08, where an Intel
+    Xeon (AMX) picked float32's second token: not a property of bf16 to require."""
     from spanserve import LLM, SamplingParams, Span
 
     # ~300 tokens each: a context past BATCH_MAX_CONTEXT, so the question is a chunk of its own
@@ -126,6 +126,7 @@ def test_bf16_matmul_attention_stays_close_to_float32(default_model_path):
     for order in ([2, 0, 3, 1], [3, 1, 2, 0], [0, 1, 2, 3], [1, 2, 3, 0], [3, 2, 1, 0], [2, 3, 0, 1], [0, 2, 1, 3],
                   [1, 3, 0, 2]):
         (token, expected), (got_token, got) = first_token(fp32, order), first_token(bf16, order)
-        assert got_token == token
+        first, second = sorted(expected.values(), reverse=True)[:2]
+        assert got_token == token or first - second <= 2 * 0.5, (order, token, got_token, first - second)
         gaps.append(max(abs(got[t] - lp) for t, lp in expected.items() if t in got))
     assert sum(gaps) / len(gaps) < 0.2 and max(gaps) < 0.5, gaps

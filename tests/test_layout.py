@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from helpers import greedy, random_prompt
 
 from spanserve import LLM
-from spanserve.kernels import cpu_kernel
+from spanserve.kernels import cpu_kernel, layouts
 from spanserve.models import layout
 
 needs_gemm = pytest.mark.skipif(cpu_kernel.load("gemm") is None, reason="no C compiler: the kernel is not built")
@@ -72,7 +72,7 @@ def test_packed_linear_equals_f_linear(out_features, in_features, bias):
     with torch.no_grad():
         linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
     packed = layout.PackedLinear(linear)
-    assert packed.weight is linear.weight and packed.packed.shape[0] * 16 % layout.PACK_TILE == 0
+    assert packed.weight is linear.weight and packed.packed.shape[0] * 16 % layouts.F32_TILE == 0
     for rows in (1, 3, 7, 8, 9, 16, 29, layout.PACKED_MAX_ROWS, layout.PACKED_MAX_ROWS + 1):
         x = torch.randn(2, rows, in_features, generator=gen)[1]
         with torch.inference_mode():

@@ -185,14 +185,3 @@ def _dequantized(module) -> torch.Tensor:
     if isinstance(module, quant.Int8Linear):
         return module.int8_weight().float() * module.scale.float()[:, None]
     return module.dequantized().float()
-
-
-def test_w8a8_without_its_c_kernel_is_refused_at_start(tiny_llama_path, monkeypatch, tmp_path):
-    from spanserve.kernels import native
-
-    monkeypatch.setattr(native, "_library", None)
-    monkeypatch.setattr(native, "_failure", None)
-    monkeypatch.setenv("SPANSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    with pytest.raises(InvalidRequestError, match="w8a8.*could not be built"):
-        LLM(model=str(tiny_llama_path), num_blocks=64, quantization="w8a8")

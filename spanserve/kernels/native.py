@@ -112,8 +112,11 @@ def library_at(csrc: Path) -> ctypes.CDLL:
 
 
 def _run_all(compiler: str, steps: list[list[str]]) -> None:
-    running = [subprocess.Popen([compiler, *step], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for step in steps]
+    try:
+        running = [subprocess.Popen([compiler, *step], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for step in steps]
+    except OSError as exc:
+        raise RuntimeError(f"no C compiler at {compiler} ({exc.strerror})") from None
     errors = [err for proc in running for _, err in [proc.communicate()] if proc.returncode != 0]
     if errors:
         raise RuntimeError(f"{compiler} failed: {errors[0]}")
