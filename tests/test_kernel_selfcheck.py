@@ -83,6 +83,14 @@ def test_an_explicit_quantization_runs_in_torch_without_the_kernels_and_says_so(
         assert abs(first_a[token] - first_b[token]) < (1e-3 if method == "w8a8" else 5e-2)
 
 
+def test_an_x86_cpu_without_avx2_takes_the_torch_paths_with_one_log_line(fresh, monkeypatch, caplog):
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"sse2", "avx"}))
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+    with caplog.at_level(logging.WARNING):
+        assert cpu_kernel.load() is None
+    assert len(caplog.records) == 1 and "no AVX2" in caplog.text and "torch path" in caplog.text
+
+
 def _capabilities() -> list[str]:
     """The ATen CPU capabilities this CPU executes (torch dispatches its kernels by them)."""
     flags = native.cpu_flags()

@@ -12,6 +12,7 @@ uses a build, it passes selfcheck.py's known products; tests build the other var
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -57,6 +58,7 @@ def library() -> ctypes.CDLL:
         with _lock:
             if _library is None and _failure is None:
                 try:
+                    _require_vectors()
                     lib = typed(ctypes.CDLL(str(build())))
                     problem = check(lib)
                     if problem:
@@ -67,6 +69,13 @@ def library() -> ctypes.CDLL:
     if _library is None:
         raise NativeUnavailable(_failure)
     return _library
+
+
+def _require_vectors() -> None:
+    """On x86, a CPU without AVX2 and FMA would run the kernels' portable C, which is tested
+    (variants.py) but slower than torch's own paths there: torch's paths it is."""
+    if platform.machine().lower() in ("x86_64", "amd64") and not {"avx2", "fma"} <= cpu_flags():
+        raise RuntimeError("this CPU has no AVX2 and FMA, where torch's paths are faster than the kernels' portable C")
 
 
 def build(csrc: Path = CSRC, target: tuple[str, ...] = NATIVE, extra_link: tuple[str, ...] = (),
