@@ -84,31 +84,13 @@ seeds = st.integers(0, 2**31 - 1)  # torch's inputs, drawn like the shapes
 
 
 def _cache(data, dtype, lens: list[int], block_size: int, kv_heads: int, dim: int):
-    """A paged cache with the sequences' blocks scattered over a pool with unused blocks (holes)
-    and tables padded past each sequence's blocks; the gathered keys and values, float64."""
+    """A paged cache with holes in its pool and padded tables (selfcheck.paged_cache), drawn."""
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    per_seq = [-(-n // block_size) for n in lens]
-    pool = sum(per_seq) + data.draw(st.integers(0, 5))
-    k_cache = torch.randn(pool, block_size, kv_heads, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(pool, block_size, kv_heads, dim, generator=gen).to(dtype)
-    order = torch.randperm(pool, generator=gen).tolist()
-    width = max(per_seq) + data.draw(st.integers(0, 2))
-    tables = torch.full((len(lens), width), pool + 7)  # entries past a sequence's blocks are never read
-    keys, values = [], []
-    for s, (n, blocks) in enumerate(zip(lens, per_seq)):
-        ids = [order.pop() for _ in range(blocks)]
-        tables[s, :blocks] = torch.tensor(ids)
-        keys.append(k_cache[ids].reshape(-1, kv_heads, dim)[:n].double())
-        values.append(v_cache[ids].reshape(-1, kv_heads, dim)[:n].double())
-    return k_cache, v_cache, tables, keys, values
+    return selfcheck.paged_cache(gen, dtype, lens, block_size, kv_heads, dim, spare_blocks=data.draw(st.integers(0, 5)),
+                                 table_pad=data.draw(st.integers(0, 2)))
 
 
-def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [heads, dim] over keys, values [n, kv_heads, dim], float64."""
-    group = q.shape[0] // keys.shape[1]
-    k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (keys, values))
-    weights = torch.softmax((k @ q.double()[:, :, None]).squeeze(-1) * scale, dim=-1)
-    return (weights[:, None, :] @ v).squeeze(1)
+_attention = selfcheck.softmax_attention
 
 
 head_shapes = st.tuples(st.integers(1, 3), st.integers(1, 4), st.sampled_from([8, 16, 24, 40, 64, 80, 128]))

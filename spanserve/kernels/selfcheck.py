@@ -95,27 +95,29 @@ def _silu_mul(lib, dtype) -> str:
     return f"status {status}" if status else _compare(out, F.silu(gate) * up, _tol(dtype))
 
 
-def _attention_case(dtype, lens: list[int], heads=4, kv_heads=2, dim=64, block_size=4):
-    """A paged cache holding sequences of `lens` tokens in scattered blocks, and their keys and
-    values gathered: (k_cache, v_cache, tables, keys [seq], values [seq])."""
-    gen = torch.Generator().manual_seed(6)
+def paged_cache(gen: torch.Generator, dtype: torch.dtype, lens: list[int], block_size: int = 4, kv_heads: int = 2,
+                dim: int = 64, spare_blocks: int = 2, table_pad: int = 0):
+    """A paged cache holding sequences of `lens` tokens in blocks scattered over a pool with
+    `spare_blocks` unused ones (holes), tables padded with `table_pad` entries past the
+    sequences' blocks that point nowhere, and their keys and values gathered as float64:
+    (k_cache, v_cache, tables, keys [seq], values [seq])."""
     per_seq = [-(-n // block_size) for n in lens]
-    pool = sum(per_seq) + 2
+    pool = sum(per_seq) + spare_blocks
     k_cache = torch.randn(pool, block_size, kv_heads, dim, generator=gen).to(dtype)
     v_cache = torch.randn(pool, block_size, kv_heads, dim, generator=gen).to(dtype)
     order = torch.randperm(pool, generator=gen).tolist()
-    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.long)
+    tables = torch.full((len(lens), max(per_seq) + table_pad), pool + 7)  # never read
     keys, values = [], []
     for s, (n, blocks) in enumerate(zip(lens, per_seq)):
         ids = [order.pop() for _ in range(blocks)]
         tables[s, :blocks] = torch.tensor(ids)
-        keys.append(k_cache[ids].reshape(-1, kv_heads, dim)[:n].float())
-        values.append(v_cache[ids].reshape(-1, kv_heads, dim)[:n].float())
+        keys.append(k_cache[ids].reshape(-1, kv_heads, dim)[:n].double())
+        values.append(v_cache[ids].reshape(-1, kv_heads, dim)[:n].double())
     return k_cache, v_cache, tables, keys, values
 
 
-def _softmax_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [heads, dim] over keys, values [n, kv_heads, dim], float64."""
+def softmax_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [heads, dim] over keys, values [n, kv_heads, dim] (grouped query heads), in float64."""
     group = q.shape[0] // keys.shape[1]
     k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)
     v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -125,25 +127,25 @@ def _softmax_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
 def _paged_decode(lib, dtype) -> str:
     lens, heads, dim, scale = [7, 3], 4, 64, 0.125
-    k_cache, v_cache, tables, keys, values = _attention_case(dtype, lens)
+    k_cache, v_cache, tables, keys, values = paged_cache(torch.Generator().manual_seed(6), dtype, lens)
     q = torch.randn(2, heads, dim, generator=torch.Generator().manual_seed(7)).to(dtype)
     out, lens_t = torch.empty_like(q), torch.tensor(lens)
     status = lib.paged_decode(_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(tables), _ptr(lens_t), 2,
                               tables.shape[1], heads, 2, dim, 4, scale, DTYPES[dtype], DTYPES[dtype])
-    want = torch.stack([_softmax_attention(q[s].float(), keys[s], values[s], scale) for s in range(2)])
+    want = torch.stack([softmax_attention(q[s].float(), keys[s], values[s], scale) for s in range(2)])
     return f"status {status}" if status else _compare(out, want, _tol(dtype))
 
 
 def _paged_prefill(lib, dtype) -> str:
     lens, heads, dim, scale = [9], 4, 64, 0.125
-    k_cache, v_cache, tables, keys, values = _attention_case(dtype, lens)
+    k_cache, v_cache, tables, keys, values = paged_cache(torch.Generator().manual_seed(6), dtype, lens)
     positions = torch.tensor([5, 6, 7, 8])
     q = torch.randn(4, heads, dim, generator=torch.Generator().manual_seed(8)).to(dtype)
     out, starts, lens_t = torch.empty_like(q), torch.tensor([0, 4]), torch.tensor(lens)
     status = lib.paged_prefill(_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(tables), _ptr(starts),
                                _ptr(positions), _ptr(lens_t), None, None, None, 1, 4, tables.shape[1], heads, 2,
                                dim, 4, scale, DTYPES[dtype], DTYPES[dtype])
-    want = torch.stack([_softmax_attention(q[r].float(), keys[0][: p + 1], values[0][: p + 1], scale)
+    want = torch.stack([softmax_attention(q[r].float(), keys[0][: p + 1], values[0][: p + 1], scale)
                         for r, p in enumerate(positions.tolist())])
     return f"status {status}" if status else _compare(out, want, _tol(dtype))
 
