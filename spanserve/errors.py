@@ -101,3 +101,11 @@ class SessionFullError(InvalidRequestError):
 
 class SessionClosedError(InvalidRequestError):
     code = "session_closed"
+
+
+class SessionFailedError(InvalidRequestError):
+    """The session's background work failed: it was stopped and its memory freed. It answers
+    this until its owner deletes it (409: the request is fine, the session's state is not)."""
+
+    code = "session_failed"
+    status = 409

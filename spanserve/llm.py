@@ -115,6 +115,7 @@ class LLMSession:
         the registered questions are answered for it."""
         while not self._session.caught_up(version) and self._llm.engine.has_unfinished_requests():
             self._llm.engine.step()
+        self._session.check_usable()  # a session that failed meanwhile says so
 
     def query(self, question: str, sampling_params: SamplingParams | None = None) -> Answer:
         """Answer over the data visible now (a registered question's kept answer, if current)."""

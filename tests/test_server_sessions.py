@@ -164,3 +164,56 @@ def test_sessions_outlive_a_restart(server, tiny_llama_path, root):
         assert after["text"] == before["text"] and after["version"] == before["version"]
     finally:
         again.stop()
+
+
+def test_one_tenants_session_at_its_limits_never_fails_another_tenant(tiny_llama_path, tmp_path):
+    """The reproducers of the 500s: a session whose flash question cannot fit when full (refused
+    before it exists), saved files that are corrupt, foreign or hold out-of-vocabulary ids (each
+    refused at start with a log line, the server up), and another tenant served throughout."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+    def bob_is_served(srv):
+        assert request(srv, "bob", "POST", "/v1/chat/completions", chat).status_code == 200
+
+    srv = _start(tiny_llama_path, tmp_path)
+    try:
+        reply = request(srv, "alice", "POST", "/v1/sessions", {
+            "system": "word " * 100, "retention_tokens": 496, "flash": ["What is the last value?"],
+            "flash_max_tokens": 4096})
+        assert_openai_error(reply, 400, "when full")
+        bob_is_served(srv)
+        kept = request(srv, "bob", "POST", "/v1/sessions", {"system": "Kept."}).json()["id"]
+        request(srv, "bob", "POST", f"/v1/sessions/{kept}/data", {"text": ROWS})
+        ingested(srv, "bob", kept)
+        alice = request(srv, "alice", "POST", "/v1/sessions", {"system": "Mine."}).json()["id"]
+        assert request(srv, "alice", "POST", f"/v1/sessions/{alice}/save").status_code == 200
+        foreign = request(srv, "bob", "POST", f"/v1/sessions/{alice}/restore")
+        missing = request(srv, "bob", "POST", "/v1/sessions/sess-0123456789abcdef0123456789abcdef/restore")
+        assert_openai_error(foreign, 404)
+        assert_openai_error(missing, 404)
+        assert foreign.json()["error"]["message"].replace(alice, "X") == \
+            missing.json()["error"]["message"].replace("sess-0123456789abcdef0123456789abcdef", "X")
+        assert str(tmp_path) not in foreign.text
+    finally:
+        srv.stop()  # saves both sessions
+    saved = tmp_path / "sessions" / f"{alice}.safetensors"
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(saved), "pt") as f:
+        meta = json.loads(f.metadata()["session"])
+    for name, state in (("0" * 32, {"tokens": "not a list"}), ("1" * 32, {"pending": [10**9]})):
+        save_file(load_file(str(saved)), str(saved.with_name(f"sess-{name}.safetensors")),
+                  metadata={"session": json.dumps({**meta, "id": f"sess-{name}", "state": {**meta["state"], **state}})})
+    srv = _start(tiny_llama_path, tmp_path)
+    try:
+        bob_is_served(srv)
+        assert request(srv, "bob", "GET", f"/v1/sessions/{kept}").status_code == 200
+        assert request(srv, "alice", "GET", f"/v1/sessions/{alice}").status_code == 200
+        for name in ("0" * 32, "1" * 32):
+            assert request(srv, "alice", "GET", f"/v1/sessions/sess-{name}").status_code == 404
+        log = (tmp_path / "server.log").read_text()
+        assert log.count("not restored") == 2 and "token ids below" in log and "tokens must be a list" in log
+        bob_is_served(srv)
+    finally:
+        srv.stop()

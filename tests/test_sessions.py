@@ -207,7 +207,7 @@ def test_restore_refuses_corrupt_files_and_other_models(llm, tiny_qwen2_path, tm
     bad.write_bytes(path.read_bytes()[:100])
     with pytest.raises(InvalidRequestError, match="not a session file"):
         llm.restore_session(str(bad))
-    with pytest.raises(InvalidRequestError, match="no session file"):
+    with pytest.raises(InvalidRequestError, match="no saved session"):
         llm.restore_session(str(tmp_path / "missing"))
     import json
 

@@ -56,7 +56,7 @@ def session_lifespan(llm: AsyncLLM, session_dir: Path | None):
             try:
                 session = store.restore(path, tenant=persist.tenant_of(path))
                 log.info("restored session %s (%d tokens)", session.id, len(session.state.tokens))
-            except InvalidRequestError as exc:
+            except Exception as exc:  # noqa: BLE001 - a file that cannot be opened is refused, never fatal
                 log.warning("session file %s not restored: %s", path, exc)
 
     def save_all() -> None:

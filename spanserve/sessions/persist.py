@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from spanserve.comb.plugin import model_fingerprint
-from spanserve.errors import CacheFullError, InvalidRequestError
+from spanserve.errors import CacheFullError, InvalidRequestError, InvalidSessionError, SessionNotFoundError
 from spanserve.sampling import SamplingParams
 from spanserve.sessions.ready import ReadyExit
 from spanserve.sessions.session import SESSION_ID, Session, SessionState
@@ -54,30 +54,50 @@ def save(session: Session, path: str | Path) -> Path:
 
 def load(engine, path: str | Path) -> tuple[Session, torch.Tensor]:
     """A session read from `path`, without blocks yet, and its KV (fill() puts it in the pool)."""
+    name = Path(path).name  # messages name the file, never the server's folders
     meta, kv = _read(path)
     identity = kv_identity(engine)
     wrong = [k for k in identity if meta.get(k) != identity[k]]
     if wrong:
-        raise InvalidRequestError(f"{path} holds a session of another model or setup ({', '.join(wrong)} differ): "
+        raise InvalidSessionError(f"{name} holds a session of another model or setup ({', '.join(wrong)} differ): "
                                   "its KV cache is only valid where it was computed")
     try:
-        state = SessionState(**{**meta["state"], "version_ends": deque(map(tuple, meta["state"]["version_ends"]))})
-        flash = meta["flash"]
+        saved = meta["state"]
+        state = SessionState(**{**saved, "version_ends": deque(map(tuple, saved["version_ends"]))})
+        _check_state(state, engine.model_config.vocab_size, engine.max_model_len)
+        flash = [(str(q), int(v), a if a is None else str(a)) for q, v, a in meta["flash"]]
         params = SamplingParams(temperature=0.0, max_tokens=int(meta["flash_max_tokens"]))
         ready_exit = _ready_exit(meta.get("ready_exit"))
-    except (KeyError, TypeError, ValueError, InvalidRequestError) as exc:
-        raise InvalidRequestError(f"{path} is not a valid session file ({exc})") from exc
+    except (KeyError, TypeError, ValueError, AttributeError, InvalidRequestError) as exc:
+        raise InvalidSessionError(f"{name} is not a valid session file ({exc})") from None
     if not isinstance(meta.get("id"), str) or not SESSION_ID.fullmatch(meta["id"]):
-        raise InvalidRequestError(f"{path} is not a valid session file (its session id)")
+        raise InvalidSessionError(f"{name} is not a valid session file (its session id)")
     session = Session(engine, state, meta.get("tenant"), meta["id"], flash_params=params, ready_exit=ready_exit)
     cache = engine.runner.kv_cache
     expected = (*cache.shape[:2], session.num_blocks_held(), *cache.shape[3:])
     if tuple(kv.shape) != expected or kv.dtype != cache.dtype:
-        raise InvalidRequestError(f"{path} is not a valid session file (its KV does not match its tokens)")
+        raise InvalidSessionError(f"{name} is not a valid session file (its KV does not match its tokens)")
     for question, version, answer in flash:
         session.register(question)
         session.flash[question].version, session.flash[question].answer = version, answer
     return session, kv
+
+
+def _check_state(state: SessionState, vocab_size: int, max_len: int) -> None:
+    """A saved state's fields have their types and ranges: token ids in the vocabulary, counts that
+    are non-negative integers, a retention within the model's length. (ValueError otherwise.)"""
+    for field_name in ("tokens", "pending"):
+        ids = getattr(state, field_name)
+        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+            raise ValueError(f"{field_name} must be a list of token ids below {vocab_size}")
+    for field_name in ("num_frozen", "retention_tokens", "appended", "evicted", "version", "visible_version"):
+        value = getattr(state, field_name)
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{field_name} must be a non-negative integer")
+    if not isinstance(state.ready, bool) or state.retention_tokens >= max_len or state.num_frozen > state.appended:
+        raise ValueError("ready, retention_tokens or num_frozen out of range")
+    if not all(len(end) == 2 and all(type(x) is int for x in end) for end in state.version_ends):
+        raise ValueError("version_ends must be pairs of integers")
 
 
 def _ready_exit(saved: dict | None) -> ReadyExit | None:
@@ -103,12 +123,12 @@ def _read(path: str | Path) -> tuple[dict, torch.Tensor]:
         with safe_open(str(path), "pt") as f:
             meta = json.loads((f.metadata() or {}).get("session", "null"))
             kv = f.get_tensor("kv")
-    except FileNotFoundError as exc:
-        raise InvalidRequestError(f"no session file {path}") from exc
+    except FileNotFoundError:
+        raise SessionNotFoundError(f"no session file {Path(path).name}") from None
     except (SafetensorError, OSError, ValueError, KeyError) as exc:
-        raise InvalidRequestError(f"{path} is not a session file ({exc})") from exc
+        raise InvalidSessionError(f"{Path(path).name} is not a session file ({type(exc).__name__})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise InvalidRequestError(f"{path} is not a {FORMAT} file")
+        raise InvalidSessionError(f"{Path(path).name} is not a {FORMAT} file")
     return meta, kv
 
 

@@ -27,6 +27,7 @@ ready-position assessment of a session that asks for speculative exit (ready.py)
 Everything here runs on the engine's thread.
 """
 
+import logging
 import re
 import uuid
 from collections import deque
@@ -34,12 +35,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from spanserve.engine.request import HeldContext, Priority, Request
-from spanserve.errors import CacheFullError, InvalidRequestError, SessionClosedError, SessionFullError
+from spanserve.errors import (
+    CacheFullError,
+    InvalidRequestError,
+    SessionClosedError,
+    SessionFailedError,
+    SessionFullError,
+)
 from spanserve.kv.block_pool import Block
 from spanserve.sampling import SamplingParams
 from spanserve.sessions.ready import PARAMS as READY_PARAMS
 from spanserve.sessions.ready import ReadyExit
 
+log = logging.getLogger(__name__)
 INGEST_TOKENS = 1024  # data one ingest request computes (the scheduler splits it into chunks)
 # An eviction drops this much of the data window beyond what it must, so that a key is moved
 # (rotated and rounded) a bounded number of times, about 1 / EVICT_FRACTION, over its life.
@@ -108,12 +116,16 @@ class Session:
         self.id = session_id or f"sess-{uuid.uuid4().hex}"
         self.blocks: list[Block] = []
         self.closed = False
+        self.failure: str | None = None  # why its background work stopped (fail())
         self.flash_params = flash_params or SamplingParams(temperature=0.0, max_tokens=64)
         self.flash: dict[str, Flash] = {}
         self._subscribers: list[Callable[[dict], None]] = []
         self._ingest = None  # the RequestGroup computing data now
         for question in flash:
             self.register(question)
+        if ready_exit is not None:
+            self._check_fits("the ready position's opening", len(engine.sessions.format.answer_opening),
+                             READY_PARAMS.max_tokens)
 
     @property
     def block_size(self) -> int:
@@ -127,13 +139,13 @@ class Session:
 
     def append(self, text: str) -> int:
         """Queue data; returns its version. It is computed in the background."""
-        self._check_open()
+        self.check_usable()
         if not isinstance(text, str) or not text:
             raise InvalidRequestError("data must be a non-empty string")
         return self.append_tokens(self.engine.sessions.format.data(text))
 
     def append_tokens(self, tokens: list[int]) -> int:
-        self._check_open()
+        self.check_usable()
         st = self.state
         if len(st.pending) + len(tokens) > BACKLOG_FACTOR * st.retention_tokens:
             raise CacheFullError(f"session {self.id} has {len(st.pending)} tokens of data waiting to be computed; "
@@ -143,6 +155,7 @@ class Session:
         st.version += 1
         st.version_ends.append((st.version, st.appended))
         self.service()
+        self.check_usable()
         return st.version
 
     def _update_visible(self) -> None:
@@ -163,10 +176,18 @@ class Session:
             and not (ready and ready.version < target)
 
     def service(self) -> None:
-        """Background work, after each engine step: drop old data, start the next ingest, ask
-        the flash questions whose answers are stale."""
-        if self.closed:
+        """Background work, after each engine step and each append: drop old data, start the next
+        ingest, ask the flash questions whose answers are stale. If it raises, this session fails
+        (fail()) and nothing else does: it runs inside every engine step."""
+        if self.closed or self.failure is not None:
             return
+        try:
+            self._service()
+        except Exception as exc:  # noqa: BLE001 - whatever it was, it is this session's alone
+            log.exception("session %s failed in its background work; it is stopped", self.id)
+            self.fail(f"{type(exc).__name__}: {exc}")
+
+    def _service(self) -> None:
         if self._ingest is None:
             self._start_ingest()
         for flash in self.flash.values():
@@ -178,6 +199,19 @@ class Session:
             opening = self.engine.sessions.format.answer_opening
             if (asked := self._ask_in_background(opening, READY_PARAMS, after_header=False)) is not None:
                 ready.running, ready.asking = asked.group, asked.version
+
+    def question_room(self) -> int:
+        """Positions a question and its answer always have, however full the data: regions 0-1
+        with the header never pass retention_tokens (_start_ingest evicts to keep them within)."""
+        return self.engine.max_model_len - self.state.retention_tokens
+
+    def _check_fits(self, what: str, tokens: int, max_tokens: int) -> None:
+        """A standing question (flash, ready position) must fit at any fill, or it is refused now
+        rather than failing in the background later."""
+        if tokens + max_tokens > self.question_room():
+            raise SessionFullError(f"{what} ({tokens} tokens) and its max_tokens ({max_tokens}) need more room than "
+                                   f"the session leaves when full ({self.question_room()} positions: max_model_len "
+                                   f"{self.engine.max_model_len} less retention_tokens {self.state.retention_tokens})")
 
     def _ask_in_background(self, suffix: list[int], params: SamplingParams, after_header: bool = True):
         """A flash question or the ready position, asked by the session itself: None if the pool has
@@ -271,7 +305,7 @@ class Session:
     def query(self, question: str, params: SamplingParams, request_id: str | None = None) -> "Answer | Question":
         """A kept answer if `question` is registered and answered at the current data version,
         else the Question computing the answer (submitted to the engine)."""
-        self._check_open()
+        self.check_usable()
         if not isinstance(question, str) or not question:
             raise InvalidRequestError("question must be a non-empty string")
         if params.n != 1:
@@ -340,11 +374,13 @@ class Session:
     # ---- flash questions --------------------------------------------------------------------
 
     def register(self, question: str) -> None:
-        self._check_open()
+        self.check_usable()
         if not isinstance(question, str) or not question:
             raise InvalidRequestError("a flash question must be a non-empty string")
         if question not in self.flash:
-            self.flash[question] = Flash(question, self.engine.sessions.format.question(question))
+            tokens = self.engine.sessions.format.question(question)
+            self._check_fits("the flash question", len(tokens), self.flash_params.max_tokens)
+            self.flash[question] = Flash(question, tokens)
 
     def subscribe(self, callback: Callable[[dict], None]) -> Callable[[], None]:
         """Call `callback(event)` (on the engine thread) with every flash answer from now on, after
@@ -367,26 +403,46 @@ class Session:
         blocks they read until they end)."""
         if self.closed:
             return
+        self._stop()
         self.closed = True
+
+    def fail(self, reason: str) -> None:
+        """Its background work raised: stop it and free the session's memory, tell its
+        subscribers, and answer SessionFailedError until its owner deletes it. Nobody else's
+        work is touched (SessionStore.service)."""
+        if self.closed or self.failure is not None:
+            return
+        self.failure = reason
+        for callback in list(self._subscribers):
+            callback({"error": {"message": f"session {self.id} failed: {reason}", "code": SessionFailedError.code}})
+        self._stop()
+
+    def _stop(self) -> None:
         for group in [self._ingest] + [item.running for item in self._standing()]:
             if group is not None:
                 self.engine.abort_request(group.request_id)
+        self._ingest = None
+        for item in self._standing():
+            item.running = None
         self.pool.release(self.blocks)
         self.blocks = []
         for callback in self._subscribers:
             callback(None)  # the end of the stream
         self._subscribers.clear()
 
-    def _check_open(self) -> None:
+    def check_usable(self) -> None:
+        """Raise SessionClosedError or SessionFailedError where the session can take no more work."""
         if self.closed:
             raise SessionClosedError(f"session {self.id} is closed")
+        if self.failure is not None:
+            raise SessionFailedError(f"session {self.id} failed ({self.failure}); delete it and create another")
 
     def info(self) -> dict:
         st = self.state
         return {"id": self.id, "object": "session", "version": st.version, "visible_version": st.visible_version,
                 "num_tokens": len(st.tokens), "frozen_tokens": st.num_frozen, "pending_tokens": len(st.pending),
                 "evicted_tokens": st.evicted, "retention_tokens": st.retention_tokens,
-                "flash": list(self.flash), "closed": self.closed,
+                "flash": list(self.flash), "closed": self.closed, "failed": self.failure,
                 "ready_exit": self.ready_exit.info() if self.ready_exit else None}
 
 

@@ -1,6 +1,11 @@
-"""SessionStore: the engine's open sessions, each visible only to the tenant that created it."""
+"""SessionStore: the engine's open sessions, each visible only to the tenant that created it.
+
+A session exists only once every limit of it has been checked and its first background work has
+started; its later background work runs after each engine step, and a failure there ends that
+session alone (Session.fail), never the step of everyone else."""
 
 from functools import cached_property
+from pathlib import Path
 
 from spanserve.errors import CacheFullError, InvalidRequestError, InvalidSessionError, SessionNotFoundError
 from spanserve.sampling import SamplingParams
@@ -50,9 +55,18 @@ class SessionStore:
         params = SamplingParams(temperature=0.0, max_tokens=flash_max_tokens)
         state = SessionState(tokens=[], num_frozen=len(frozen), pending=list(frozen), retention_tokens=retention,
                              appended=len(frozen))  # the instructions are version 0
+        # (the Session checks that its flash questions and ready position fit when it is full)
         session = Session(self.engine, state, tenant, flash=list(flash), flash_params=params, ready_exit=ready_exit)
-        self.sessions[session.id] = session
+        return self._open(session)
+
+    def _open(self, session: Session) -> Session:
+        """Start a checked session's background work, then register it: a session whose start
+        fails is closed, and never exists."""
         session.service()
+        if session.failure is not None:
+            session.close()
+            raise InvalidSessionError(f"the session could not start: {session.failure}")
+        self.sessions[session.id] = session
         return session
 
     def _reserve(self, retention_tokens: int, tenant: str | None) -> None:
@@ -75,17 +89,18 @@ class SessionStore:
                                  f"retention_tokens")
 
     def restore(self, path, tenant: str | None = None) -> Session:
-        """Open a session saved by persist.save (only for the tenant that saved it)."""
+        """Open a session saved by persist.save (only for the tenant that saved it: to any other, a
+        file that is there reads like one that is not)."""
+        if not Path(path).exists() or persist.tenant_of(path) != tenant:
+            raise SessionNotFoundError(f"no saved session {Path(path).stem!r}")
         session, kv = persist.load(self.engine, path)
         if session.tenant != tenant:
-            raise SessionNotFoundError(f"no session in {path}")
+            raise SessionNotFoundError(f"no saved session {Path(path).stem!r}")
         if session.id in self.sessions:
             raise InvalidRequestError(f"session {session.id} is already open")
         self._reserve(session.state.retention_tokens, tenant)
         persist.fill(session, kv)
-        self.sessions[session.id] = session
-        session.service()
-        return session
+        return self._open(session)
 
     def get(self, session_id: str, tenant: str | None = None) -> Session:
         session = self.sessions.get(session_id) if isinstance(session_id, str) else None
@@ -98,6 +113,7 @@ class SessionStore:
         del self.sessions[session_id]
 
     def service(self) -> None:
-        """After each engine step: every session's background work."""
+        """After each engine step: every session's background work (one that raises fails that
+        session alone: Session.service)."""
         for session in list(self.sessions.values()):
             session.service()
