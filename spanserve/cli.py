@@ -1,6 +1,7 @@
 """`spanserve`: generate, chat, demo and bench from the terminal."""
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -254,7 +255,7 @@ def cmd_serve(args) -> None:
 
     name = args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL)
     tenants = Tenants.load(args.api_key, args.api_keys)  # a bad keys file fails before the model loads
-    config = engine_config(args)
+    config = dataclasses.replace(engine_config(args), admission_timeout_s=args.queue_timeout or None)
     llm = AsyncLLM(lambda: LLMEngine(config))  # built on the thread that steps it
     retriever = None
     if args.corpus:
@@ -416,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model name clients pass")
     p.add_argument("--max-queued", type=int, default=None,
                    help="answer 429 beyond this many waiting sequences (n of each prompt, each call of a span query)")
+    p.add_argument("--queue-timeout", type=float, default=60,
+                   help="seconds a request may wait for room in the KV pool to start before a 503 with "
+                        "Retry-After (0: it waits as long as it takes)")
     p.add_argument("--max-body-mb", type=float, default=32, help="answer 413 to larger request bodies")
     p.add_argument("--max-query-calls", type=int, default=256, help="model calls of one span query (400 beyond)")
     p.add_argument("--max-query-depth", type=int, default=16, help="nesting of one span query (400 beyond)")

@@ -103,6 +103,15 @@ class SessionClosedError(InvalidRequestError):
     code = "session_closed"
 
 
+class AdmissionTimeoutError(SpanserveError):
+    """A request waited longer than the engine's admission_timeout_s for room to start (the KV
+    pool held by running work and sessions): the server's 503, with Retry-After."""
+
+    code = "admission_timeout"
+    status = 503
+    retry_after = 5
+
+
 class SessionFailedError(InvalidRequestError):
     """The session's background work failed: it was stopped and its memory freed. It answers
     this until its owner deletes it (409: the request is fine, the session's state is not)."""

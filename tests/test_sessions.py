@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import assert_engine_idle
+from helpers import assert_engine_idle, greedy, random_prompt
 
 from spanserve import LLM, SamplingParams
 from spanserve.engine.request import Priority
@@ -253,25 +253,32 @@ def test_bad_input_changes_no_other_session(llm):
 
 
 def test_sessions_must_fit_in_the_pool_together(tiny_llama_path):
-    small = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=40)
-    first = small.create_session(retention_tokens=480)  # 30 of the 36 blocks sessions may hold
-    with pytest.raises(CacheFullError, match="your sessions may hold 6 more"):
+    """Sessions share the pool less the room of one request of the model's whole length (512
+    tokens: 32 blocks here), which stays for stateless work however full the sessions are."""
+    small = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=70)
+    first = small.create_session(retention_tokens=480)  # 30 of the 38 blocks sessions may hold
+    with pytest.raises(CacheFullError, match="your sessions may hold 8 more"):
         small.create_session(retention_tokens=480)
+    longest = small.generate({"prompt_token_ids": random_prompt(500, seed=1)}, greedy(12))[0]
+    assert len(longest.outputs[0].token_ids) == 12  # a whole-length request still fits beside them
     first.close()
     small.create_session(retention_tokens=480).close()
     assert_engine_idle(small)
+    tight = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=40)
+    with pytest.raises(CacheFullError, match="keeps 32 for one request of the model's whole length"):
+        tight.create_session(retention_tokens=480)
 
 
 def test_one_tenant_cannot_take_the_room_of_the_others_sessions(tiny_llama_path):
-    small = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=40, session_tenant_share=0.5)
+    small = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=92, session_tenant_share=0.5)
     store = small.engine.sessions
-    a = [store.create(retention_tokens=160, tenant="a") for _ in range(2)]  # 20 of tenant a's 20 blocks
-    with pytest.raises(CacheFullError, match="your sessions may hold 0 more"):
-        store.create(retention_tokens=160, tenant="a")
-    b = store.create(retention_tokens=160, tenant="b")  # another tenant still has its share
+    a = [store.create(retention_tokens=320, tenant="a") for _ in range(2)]  # 40 of tenant a's 46 blocks
+    with pytest.raises(CacheFullError, match="your sessions may hold 6 more"):
+        store.create(retention_tokens=320, tenant="a")
+    b = store.create(retention_tokens=320, tenant="b")  # another tenant still has its share
     with pytest.raises(CacheFullError, match="the sessions' share of the KV pool") as full:
-        store.create(retention_tokens=160, tenant="c")  # 30 + 10 blocks > the 36 of all sessions
-    assert "20" not in str(full.value)  # nothing of the other tenants' use is told
+        store.create(retention_tokens=320, tenant="c")  # 60 + 20 blocks > the 60 of all sessions
+    assert "40" not in str(full.value)  # nothing of the other tenants' use is told
     for session in [*a, b]:
         store.close(session.id, tenant=session.tenant)
     assert_engine_idle(small)

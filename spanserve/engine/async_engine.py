@@ -192,6 +192,10 @@ class AsyncLLM:
                 if stream:
                     stream.put(RuntimeError(f"engine step failed: {exc}"))
             return
+        for request_id, exc in self.engine.take_failed().items():  # e.g. no room to start in time
+            stream = self._streams.pop(request_id, None)
+            if stream:
+                stream.put(exc)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:

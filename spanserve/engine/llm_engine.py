@@ -17,6 +17,7 @@ from spanserve.engine.runner import ModelRunner
 from spanserve.engine.sampler import Sample
 from spanserve.engine.scheduler import Scheduler
 from spanserve.errors import (
+    AdmissionTimeoutError,
     CacheFullError,
     EmptyPromptError,
     InvalidRequestError,
@@ -134,6 +135,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.background_chunk_tokens)
+        self.failed: dict[str, Exception] = {}  # request id -> why the engine ended it (take_failed)
         graph_batch = 0 if config.enforce_eager or self.device.type != "cuda" else config.max_num_seqs
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.kv_dtype, self.device,
                                   graph_batch=graph_batch, max_model_len=self.max_model_len,
@@ -369,6 +371,7 @@ class LLMEngine:
         requests). A step of background work alone then stops between two layers and changes
         nothing, so that the newcomer waits for one layer rather than a whole chunk; the chunk
         runs again later (scheduler.BackgroundPace paces the chunks and bounds the stops)."""
+        self._expire_waiting()
         self._select_links()
         batch = self.scheduler.schedule()
         if not batch:
@@ -405,6 +408,28 @@ class LLMEngine:
                 del self.groups[group.request_id]
         self.sessions.service()
         return outputs
+
+    def _expire_waiting(self) -> None:
+        """End the requests that found no room to start within admission_timeout_s (the pool held
+        by others), with AdmissionTimeoutError for their callers (take_failed)."""
+        timeout = self.config.admission_timeout_s
+        if timeout is None:
+            return
+        for req in self.scheduler.never_admitted(time.monotonic() - timeout):
+            group = self.groups.get(req.group_id)
+            if group is None or req.group_id in self.failed:
+                continue
+            blocks = self.kv.blocks_needed(req.num_tokens)
+            self.failed[req.group_id] = AdmissionTimeoutError(
+                f"no room to start this request within {timeout:g} s: it needs {blocks} KV blocks, and running "
+                f"requests and sessions hold {self.kv.pool.num_blocks - self.kv.pool.num_free} of "
+                f"{self.kv.pool.num_blocks}; retry later")
+            self.abort_request(req.group_id)
+
+    def take_failed(self) -> dict[str, Exception]:
+        """The requests the engine ended since the last call, by id, with the error for their caller."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def _settle_span_keys(self, req: Request) -> None:
         """A request whose prompt is computed decodes over its moved span keys at every step: give it

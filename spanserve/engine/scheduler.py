@@ -14,6 +14,10 @@ first, running requests then waiting ones of each class, so background work only
 the others leave. A waiting request that cannot be admitted preempts running requests of a less
 urgent class, at the step boundary. The background class (session ingest) runs only in steps
 with nothing else to do, a chunk at a time, paced by BackgroundPace.
+
+A waiting request whose blocks do not fit now does not hold up the smaller ones behind it: up to
+ADMIT_LOOKAHEAD of them are tried past it (it keeps its place at the head, and the engine ends
+it after admission_timeout_s if room never comes).
 """
 
 from collections import deque
@@ -21,6 +25,8 @@ from dataclasses import dataclass, field
 
 from spanserve.engine.request import Priority, Request, RequestStatus
 from spanserve.kv.manager import KVCacheManager
+
+ADMIT_LOOKAHEAD = 16  # waiting requests tried past one that does not fit, per class and step
 
 
 @dataclass
@@ -123,6 +129,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(len(self.waiting) or self.running)
 
+    def never_admitted(self, older_than: float) -> list[Request]:
+        """Waiting requests that arrived before `older_than` (time.monotonic) and have not started:
+        a preempted request started once, and is not among them."""
+        return [req for req in self.waiting if req.arrival_time < older_than and req.num_cached_tokens is None]
+
     def schedule(self) -> list[ScheduledRequest]:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
@@ -169,13 +180,19 @@ class Scheduler:
 
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int, priority: Priority) -> int:
         skipped: list[Request] = []
+        too_big = 0
         while (req := self.waiting.peek(priority)) is not None and budget > 0 and len(self.running) < self.max_num_seqs:
             if req.wait_for is not None and not req.wait_for.is_finished and req.wait_for.is_prefilling:
                 self.waiting.remove(req)
                 skipped.append(req)  # its sibling's prompt blocks will be cache hits soon
                 continue
             if not self._admit(req):
-                break
+                too_big += 1
+                if too_big > ADMIT_LOOKAHEAD:
+                    break
+                self.waiting.remove(req)
+                skipped.append(req)  # no room for it now: the smaller ones behind it may fit
+                continue
             item = plan(req, budget)
             if item.num_tokens:
                 scheduled.append(item)

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 
 from spanserve import __version__
 from spanserve.engine.async_engine import AsyncLLM
-from spanserve.errors import InvalidRequestError
+from spanserve.errors import AdmissionTimeoutError, InvalidRequestError
 from spanserve.kernels.threads import helper_thread
 from spanserve.outputs import RequestOutput
 from spanserve.server import openai_format as fmt
@@ -243,6 +243,21 @@ class Server:
                  f"{ttft:.3f}s" if ttft is not None else "-", elapsed)
 
 
+async def primed(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """`outputs` with its first item awaited now, before a stream's 200: a request the engine
+    ends before it starts (no room within admission_timeout_s) is then a 503 with Retry-After."""
+    first = await anext(outputs)
+
+    async def rest() -> AsyncIterator[RequestOutput]:
+        try:
+            yield first
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()
+    return rest()
+
+
 async def final_output(outputs: AsyncIterator[RequestOutput], http: Request) -> RequestOutput:
     """Drain a request; if the client goes away first, cancel it (which aborts it in the engine)."""
     async def drain():
@@ -337,6 +352,11 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         return error_response(status, str(exc), "NotFoundError" if status == 404 else "invalid_request_error",
                               code=getattr(exc, "code", None))
 
+    @app.exception_handler(AdmissionTimeoutError)
+    async def _no_room(_, exc: AdmissionTimeoutError):
+        return error_response(exc.status, str(exc), "server_overloaded", exc.code,
+                              headers={"Retry-After": str(exc.retry_after)})
+
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
         return error_response(exc.status, exc.message, exc.kind, exc.code, headers=exc.headers)
@@ -396,6 +416,8 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
             runs.append((text, ids, server.start(prompt, params)))
         server.admit([run for _, _, run in runs], len(runs) * body.n)
         if body.stream:
+            started = await asyncio.gather(*(primed(run) for _, _, run in runs))
+            runs = [(text, ids, run) for (text, ids, _), run in zip(runs, started)]
             return sse(fmt.stream_completion(runs, body, model_name, tokenizer))
         finals = await asyncio.gather(*(final_output(r, http) for _, _, r in runs))
         return fmt.completion_response(list(zip(runs, finals)), body, model_name, tokenizer)
@@ -415,7 +437,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         run = server.start(prompt, params)
         server.admit([run], body.n)
         if body.stream:
-            return sse(fmt.stream_chat(run, body, model_name, tokenizer))
+            return sse(fmt.stream_chat(await primed(run), body, model_name, tokenizer))
         return fmt.chat_response(await final_output(run, http), body, model_name, tokenizer)
 
     @app.post("/v1/spans", responses={200: {"model": SpanQueryResponse, "content": _SSE}, **_ERRORS})
@@ -464,6 +486,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
                 shown = len(text)
 
         task = asyncio.create_task(run_async(llm, tree, on_root, cache_salt=salt))
+        getter: asyncio.Task | None = None
         try:
             while not task.done() or not deltas.empty():
                 getter = asyncio.create_task(deltas.get())
@@ -473,8 +496,10 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
                 else:
                     getter.cancel()
             yield {"result": _query_body(task.result())}
-        finally:
+        finally:  # a client gone mid-stream: nothing of this query is left pending
             task.cancel()
+            if getter is not None:
+                getter.cancel()
 
     def _query_body(result) -> dict:
         return {"object": "span_query", "model": model_name, **result.to_json()}

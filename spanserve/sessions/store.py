@@ -74,10 +74,20 @@ class SessionStore:
         within its share. The message tells a tenant its own sessions' use, not the others'."""
         kv = self.engine.kv
         needed = kv.blocks_needed(retention_tokens)
+        # what sessions may pin: their share, less the room of one request of the model's whole length
+        # (a session-heavy neighbour cannot wedge the stateless requests out)
+        ceiling = kv.pool.num_blocks - kv.blocks_needed(self.engine.max_model_len)
 
         def room(sessions, share: float) -> int:
-            return int(share * kv.pool.num_blocks) - sum(kv.blocks_needed(s.state.retention_tokens) for s in sessions)
+            cap = min(int(share * kv.pool.num_blocks), ceiling)
+            return cap - sum(kv.blocks_needed(s.state.retention_tokens) for s in sessions)
 
+        if ceiling < needed:
+            raise CacheFullError(f"a session keeping {retention_tokens} tokens needs {needed} KV blocks, and this "
+                                 f"server's pool of {kv.pool.num_blocks} keeps {kv.pool.num_blocks - ceiling} for one "
+                                 f"request of the model's whole length ({self.engine.max_model_len} tokens): lower "
+                                 f"retention_tokens or give the server a larger pool (--num-blocks, "
+                                 f"--kv-cache-memory-gb)")
         own = room([s for s in self.sessions.values() if s.tenant == tenant], self.engine.config.session_tenant_share)
         if needed > own:
             raise CacheFullError(f"a session keeping {retention_tokens} tokens needs {needed} KV blocks; your "

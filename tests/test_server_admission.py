@@ -1,0 +1,103 @@
+"""A pool no tenant can wedge: a request that finds no room to start waits at most the engine's
+admission_timeout_s, then gets a 503 with Retry-After (streamed or not, before any byte), and
+never holds up the smaller requests queued behind it."""
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from helpers import assert_engine_idle, greedy, random_prompt
+from server_utils import ServerProcess
+
+from spanserve import LLM
+from spanserve.config import EngineConfig
+from spanserve.engine.async_engine import AsyncLLM
+from spanserve.engine.llm_engine import LLMEngine
+from spanserve.errors import AdmissionTimeoutError
+from spanserve.server.app import create_app
+
+
+def test_a_request_that_does_not_fit_now_does_not_hold_up_smaller_ones(tiny_llama_path):
+    llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=50)
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": random_prompt(500, seed=1)}, greedy(8), "first")
+    engine.step()  # it runs, holding 32 of the 50 blocks
+    engine.add_request({"prompt_token_ids": random_prompt(500, seed=2)}, greedy(8), "big")
+    engine.add_request({"prompt_token_ids": random_prompt(20, seed=3)}, greedy(8), "small")
+    engine.step()
+    running = {req.group_id for req in engine.scheduler.running}
+    assert running == {"first", "small"} and [r.group_id for r in engine.scheduler.waiting] == ["big"]
+    while engine.has_unfinished_requests():  # the big one starts once the first has finished
+        engine.step()
+    assert_engine_idle(llm)
+
+
+def test_a_request_with_no_room_to_start_ends_after_the_admission_timeout(tiny_llama_path):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), dtype="float32", num_blocks=50,
+                                    admission_timeout_s=0.2))
+    held = engine.kv.pool.allocate(40)  # others hold the pool
+    engine.add_request({"prompt_token_ids": random_prompt(300, seed=1)}, greedy(4), "big")
+    engine.add_request({"prompt_token_ids": random_prompt(20, seed=3)}, greedy(4), "small")
+    done = set()
+    started = time.monotonic()
+    while "big" not in engine.failed and time.monotonic() - started < 5:
+        done |= {out.request_id for out in engine.step() if out.finished}
+    failed = engine.take_failed()
+    assert isinstance(failed["big"], AdmissionTimeoutError) and "needs 19 KV blocks" in str(failed["big"])
+    assert "big" not in engine.groups and engine.take_failed() == {}
+    while engine.has_unfinished_requests():
+        done |= {out.request_id for out in engine.step() if out.finished}
+    assert done == {"small"}
+    engine.kv.pool.release(held)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_path):
+    llm = AsyncLLM(lambda: LLMEngine(EngineConfig(model=str(tiny_llama_path), dtype="float32", num_blocks=50,
+                                                  admission_timeout_s=0.3)))
+    yield llm, create_app(llm, "tiny")
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_server_answers_503_with_retry_after_and_serves_the_small_request(served, stream):
+    llm, app = served
+
+    async def run():
+        held = await llm.call(lambda: llm.engine.kv.pool.allocate(40))
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                big = {"prompt": random_prompt(300, seed=1), "max_tokens": 4, "stream": stream}
+                small = {"prompt": random_prompt(20, seed=2), "max_tokens": 4, "stream": stream}
+                return await asyncio.gather(client.post("/v1/completions", json=big),
+                                            client.post("/v1/completions", json=small))
+        finally:
+            await llm.call(lambda: llm.engine.kv.pool.release(held))
+
+    big, small = asyncio.run(run())
+    assert big.status_code == 503 and big.headers["retry-after"] == "5", big.text
+    assert big.json()["error"]["code"] == "admission_timeout" and "retry later" in big.json()["error"]["message"]
+    assert small.status_code == 200
+    assert ("[DONE]" in small.text) if stream else small.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_span_query_streams_dropped_mid_way_leave_no_task_pending(tiny_llama_path, tmp_path):
+    """Five /v1/spans streams dropped by their clients mid-way: the server logs no task destroyed
+    while pending (the stream's reader task used to be left behind), and stays idle after."""
+    query = {"g": {"input": {"cross": [{"plus": [{"g": {"input": {"user": f"Idea {i}."}, "max_tokens": 60}}
+                                              for i in range(3)]},
+                                       {"user": "Which is best?"}]}, "max_tokens": 60}}
+    log = tmp_path / "server.log"
+    server = ServerProcess(["--model", str(tiny_llama_path), "--dtype", "float32", "--num-blocks", "256"], log)
+    try:
+        for _ in range(5):
+            with httpx.stream("POST", f"{server.url}/v1/spans", json={"query": query, "stream": True},
+                              timeout=60) as reply:
+                assert reply.status_code == 200
+                next(line for line in reply.iter_lines() if line.startswith("data:"))  # then the client leaves
+        assert httpx.post(f"{server.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2},
+                          timeout=60).status_code == 200
+    finally:
+        server.stop()
+    assert "Task was destroyed but it is pending" not in log.read_text()
