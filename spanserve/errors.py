@@ -103,13 +103,32 @@ class SessionClosedError(InvalidRequestError):
     code = "session_closed"
 
 
-class AdmissionTimeoutError(SpanserveError):
-    """A request waited longer than the engine's admission_timeout_s for room to start (the KV
-    pool held by running work and sessions): the server's 503, with Retry-After."""
+class RetryLaterError(SpanserveError):
+    """Not the request's fault, and not for now: the server answers `status` with a Retry-After
+    of `retry_after` seconds."""
 
-    code = "admission_timeout"
+    code = "retry_later"
     status = 503
     retry_after = 5
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        if retry_after is not None:
+            self.retry_after = max(1, round(retry_after))
+
+
+class AdmissionTimeoutError(RetryLaterError):
+    """A request waited longer than the engine's admission_timeout_s for room to start (the KV
+    pool held by running work and sessions)."""
+
+    code = "admission_timeout"
+
+
+class TooSoonError(RetryLaterError):
+    """The same costly operation again before its interval (a session's save): 429."""
+
+    code = "rate_limited"
+    status = 429
 
 
 class SessionFailedError(InvalidRequestError):

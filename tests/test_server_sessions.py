@@ -187,6 +187,9 @@ def test_one_tenants_session_at_its_limits_never_fails_another_tenant(tiny_llama
         ingested(srv, "bob", kept)
         alice = request(srv, "alice", "POST", "/v1/sessions", {"system": "Mine."}).json()["id"]
         assert request(srv, "alice", "POST", f"/v1/sessions/{alice}/save").status_code == 200
+        again = request(srv, "alice", "POST", f"/v1/sessions/{alice}/save")  # saves are rate limited
+        assert_openai_error(again, 429, "saved less than")
+        assert 1 <= int(again.headers["retry-after"]) <= 5
         foreign = request(srv, "bob", "POST", f"/v1/sessions/{alice}/restore")
         missing = request(srv, "bob", "POST", "/v1/sessions/sess-0123456789abcdef0123456789abcdef/restore")
         assert_openai_error(foreign, 404)

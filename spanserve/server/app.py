@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 
 from spanserve import __version__
 from spanserve.engine.async_engine import AsyncLLM
-from spanserve.errors import AdmissionTimeoutError, InvalidRequestError
+from spanserve.errors import InvalidRequestError, RetryLaterError
 from spanserve.kernels.threads import helper_thread
 from spanserve.outputs import RequestOutput
 from spanserve.server import openai_format as fmt
@@ -352,8 +352,8 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         return error_response(status, str(exc), "NotFoundError" if status == 404 else "invalid_request_error",
                               code=getattr(exc, "code", None))
 
-    @app.exception_handler(AdmissionTimeoutError)
-    async def _no_room(_, exc: AdmissionTimeoutError):
+    @app.exception_handler(RetryLaterError)
+    async def _retry_later(_, exc: RetryLaterError):
         return error_response(exc.status, str(exc), "server_overloaded", exc.code,
                               headers={"Retry-After": str(exc.retry_after)})
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 
 from spanserve.engine.async_engine import AsyncLLM
-from spanserve.errors import InvalidRequestError, SessionNotFoundError
+from spanserve.errors import InvalidRequestError, SessionNotFoundError, TooSoonError
 from spanserve.server import openai_format as fmt
 from spanserve.server.protocol import (
     SessionAnswer,
@@ -33,6 +33,7 @@ from spanserve.sessions import persist
 from spanserve.sessions.session import SESSION_ID, Answer
 
 log = logging.getLogger("spanserve.server")
+SAVE_INTERVAL_S = 5.0  # a session is saved at most this often: a save copies all of its KV
 
 
 def _tenant(http: Request) -> str | None:
@@ -174,10 +175,24 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
 
         return sse(events())
 
+    last_saved: dict[str, float] = {}  # session id -> when its last save was taken
+
     @app.post("/v1/sessions/{session_id}/save", responses=errors)
     async def save_session(session_id: str, http: Request) -> dict:
+        """The session copied on the engine's thread between two steps, its file written off it."""
         tenant, path = _tenant(http), _file(session_dir, session_id)
-        await llm.call(lambda: persist.save(store.get(session_id, tenant), path))
+
+        def take():
+            session = store.get(session_id, tenant)  # another tenant's id: the 404 of none
+            wait = SAVE_INTERVAL_S - (time.monotonic() - last_saved.get(session_id, float("-inf")))
+            if wait > 0:
+                raise TooSoonError(f"session {session_id} was saved less than {SAVE_INTERVAL_S:g} s ago; "
+                                   f"retry in {wait:.1f} s", retry_after=wait)
+            last_saved[session_id] = time.monotonic()
+            return persist.snapshot(session)
+
+        snap = await llm.call(take)
+        await asyncio.to_thread(persist.write, snap, path)
         return {"id": session_id, "object": "session", "saved": True}
 
     @app.post("/v1/sessions/{session_id}/restore", responses=errors)

@@ -35,9 +35,18 @@ def kv_identity(engine) -> dict:
     return engine.derived["session_identity"]
 
 
-def save(session: Session, path: str | Path) -> Path:
-    """Write `session` to `path` (atomically: a crash leaves the old file or none)."""
-    engine, path = session.engine, Path(path)
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A session as it was at one moment, held apart from the engine: what save() writes."""
+
+    kv: torch.Tensor  # on the CPU, its own copy
+    meta: dict
+
+
+def snapshot(session: Session) -> Snapshot:
+    """Copy what a save writes, on the engine's thread (the session changes between steps); the
+    file is then written anywhere (write), so a large save does not stall the engine."""
+    engine = session.engine
     ids = torch.tensor([b.block_id for b in session.blocks], dtype=torch.long, device=engine.device)
     kv = engine.runner.kv_cache[:, :, ids].cpu().contiguous()
     state = dataclasses.asdict(session.state) | {"version_ends": list(session.state.version_ends)}
@@ -45,11 +54,22 @@ def save(session: Session, path: str | Path) -> Path:
             "flash": [[f.question, f.version, f.answer] for f in session.flash.values()],
             "flash_max_tokens": session.flash_params.max_tokens,
             "ready_exit": session.ready_exit.info() if session.ready_exit else None}
+    return Snapshot(kv, meta)
+
+
+def write(snap: Snapshot, path: str | Path) -> Path:
+    """Write a snapshot to `path` (atomically: a crash leaves the old file or none)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({"kv": kv}, str(tmp), metadata={"session": json.dumps(meta)})
+    save_file({"kv": snap.kv}, str(tmp), metadata={"session": json.dumps(snap.meta)})
     os.replace(tmp, path)
     return path
+
+
+def save(session: Session, path: str | Path) -> Path:
+    """Write `session` to `path` (snapshot and write, on the calling thread)."""
+    return write(snapshot(session), path)
 
 
 def load(engine, path: str | Path) -> tuple[Session, torch.Tensor]:
