@@ -16,10 +16,10 @@ class InvalidRequestError(SpanserveError, ValueError):
 class PromptTooLongError(InvalidRequestError):
     code = "context_length_exceeded"
 
-    def __init__(self, num_tokens: int, max_len: int):
+    def __init__(self, num_tokens: int, max_len: int, counted: str = ""):
         super().__init__(
-            f"prompt has {num_tokens} tokens but max_model_len={max_len}: a prompt may have at most "
-            f"{max_len - 1} tokens so that one can be generated (prompts are never truncated)"
+            f"prompt has {counted + ' ' if counted else ''}{num_tokens} tokens but max_model_len={max_len}: a "
+            f"prompt may have at most {max_len - 1} tokens so that one can be generated (prompts are never truncated)"
         )
         self.num_tokens = num_tokens
         self.max_len = max_len

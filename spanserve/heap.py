@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's maximum on 64-bit
 _done = False
+_libc = None
 
 
 def keep_freed_memory() -> bool:
@@ -24,7 +25,7 @@ def keep_freed_memory() -> bool:
     if _done:
         return True
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = _c()
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
@@ -34,3 +35,19 @@ def keep_freed_memory() -> bool:
         log.warning("mallopt refused the heap settings; large tensors keep mapping fresh pages")
     _done = ok
     return ok
+
+
+def give_back() -> None:
+    """Return the heap's free memory to the OS now (glibc's malloc_trim): after a large request
+    body, which the settings above would otherwise keep for the process's life. Milliseconds."""
+    try:
+        _c().malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _c() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return _libc

@@ -377,12 +377,20 @@ def test_cli_streams_a_csv_into_a_session(tiny_llama_path, tmp_path, capsys):
     assert "[10 rows, v3]" in out and "[flash v" in out and "31 rows:" in out
 
 
-def test_an_append_past_the_backlog_is_refused(llm):
+def test_an_append_past_the_backlog_is_refused(llm, monkeypatch):
+    """Data that can never fit the backlog (4 x retention_tokens) says so; data that fits once the
+    backlog is computed says to retry; data too long by its length alone is refused untokenized."""
     s = llm.create_session(system="Log.", retention_tokens=200)
     before = s.info()
-    with pytest.raises(CacheFullError, match="retry once they are"):
+    with pytest.raises(CacheFullError, match="can never fit .* backlog of 800 tokens"):
         s._session.append_tokens(list(range(100, 100 + 801)))
     assert s.info() == before  # nothing queued
+    s._session.append_tokens(list(range(100, 600)))
+    with pytest.raises(CacheFullError, match="retry once they are computed"):
+        s._session.append_tokens(list(range(100, 500)))
+    monkeypatch.setattr(llm.engine.sessions.format, "data", lambda text: pytest.fail("tokenized"))
+    with pytest.raises(CacheFullError, match="data of at least .* can never fit"):
+        s.append("x" * 10_000_000)
     s.close()
     assert_engine_idle(llm)
 

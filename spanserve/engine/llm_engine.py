@@ -11,6 +11,7 @@ import torch
 from spanserve.attention import get_backend
 from spanserve.comb.plugin import find_plugin
 from spanserve.config import EngineConfig
+from spanserve.engine import text_bound
 from spanserve.engine.detokenizer import IncrementalDetokenizer
 from spanserve.engine.request import HeldContext, Priority, Request, RequestOwner
 from spanserve.engine.runner import ModelRunner
@@ -217,6 +218,7 @@ class LLMEngine:
     def tokenize(self, prompt: PromptInput) -> TokenizedPrompt:
         """Token ids, span intervals and cache salt of a prompt in any accepted form."""
         if isinstance(prompt, str):
+            text_bound.refuse_beyond(len(prompt), self.max_model_len - 1, self.tokenizer)
             return TokenizedPrompt(prompt, self.tokenizer.encode(prompt))
         if is_parts_prompt(prompt):
             return TokenizedPrompt(None, *self._tokenize_parts(prompt))
@@ -238,6 +240,8 @@ class LLMEngine:
             "a prompt is a string, a list of str/Span parts, {'prompt': ...} or {'prompt_token_ids': [int, ...]}")
 
     def _tokenize_parts(self, parts, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+        chars = sum(len(getattr(part, "text", part)) for part in parts if isinstance(getattr(part, "text", part), str))
+        text_bound.refuse_beyond(chars, self.max_model_len - 1, self.tokenizer)
         return tokenize_parts(self.tokenizer, parts, self.config.block_size, self.pad_token_id, add_special_tokens)
 
     def chat_prompt(self, messages: list[dict]) -> dict:
@@ -245,6 +249,7 @@ class LLMEngine:
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise InvalidRequestError("each chat message must be a dict with 'role' and 'content'")
+        text_bound.refuse_beyond(sum(map(_content_chars, messages)), self.max_model_len - 1, self.tokenizer)
         ids, spans = self._tokenize_parts(chat_parts(self.tokenizer, messages), add_special_tokens=False)
         return {"prompt_token_ids": ids, "spans": spans}
 
@@ -492,3 +497,14 @@ class LLMEngine:
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_total_tokens:
             return ("length", None)
         return None
+
+
+def _content_chars(message: dict) -> int:
+    """Characters of a chat message's content: a string, or parts (str, Span, {"text": ...})."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return len(content)
+    if not isinstance(content, list):
+        return 0
+    texts = (getattr(part, "text", part.get("text") if isinstance(part, dict) else part) for part in content)
+    return sum(len(text) for text in texts if isinstance(text, str))

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from jinja2.exceptions import TemplateError
 from starlette.exceptions import HTTPException
 
-from spanserve import __version__
+from spanserve import __version__, heap
 from spanserve.engine.async_engine import AsyncLLM
 from spanserve.errors import InvalidRequestError, RetryLaterError
 from spanserve.kernels.threads import helper_thread
@@ -87,6 +87,9 @@ def _salt(http: Request, client_salt: str | None) -> str | None:
     return cache_salt(getattr(http.state, "tenant", None), client_salt)
 
 
+GIVE_BACK_BYTES = 1 << 20  # a request body past this returns the heap's free memory to the OS after it
+
+
 class BodyLimitMiddleware:
     """Refuses request bodies over `max_bytes` with a 413: by their Content-Length before reading
     any, else once the chunks read pass the limit (the body is read before the app runs, as
@@ -112,7 +115,7 @@ class BodyLimitMiddleware:
             if size > self.max_bytes:
                 return await _too_large(self.max_bytes)(scope, receive, send)
             more = message.get("more_body", False)
-        body = b"".join(chunks)
+        body, chunks = b"".join(chunks), None
 
         async def replay():
             nonlocal body
@@ -122,6 +125,8 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, replay, send)
+        if size > GIVE_BACK_BYTES:  # the body's copies (its text, its tokens) are garbage by now
+            await asyncio.to_thread(heap.give_back)
 
 
 def _too_large(limit: int) -> JSONResponse:

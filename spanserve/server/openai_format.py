@@ -24,7 +24,7 @@ def completion_prompts(prompt, spans, engine) -> list[tuple[str | None, dict]]:
         return [(None, {"prompt_token_ids": list(prompt), "spans": spans or []})]
     if not prompt:
         raise InvalidRequestError("prompt must not be empty")
-    return [(p, {"prompt_token_ids": engine.tokenizer.encode(p)}) if isinstance(p, str)
+    return [(p, {"prompt_token_ids": engine.tokenize(p).token_ids}) if isinstance(p, str)
             else (None, {"prompt_token_ids": list(p)}) for p in prompt]
 
 

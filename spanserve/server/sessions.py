@@ -106,6 +106,7 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
     async def append_data(session_id: str, body: SessionDataRequest, http: Request) -> dict:
         """Queue data; returns at once with its version (computed in the background)."""
         tenant = _tenant(http)
+        await llm.call(lambda: store.get(session_id, tenant).check_data_size(len(body.text)))  # before tokenizing
         tokens = await asyncio.to_thread(store.format.data, body.text)  # a long text: off the event loop
         version = await llm.call(lambda: store.get(session_id, tenant).append_tokens(tokens))
         return {"id": session_id, "object": "session.data", "version": version, "tokens": len(tokens)}

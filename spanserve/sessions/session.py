@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from spanserve.engine import text_bound
 from spanserve.engine.request import HeldContext, Priority, Request
 from spanserve.errors import (
     CacheFullError,
@@ -142,14 +143,27 @@ class Session:
         self.check_usable()
         if not isinstance(text, str) or not text:
             raise InvalidRequestError("data must be a non-empty string")
+        self.check_data_size(len(text))
         return self.append_tokens(self.engine.sessions.format.data(text))
+
+    def check_data_size(self, num_chars: int) -> None:
+        """Refuse, before it is tokenized, data that is too long for the backlog by its length alone."""
+        self._check_backlog(text_bound.fewest_tokens(num_chars, self.engine.tokenizer), "at least ")
+
+    def _check_backlog(self, num_tokens: int, counted: str = "") -> None:
+        st, limit = self.state, BACKLOG_FACTOR * self.state.retention_tokens
+        if num_tokens > limit:
+            raise CacheFullError(f"data of {counted}{num_tokens} tokens can never fit in session {self.id}'s backlog "
+                                 f"of {limit} tokens ({BACKLOG_FACTOR} x retention_tokens): append it in parts")
+        if len(st.pending) + num_tokens > limit:
+            raise CacheFullError(f"session {self.id} has {len(st.pending)} tokens of data waiting to be computed, and "
+                                 f"these {counted}{num_tokens} do not fit beside them in its backlog of {limit}: "
+                                 f"retry once they are computed")
 
     def append_tokens(self, tokens: list[int]) -> int:
         self.check_usable()
         st = self.state
-        if len(st.pending) + len(tokens) > BACKLOG_FACTOR * st.retention_tokens:
-            raise CacheFullError(f"session {self.id} has {len(st.pending)} tokens of data waiting to be computed; "
-                                 f"retry once they are (its backlog holds {BACKLOG_FACTOR} x retention_tokens)")
+        self._check_backlog(len(tokens))
         st.pending.extend(tokens)
         st.appended += len(tokens)
         st.version += 1
@@ -310,6 +324,9 @@ class Session:
             raise InvalidRequestError("question must be a non-empty string")
         if params.n != 1:
             raise InvalidRequestError("a question to a session takes n=1")
+        if (fewest := text_bound.fewest_tokens(len(question), self.engine.tokenizer)) > self.engine.max_model_len:
+            raise SessionFullError(f"the question ({len(question)} characters, so at least {fewest} tokens) is longer "
+                                   f"than the model's whole length ({self.engine.max_model_len})")
         flash, version = self.flash.get(question), self.state.visible_version
         if flash and flash.answer is not None and flash.version == version:
             return Answer(flash.answer, flash.version, flash_hit=True)

@@ -1,6 +1,8 @@
-"""A pool no tenant can wedge: a request that finds no room to start waits at most the engine's
-admission_timeout_s, then gets a 503 with Retry-After (streamed or not, before any byte), and
-never holds up the smaller requests queued behind it."""
+"""What one client does cannot hold up or wear down the server for the others: a request that
+finds no room to start waits at most the engine's admission_timeout_s, then gets a 503 with
+Retry-After (streamed or not, before any byte), and never holds up the smaller requests queued
+behind it; oversized texts are refused before they are tokenized, and the memory their bodies
+took goes back; a dropped stream leaves nothing running."""
 
 import asyncio
 import time
@@ -101,3 +103,35 @@ def test_span_query_streams_dropped_mid_way_leave_no_task_pending(tiny_llama_pat
     finally:
         server.stop()
     assert "Task was destroyed but it is pending" not in log.read_text()
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS"))
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="reads RSS from /proc")
+def test_oversized_texts_are_refused_untokenized_and_their_memory_goes_back(tiny_llama_path, tmp_path):
+    """30 MB prompts, as a completion, a chat and session data: each a 400 in well under a second
+    (tokenizing them took 9 s and kept gigabytes), and the server's RSS back within 10% after."""
+    server = ServerProcess(["--model", str(tiny_llama_path), "--dtype", "float32", "--num-blocks", "256"],
+                           tmp_path / "server.log")
+    big = "word " * 6_000_000
+    try:
+        url = server.url
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=60).is_success
+        session = httpx.post(f"{url}/v1/sessions", json={"system": "Log."}, timeout=60).json()["id"]
+        baseline = _rss_mb(server.proc.pid)
+        for _ in range(3):
+            for path, body in (("/v1/completions", {"prompt": big, "max_tokens": 2}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]}),
+                               (f"/v1/sessions/{session}/data", {"text": big})):
+                started = time.monotonic()
+                reply = httpx.post(f"{url}{path}", json=body, timeout=120)
+                assert reply.status_code == 400, reply.text
+                assert "at least" in reply.json()["error"]["message"] and time.monotonic() - started < 5
+        time.sleep(0.5)
+        assert _rss_mb(server.proc.pid) < 1.1 * baseline
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=60).is_success
+    finally:
+        server.stop()
