@@ -36,6 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "needs (fewer while requests keep arriving)")
     g.add_argument("--session-tenant-share", type=float, default=0.9,
                    help="share of the KV pool one tenant's (API key's) sessions may hold (all sessions: 0.9)")
+    g.add_argument("--session-flash-budget", type=int, default=EngineConfig.session_flash_budget,
+                   help="tokens of flash work one append may set off in a session (each flash question's "
+                        "tokens and its flash_max_tokens, summed)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--link-policy", default="auto", choices=["auto", *POLICIES],
                    help="default link policy of requests with position-independent spans (auto: comb where "
@@ -72,7 +75,7 @@ def engine_config(args) -> EngineConfig:
         num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb, kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         background_chunk_tokens=args.background_chunk_tokens, sparse_flows=args.sparse_flow,
-        session_tenant_share=args.session_tenant_share,
+        session_tenant_share=args.session_tenant_share, session_flash_budget=args.session_flash_budget,
         enable_prefix_caching=not args.no_prefix_caching,
         link_policy=args.link_policy, gap_length=args.gap_length,
         blend_ratio=args.blend_ratio, comb_plugin=args.comb_plugin, blend_layers=args.blend_layers,

@@ -44,6 +44,9 @@ class EngineConfig:
     # Sessions together may hold 90% of the KV pool; one tenant's (API key's) sessions this share
     # of it at most, so that one tenant cannot take the room every other tenant's sessions need.
     session_tenant_share: float = 0.9
+    # Tokens of flash work one append may set off in a session: each flash question's tokens and
+    # its flash_max_tokens, summed; a session asking more is refused when it registers them.
+    session_flash_budget: int = 4096
     # A request that could not start within this many seconds (no room in the pool for it now)
     # ends with AdmissionTimeoutError rather than waiting on: a server answers 503 with Retry-After.
     # None: it waits as long as it takes (the offline LLM, which queues its whole batch at once).
@@ -83,6 +86,8 @@ class EngineConfig:
                 "block_size, max_num_seqs, max_num_batched_tokens and background_chunk_tokens must be >= 1")
         if not 0 < self.session_tenant_share <= 1:
             raise InvalidRequestError(f"session_tenant_share must be in (0, 1], got {self.session_tenant_share}")
+        if self.session_flash_budget < 0:
+            raise InvalidRequestError(f"session_flash_budget must be >= 0, got {self.session_flash_budget}")
         if self.admission_timeout_s is not None and not self.admission_timeout_s > 0:
             raise InvalidRequestError(f"admission_timeout_s must be > 0, got {self.admission_timeout_s}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -577,7 +577,7 @@ def test_a_burst_is_counted_at_admission_before_any_request_starts():
         server = Server(SimpleNamespace(submit=lambda prompt, params, request_id: outputs()), "m", max_queued=2,
                         limits=QueryLimits())
         server._record = lambda *args: None
-        first, second, third = (server.start("p", None) for _ in range(3))
+        first, second, third = (server.start("p", None, None) for _ in range(3))
         server.admit([first], 1)
         server.admit([second], 1)
         with pytest.raises(APIError) as refused:
@@ -587,13 +587,13 @@ def test_a_burst_is_counted_at_admission_before_any_request_starts():
         assert server.queued == 1
         assert [out.finished async for out in second] == [True] and server.queued == 0
         with pytest.raises(APIError) as never:
-            server.admit([server.start("p", None)], 3)  # n=3: more than the queue holds, ever
+            server.admit([server.start("p", None, None)], 3)  # n=3: more than the queue holds, ever
         assert never.value.status == 400 and "3 model sequences" in never.value.message and server.queued == 0
-        burst = [server.start("p", None), server.start("p", None)]
+        burst = [server.start("p", None, None), server.start("p", None, None)]
         server.admit(burst, 2)  # one request of several prompts: admitted together
         assert server.queued == 2
         with pytest.raises(APIError):
-            server.admit([server.start("p", None)], 1)
+            server.admit([server.start("p", None, None)], 1)
 
     asyncio.run(scenario())
 

@@ -16,7 +16,7 @@ from spanserve import LLM
 from spanserve.config import EngineConfig
 from spanserve.engine.async_engine import AsyncLLM
 from spanserve.engine.llm_engine import LLMEngine
-from spanserve.errors import AdmissionTimeoutError
+from spanserve.errors import AdmissionTimeoutError, InvalidSessionError
 from spanserve.server.app import create_app
 
 
@@ -135,3 +135,42 @@ def test_oversized_texts_are_refused_untokenized_and_their_memory_goes_back(tiny
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=60).is_success
     finally:
         server.stop()
+
+
+def test_session_questions_and_flash_work_count_against_max_queued(tiny_llama_path):
+    """While the engine is busy, questions to a session take places in the queue like any request:
+    past --max-queued they get 429; an append whose flash questions find no room does too."""
+    llm = AsyncLLM(lambda: LLMEngine(EngineConfig(model=str(tiny_llama_path), dtype="float32", num_blocks=256)))
+    app = create_app(llm, "tiny", max_queued=4)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                     timeout=60) as client:
+            sid = (await client.post("/v1/sessions", json={"system": "Log.", "flash": ["Last?"]})).json()["id"]
+            busy = asyncio.ensure_future(llm.call(lambda: time.sleep(1.0)))  # the engine thread, held
+            await asyncio.sleep(0.1)
+            question = {"question": "What is the last value?", "max_tokens": 4}
+            asked = [asyncio.ensure_future(client.post(f"/v1/sessions/{sid}/query", json=question))
+                     for _ in range(7)]
+            await asyncio.sleep(0.3)  # all seven have asked (four hold the queue's places)
+            appended = await client.post(f"/v1/sessions/{sid}/data", json={"text": "t=1, value=5\n"})
+            replies = await asyncio.gather(*asked)
+            await busy
+            return appended, replies
+
+    appended, replies = asyncio.run(run())
+    llm.shutdown()
+    codes = sorted(r.status_code for r in replies)
+    assert codes == [200] * 4 + [429] * 3, [r.text for r in replies]
+    assert appended.status_code == 429 and appended.headers["retry-after"] == "1"
+
+
+def test_a_sessions_flash_work_per_append_is_bounded_and_told(tiny_llama_path):
+    llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=256, session_flash_budget=300)
+    with pytest.raises(InvalidSessionError, match="over this server's budget of 300"):
+        llm.create_session(system="Log.", flash=[f"Question {i}?" for i in range(8)], flash_max_tokens=30)
+    session = llm.create_session(system="Log.", flash=["Last value?"], flash_max_tokens=30)
+    info = session.info()
+    assert info["flash_budget_tokens"] == 300 and 30 < info["flash_tokens_per_append"] <= 60
+    session.close()
+    assert_engine_idle(llm)

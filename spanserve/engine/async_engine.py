@@ -63,14 +63,14 @@ class AsyncLLM:
         return self.engine.tokenizer
 
     async def generate(
-        self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None
+        self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None, tenant: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs as tokens arrive; the last has finished=True.
 
         Invalid requests raise before anything is queued. Leaving the iteration early
         (client disconnect, cancellation) aborts the request and frees its blocks.
         """
-        outputs = self.submit(prompt, params, request_id)
+        outputs = self.submit(prompt, params, request_id, tenant)
         try:
             async for out in outputs:
                 yield out
@@ -78,12 +78,12 @@ class AsyncLLM:
             await outputs.aclose()
 
     def submit(
-        self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None
+        self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None, tenant: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Like generate(), but an invalid request raises here, at once, rather than at the first
         iteration (a server must answer 400 before it starts streaming). The request reaches the
         engine when the iteration starts; an iterator never started costs nothing."""
-        group = self.engine.make_group(prompt, params, request_id)
+        group = self.engine.make_group(prompt, params, request_id, tenant=tenant)
         return self._outputs(group.request_id, lambda: self.engine.add_group(group))
 
     def submit_started(self, request_id: str, start: Callable[[], object]) -> AsyncIterator:

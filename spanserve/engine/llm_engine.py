@@ -274,9 +274,11 @@ class LLMEngine:
 
     def make_group(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None, *,
                    priority: Priority = Priority.STATELESS, held: HeldContext | None = None,
-                   prefill_only: bool = False, owner: RequestOwner | None = None) -> RequestGroup:
-        """Validate and tokenize a request without touching engine state (any thread). The
-        keywords are for extensions that run their own requests (sessions/): see Request."""
+                   prefill_only: bool = False, owner: RequestOwner | None = None,
+                   tenant: str | None = None) -> RequestGroup:
+        """Validate and tokenize a request without touching engine state (any thread). `tenant`:
+        whose work it is (a server's API key), for the scheduler's shares; the other keywords are
+        for extensions that run their own requests (sessions/): see Request."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams")
         tp = self.tokenize(prompt)
@@ -302,7 +304,7 @@ class LLMEngine:
                 prompt_token_ids=token_ids, params=child_params, eos_token_ids=self.eos_token_ids,
                 cache_salt=tp.cache_salt, max_total_tokens=self.max_model_len,
                 wait_for=children[0] if children and self.config.enable_prefix_caching else None,
-                priority=priority, held=held, prefill_only=prefill_only, owner=owner,
+                priority=priority, held=held, prefill_only=prefill_only, owner=owner, tenant=tenant,
                 sparse=SparseDecode(flow, params.sparse_budget, self.config.block_size, params.sparse_prefill)
                 if flow else None,
             ))

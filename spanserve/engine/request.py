@@ -58,6 +58,7 @@ class Request:
     wait_for: "Request | None" = None
     layout: PromptLayout | None = None  # position-independent spans of the prompt, if any
     priority: Priority = Priority.STATELESS
+    tenant: str | None = None  # whose work it is: steps are shared among tenants (scheduler.py)
     held: HeldContext | None = None  # KV it starts from, owned elsewhere
     prefill_only: bool = False  # done once its prompt is computed: nothing sampled (an ingest)
     owner: RequestOwner | None = None  # told when it ends

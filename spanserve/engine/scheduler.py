@@ -9,11 +9,14 @@ recomputed later (its full blocks usually come back as prefix-cache hits).
 A prompt with position-independent spans (pic/layout.py) computes its missing spans first,
 each as a sub-sequence of its own, then the rest in context, skipping the spans' tokens.
 
-Requests come in priority classes (request.Priority): a step serves class by class, most urgent
-first, running requests then waiting ones of each class, so background work only gets the budget
-the others leave. A waiting request that cannot be admitted preempts running requests of a less
-urgent class, at the step boundary. The background class (session ingest) runs only in steps
-with nothing else to do, a chunk at a time, paced by BackgroundPace.
+Requests come in lanes: their tenant (the API key's, None offline) and their priority class
+(request.Priority). A step serves lane by lane, running requests then waiting ones of each: the
+tenants that computed the fewest tokens lately first, and within a tenant its classes, most
+urgent first. So one tenant's urgent work (a session's questions and flash re-evaluations) comes
+before that tenant's other work, never before another tenant's share. A waiting request that
+cannot be admitted preempts running requests of a lane served after its own, at the step
+boundary. The background class (session ingest) runs only in steps with nothing else to do, a
+chunk at a time, paced by BackgroundPace.
 
 A waiting request whose blocks do not fit now does not hold up the smaller ones behind it: up to
 ADMIT_LOOKAHEAD of them are tried past it (it keeps its place at the head, and the engine ends
@@ -26,7 +29,15 @@ from dataclasses import dataclass, field
 from spanserve.engine.request import Priority, Request, RequestStatus
 from spanserve.kv.manager import KVCacheManager
 
-ADMIT_LOOKAHEAD = 16  # waiting requests tried past one that does not fit, per class and step
+ADMIT_LOOKAHEAD = 16  # waiting requests tried past one that does not fit, per lane and step
+# A tenant's recent work: the tokens computed for it, decayed by this much per step (about 20
+# steps' memory): the lanes of the tenant with the least go first.
+USAGE_DECAY = 0.95
+Lane = tuple[str | None, Priority]
+
+
+def lane(req: Request) -> Lane:
+    return req.tenant, req.priority
 
 
 @dataclass
@@ -51,33 +62,39 @@ class ScheduledRequest:
 
 
 class WaitQueue:
-    """Waiting requests: FIFO within each priority class, the most urgent class first."""
+    """Waiting requests: FIFO within each lane."""
 
     def __init__(self):
-        self._classes: dict[Priority, deque[Request]] = {p: deque() for p in Priority}
+        self._lanes: dict[Lane, deque[Request]] = {}
 
     def append(self, req: Request) -> None:
-        self._classes[req.priority].append(req)
+        self._lanes.setdefault(lane(req), deque()).append(req)
 
     def appendleft(self, req: Request) -> None:
-        self._classes[req.priority].appendleft(req)
+        self._lanes.setdefault(lane(req), deque()).appendleft(req)
 
-    def peek(self, priority: Priority | None = None) -> Request | None:
-        """The next request to admit (of `priority`, if given)."""
-        queues = [self._classes[priority]] if priority is not None else self._classes.values()
-        return next((q[0] for q in queues if q), None)
+    def peek(self, of: Lane) -> Request | None:
+        """The next request of lane `of` to admit."""
+        queue = self._lanes.get(of)
+        return queue[0] if queue else None
 
     def remove(self, req: Request) -> None:
-        self._classes[req.priority].remove(req)
+        queue = self._lanes[lane(req)]
+        queue.remove(req)
+        if not queue:
+            del self._lanes[lane(req)]
+
+    def lanes(self) -> list[Lane]:
+        return list(self._lanes)
 
     def __contains__(self, req: Request) -> bool:
-        return req in self._classes[req.priority]
+        return req in self._lanes.get(lane(req), ())
 
     def __len__(self) -> int:
-        return sum(map(len, self._classes.values()))
+        return sum(map(len, self._lanes.values()))
 
     def __iter__(self):
-        return (req for q in self._classes.values() for req in q)
+        return (req for q in list(self._lanes.values()) for req in q)
 
 
 class BackgroundPace:
@@ -120,8 +137,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.background = BackgroundPace(background_chunk_tokens, kv.block_size)
         self.waiting = WaitQueue()
-        self.running: list[Request] = []  # by priority class, then admission order
+        self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self.usage: dict[str | None, float] = {}  # tenant -> its recent tokens (USAGE_DECAY)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -137,31 +155,59 @@ class Scheduler:
     def schedule(self) -> list[ScheduledRequest]:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        self._yield_to_urgent()
-        for priority in Priority:
-            if priority == Priority.INGEST:  # background: only in a step nothing else needs
+        order = self._lane_order()
+        rank = {each: i for i, each in enumerate(order)}
+        self._yield_to_urgent(order, rank)
+        for each in order:
+            if each[1] == Priority.INGEST:  # background: only in a step nothing else needs
                 if scheduled:
                     break
                 budget = min(budget, self.background.tokens)
-            budget = self._schedule_running(scheduled, budget, priority)
-            budget = self._admit_waiting(scheduled, budget, priority)
+            budget = self._schedule_running(scheduled, budget, each, rank)
+            budget = self._admit_waiting(scheduled, budget, each)
+        self._charge(scheduled)
         return scheduled
 
-    def _yield_to_urgent(self) -> None:
-        """Preempt running requests of a less urgent class (the least urgent, newest first) while
-        they keep the most urgent waiting request out."""
-        while (head := self.waiting.peek()) is not None and self.running:
-            if self.running[-1].priority <= head.priority:
+    def _lane_order(self) -> list[Lane]:
+        """The lanes with work, in the order a step serves them: background last; then the tenant
+        with the least recent work first; within a tenant, the most urgent class first."""
+        lanes = {lane(req) for req in self.running} | set(self.waiting.lanes())
+        return sorted(lanes, key=lambda each: (each[1] == Priority.INGEST, self.usage.get(each[0], 0.0), each[1],
+                                               str(each[0])))
+
+    def _charge(self, scheduled: list[ScheduledRequest]) -> None:
+        """Each tenant's recent work, with this step's tokens."""
+        for tenant in list(self.usage):
+            self.usage[tenant] *= USAGE_DECAY
+            if self.usage[tenant] < 1:
+                del self.usage[tenant]
+        for item in scheduled:
+            tenant = item.request.tenant
+            self.usage[tenant] = self.usage.get(tenant, 0.0) + item.num_tokens
+
+    def _victim(self, rank: dict[Lane, int]) -> Request:
+        """Take out the running request to preempt: of the lane served last, the newest (the least
+        work to redo)."""
+        i = max(range(len(self.running)), key=lambda i: (rank.get(lane(self.running[i]), len(rank)), i))
+        return self.running.pop(i)
+
+    def _yield_to_urgent(self, order: list[Lane], rank: dict[Lane, int]) -> None:
+        """Preempt running requests of lanes served later (the last, newest first) while they keep
+        the first waiting request out."""
+        while (head := next((self.waiting.peek(each) for each in order if self.waiting.peek(each)), None)) \
+                is not None and self.running:
+            if max(rank[lane(req)] for req in self.running) <= rank[lane(head)]:
                 return
             if len(self.running) < self.max_num_seqs and self._admit(head):
                 continue
-            self._preempt(self.running.pop())
+            self._preempt(self._victim(rank))
 
-    def _schedule_running(self, scheduled: list[ScheduledRequest], budget: int, priority: Priority) -> int:
+    def _schedule_running(self, scheduled: list[ScheduledRequest], budget: int, of: Lane,
+                          rank: dict[Lane, int]) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.priority != priority:
+            if lane(req) != of:
                 i += 1
                 continue
             item = plan(req, budget)
@@ -169,19 +215,20 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, item.end):
-                victim = self.running.pop()  # least urgent and newest: it has the least work to redo
+                victim = self._victim(rank)
                 self._preempt(victim)
                 if victim is req:
                     return budget
+                i = self.running.index(req)  # the victim may have come before it
             scheduled.append(item)
             budget -= item.num_tokens
             i += 1
         return budget
 
-    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int, priority: Priority) -> int:
+    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int, of: Lane) -> int:
         skipped: list[Request] = []
         too_big = 0
-        while (req := self.waiting.peek(priority)) is not None and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (req := self.waiting.peek(of)) is not None and budget > 0 and len(self.running) < self.max_num_seqs:
             if req.wait_for is not None and not req.wait_for.is_finished and req.wait_for.is_prefilling:
                 self.waiting.remove(req)
                 skipped.append(req)  # its sibling's prompt blocks will be cache hits soon
@@ -207,8 +254,7 @@ class Scheduler:
             return False
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
-        after = next((i for i, r in enumerate(self.running) if r.priority > req.priority), len(self.running))
-        self.running.insert(after, req)
+        self.running.append(req)
         return True
 
     def _preempt(self, req: Request) -> None:

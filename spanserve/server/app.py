@@ -36,7 +36,7 @@ from spanserve.server.protocol import (
     Version,
 )
 from spanserve.server.sessions import add_session_routes, session_lifespan
-from spanserve.server.tenants import Tenants, cache_salt
+from spanserve.server.tenants import Tenants, cache_salt, tenant_of
 from spanserve.spans.api import prepare, run_async
 from spanserve.spans.ir import Generate, QueryError
 from spanserve.spans.limits import QueryLimits
@@ -84,7 +84,7 @@ class AuthMiddleware:
 
 def _salt(http: Request, client_salt: str | None) -> str | None:
     """The cache salt of a request: its tenant's namespace (when keys name tenants) and the client's."""
-    return cache_salt(getattr(http.state, "tenant", None), client_salt)
+    return cache_salt(tenant_of(http), client_salt)
 
 
 GIVE_BACK_BYTES = 1 << 20  # a request body past this returns the heap's free memory to the OS after it
@@ -201,12 +201,17 @@ class Server:
                            f"{max_tokens or 1} for the completion).", code="context_length_exceeded")
         return max_tokens if max_tokens is not None else room
 
-    def start(self, prompt, params) -> AsyncIterator[RequestOutput]:
+    def start(self, prompt, params, tenant: str | None) -> AsyncIterator[RequestOutput]:
         """Validate one engine request now (an invalid one raises InvalidRequestError, a 400, before any
         response starts) and return its cumulative outputs, which keep the metrics and the log line."""
         request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+        return self.track(request_id, self.llm.submit(prompt, params, request_id, tenant))
+
+    def track(self, request_id: str, outputs: AsyncIterator) -> AsyncIterator:
+        """`outputs` of one engine request with its place among the waiting (admit) and its metrics
+        and log line (an extension's request too: a question to a session)."""
         place = _Place(self)
-        run = self._run(request_id, self.llm.submit(prompt, params, request_id), place)
+        run = self._run(request_id, outputs, place)
         self._places[run] = place
         weakref.finalize(run, place.release)  # a run that never starts (a 429, a client gone) gives it back
         return run
@@ -230,7 +235,7 @@ class Server:
 
     def _record(self, request_id: str, status: str, out: RequestOutput | None, elapsed: float) -> None:
         self.metrics.requests[status] += 1
-        if out is None:
+        if not isinstance(out, RequestOutput):  # none, or an answer an extension had kept
             log.info("%s %s prompt=0 cached=0 generated=0 total=%.3fs", request_id, status, elapsed)
             return
         generated = sum(len(c.token_ids) for c in out.outputs)
@@ -418,7 +423,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
             ids = prompt["prompt_token_ids"]
             max_tokens = server.check_length(ids, body.max_tokens)
             params = body.sampling_params(max_tokens, body.logprobs, vocab_size)
-            runs.append((text, ids, server.start(prompt, params)))
+            runs.append((text, ids, server.start(prompt, params, tenant_of(http))))
         server.admit([run for _, _, run in runs], len(runs) * body.n)
         if body.stream:
             started = await asyncio.gather(*(primed(run) for _, _, run in runs))
@@ -439,7 +444,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         max_tokens = server.check_length(prompt["prompt_token_ids"], body.max_completion_tokens or body.max_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, top, vocab_size)
-        run = server.start(prompt, params)
+        run = server.start(prompt, params, tenant_of(http))
         server.admit([run], body.n)
         if body.stream:
             return sse(fmt.stream_chat(await primed(run), body, model_name, tokenizer))
@@ -455,9 +460,9 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         salt = _salt(http, body.cache_salt)
         if body.stream:
             server.check_room(calls)  # a 400 or 429 before the stream's 200
-            return sse(_stream_query(tree, calls, salt))
+            return sse(_stream_query(tree, calls, salt, tenant_of(http)))
         with server.reserved(calls):
-            task = asyncio.create_task(run_async(llm, tree, cache_salt=salt))
+            task = asyncio.create_task(run_async(llm, tree, cache_salt=salt, tenant=tenant_of(http)))
             while not task.done():
                 await asyncio.wait({task}, timeout=0.25)
                 if not task.done() and await http.is_disconnected():
@@ -474,12 +479,12 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
         return tree, server.limits.check(tree, llm.engine.max_model_len, count)
 
-    async def _stream_query(tree, calls: int, salt: str | None) -> AsyncIterator[dict]:
+    async def _stream_query(tree, calls: int, salt: str | None, tenant: str | None) -> AsyncIterator[dict]:
         with server.reserved(calls):
-            async for chunk in _query_chunks(tree, salt):
+            async for chunk in _query_chunks(tree, salt, tenant):
                 yield chunk
 
-    async def _query_chunks(tree, salt: str | None) -> AsyncIterator[dict]:
+    async def _query_chunks(tree, salt: str | None, tenant: str | None) -> AsyncIterator[dict]:
         deltas: asyncio.Queue = asyncio.Queue()
         shown = 0
 
@@ -490,7 +495,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
                 deltas.put_nowait({"delta": text[shown:]})
                 shown = len(text)
 
-        task = asyncio.create_task(run_async(llm, tree, on_root, cache_salt=salt))
+        task = asyncio.create_task(run_async(llm, tree, on_root, cache_salt=salt, tenant=tenant))
         getter: asyncio.Task | None = None
         try:
             while not task.done() or not deltas.empty():

@@ -343,7 +343,10 @@ class SessionInfo(BaseModel):
     evicted_tokens: int
     retention_tokens: int
     flash: list[str]
+    flash_tokens_per_append: int  # the work its flash questions set off after each append
+    flash_budget_tokens: int  # the most this server lets a session's flash questions set off
     closed: bool
+    failed: str | None = None  # why its background work stopped (then it answers 409 until deleted)
     ready_exit: dict | None = None
 
 

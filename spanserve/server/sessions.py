@@ -29,15 +29,12 @@ from spanserve.server.protocol import (
     SessionInfo,
     SessionQueryRequest,
 )
+from spanserve.server.tenants import tenant_of
 from spanserve.sessions import persist
 from spanserve.sessions.session import SESSION_ID, Answer
 
 log = logging.getLogger("spanserve.server")
 SAVE_INTERVAL_S = 5.0  # a session is saved at most this often: a save copies all of its KV
-
-
-def _tenant(http: Request) -> str | None:
-    return getattr(http.state, "tenant", None)
 
 
 def _file(session_dir: Path | None, session_id: str) -> Path:
@@ -85,7 +82,7 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
     @app.post("/v1/sessions", responses=errors)
     async def create_session(body: SessionCreateRequest, http: Request) -> SessionInfo:
         server.check_model(body.model)
-        tenant = _tenant(http)
+        tenant = tenant_of(http)
         return await llm.call(lambda: store.create(body.system, body.retention_tokens, body.flash, tenant,
                                                    body.flash_max_tokens, body.exit_answers,
                                                    body.exit_threshold).info())
@@ -94,7 +91,7 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
     @app.api_route("/v1/sessions/{session_id}", methods=["GET", "DELETE"], responses=errors)
     async def session(session_id: str, http: Request) -> dict:
         """GET: the session's state. DELETE: close it (and forget its saved file)."""
-        tenant = _tenant(http)
+        tenant = tenant_of(http)
         if http.method == "GET":
             return await llm.call(lambda: store.get(session_id, tenant).info())
         await llm.call(lambda: store.close(session_id, tenant))
@@ -105,8 +102,16 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
     @app.post("/v1/sessions/{session_id}/data", responses=errors)
     async def append_data(session_id: str, body: SessionDataRequest, http: Request) -> dict:
         """Queue data; returns at once with its version (computed in the background)."""
-        tenant = _tenant(http)
-        await llm.call(lambda: store.get(session_id, tenant).check_data_size(len(body.text)))  # before tokenizing
+        tenant = tenant_of(http)
+
+        def check():
+            session = store.get(session_id, tenant)
+            session.check_data_size(len(body.text))  # before it is tokenized
+            return len(session.flash)
+
+        flash_questions = await llm.call(check)
+        if flash_questions:  # the questions it sets off queue like requests (--max-queued): room for them now
+            server.check_room(flash_questions)
         tokens = await asyncio.to_thread(store.format.data, body.text)  # a long text: off the event loop
         version = await llm.call(lambda: store.get(session_id, tenant).append_tokens(tokens))
         return {"id": session_id, "object": "session.data", "version": version, "tokens": len(tokens)}
@@ -114,7 +119,7 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
     @app.post("/v1/sessions/{session_id}/query", responses=errors)
     async def query_session(session_id: str, body: SessionQueryRequest, http: Request):
         server.check_model(body.model)
-        tenant, params = _tenant(http), body.sampling_params(body.max_tokens, None, vocab_size)
+        tenant, params = tenant_of(http), body.sampling_params(body.max_tokens, None, vocab_size)
         request_id, seen = f"sq-{uuid.uuid4().hex[:24]}", {}
 
         def start():
@@ -124,7 +129,8 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
             seen["version"] = result.version
             return result.group
 
-        run = llm.submit_started(request_id, start)
+        run = server.track(request_id, llm.submit_started(request_id, start))
+        server.admit([run], 1)  # a question queues like any request (--max-queued)
         first = await anext(run)  # a bad question is a 4xx here, before any response starts
         if body.stream:
             return sse(_answer_chunks(first, run, seen, session_id, request_id))
@@ -160,7 +166,7 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
     @app.get("/v1/sessions/{session_id}/flash", responses=errors)
     async def flash_events(session_id: str, http: Request):
         """Server-sent events: each registered question's answer, now and after each ingest."""
-        tenant, loop, queue = _tenant(http), asyncio.get_running_loop(), asyncio.Queue()
+        tenant, loop, queue = tenant_of(http), asyncio.get_running_loop(), asyncio.Queue()
 
         def push(event):
             loop.call_soon_threadsafe(queue.put_nowait, event)
@@ -181,7 +187,7 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
     @app.post("/v1/sessions/{session_id}/save", responses=errors)
     async def save_session(session_id: str, http: Request) -> dict:
         """The session copied on the engine's thread between two steps, its file written off it."""
-        tenant, path = _tenant(http), _file(session_dir, session_id)
+        tenant, path = tenant_of(http), _file(session_dir, session_id)
 
         def take():
             session = store.get(session_id, tenant)  # another tenant's id: the 404 of none
@@ -199,7 +205,7 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
     @app.post("/v1/sessions/{session_id}/restore", responses=errors)
     async def restore_session(session_id: str, http: Request) -> SessionInfo:
         """Open a session saved with .../save (by the same API key)."""
-        tenant, path = _tenant(http), _file(session_dir, session_id)
+        tenant, path = tenant_of(http), _file(session_dir, session_id)
         if not path.exists():
             raise SessionNotFoundError(f"no saved session {session_id!r}")
         return await llm.call(lambda: store.restore(path, tenant).info())

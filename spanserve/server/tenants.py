@@ -65,3 +65,8 @@ def cache_salt(tenant: str | None, salt: str | None) -> str | None:
     if tenant is None:
         return salt
     return json.dumps([tenant, salt])
+
+
+def tenant_of(http) -> str | None:
+    """The tenant of a request's API key (AuthMiddleware sets it), None on a server without keys."""
+    return getattr(http.state, "tenant", None)

@@ -39,6 +39,7 @@ from spanserve.engine.request import HeldContext, Priority, Request
 from spanserve.errors import (
     CacheFullError,
     InvalidRequestError,
+    InvalidSessionError,
     SessionClosedError,
     SessionFailedError,
     SessionFullError,
@@ -360,7 +361,7 @@ class Session:
         """Start a request continuing from `held` (whose references it releases when it ends)."""
         try:
             group = self.engine.make_group({"prompt_token_ids": prompt}, params, request_id, priority=priority,
-                                           held=held, prefill_only=prefill_only, owner=self)
+                                           held=held, prefill_only=prefill_only, owner=self, tenant=self.tenant)
             self.engine.add_group(group)
         except Exception:
             self.pool.release(held.blocks)
@@ -397,7 +398,17 @@ class Session:
         if question not in self.flash:
             tokens = self.engine.sessions.format.question(question)
             self._check_fits("the flash question", len(tokens), self.flash_params.max_tokens)
+            cost, budget = self.flash_tokens_per_append() + len(tokens) + self.flash_params.max_tokens, \
+                self.engine.config.session_flash_budget
+            if cost > budget:
+                raise InvalidSessionError(f"with this flash question, the session's flash work would be {cost} tokens "
+                                          f"per append (each question's tokens and flash_max_tokens), over this "
+                                          f"server's budget of {budget} (session_flash_budget)")
             self.flash[question] = Flash(question, tokens)
+
+    def flash_tokens_per_append(self) -> int:
+        """The work its flash questions set off after each append: their tokens and their answers'."""
+        return sum(len(flash.tokens) + self.flash_params.max_tokens for flash in self.flash.values())
 
     def subscribe(self, callback: Callable[[dict], None]) -> Callable[[], None]:
         """Call `callback(event)` (on the engine thread) with every flash answer from now on, after
@@ -459,7 +470,9 @@ class Session:
         return {"id": self.id, "object": "session", "version": st.version, "visible_version": st.visible_version,
                 "num_tokens": len(st.tokens), "frozen_tokens": st.num_frozen, "pending_tokens": len(st.pending),
                 "evicted_tokens": st.evicted, "retention_tokens": st.retention_tokens,
-                "flash": list(self.flash), "closed": self.closed, "failed": self.failure,
+                "flash": list(self.flash), "flash_tokens_per_append": self.flash_tokens_per_append(),
+                "flash_budget_tokens": self.engine.config.session_flash_budget,
+                "closed": self.closed, "failed": self.failure,
                 "ready_exit": self.ready_exit.info() if self.ready_exit else None}
 
 

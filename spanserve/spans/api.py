@@ -31,13 +31,14 @@ def query_tokenizer(engine: LLMEngine) -> QueryTokenizer:
     return QueryTokenizer(fmt, engine.config.block_size, engine.pad_token_id, anchor)
 
 
-async def run_async(llm, tree: Node, on_root_output=None, cache_salt: str | None = None) -> QueryResult:
+async def run_async(llm, tree: Node, on_root_output=None, cache_salt: str | None = None,
+                    tenant: str | None = None) -> QueryResult:
     """Run an optimized query on an AsyncLLM (the server's engine); every call carries `cache_salt`
-    (the tenant's cache namespace on a server with keys)."""
+    (the tenant's cache namespace on a server with keys) and counts in `tenant`'s share of steps."""
 
     async def complete(prompt: dict, params: SamplingParams, on_output=None) -> RequestOutput:
         final = None
-        async for out in llm.generate({**prompt, "cache_salt": cache_salt}, params):
+        async for out in llm.generate({**prompt, "cache_salt": cache_salt}, params, tenant=tenant):
             final = out
             if on_output is not None:
                 on_output(out)
