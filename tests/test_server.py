@@ -574,7 +574,7 @@ def test_a_burst_is_counted_at_admission_before_any_request_starts():
         yield SimpleNamespace(outputs=[], finished=True)
 
     async def scenario():
-        server = Server(SimpleNamespace(submit=lambda prompt, params, request_id: outputs()), "m", max_queued=2,
+        server = Server(SimpleNamespace(submit=lambda prompt, params, request_id, tenant: outputs()), "m", max_queued=2,
                         limits=QueryLimits())
         server._record = lambda *args: None
         first, second, third = (server.start("p", None, None) for _ in range(3))
