@@ -12,7 +12,14 @@ Reports, per kind: requests, statuses, errors (5xx, or a broken connection the c
 cause), p50/p99 latency; and RSS at the start, peak and end. JSON in benchmarks/results/soak.json
 and a plot (RSS and blocks over time) beside it.
 
-    spanserve bench soak [--clients 64] [--minutes 10] [--model M]
+With --session-clients N the server gets two tenants (API keys), and the run has two phases of
+--minutes each: the clients above as one tenant alone, then the same clients beside N clients of
+a second tenant that each keep a session near its limits (retention close to the model's length,
+flash questions, data appended as fast as its backlog takes it, questions between). The report
+gives the first tenant's p50/p99 per kind in both phases and their ratio: what a session-heavy
+neighbour costs a stateless tenant.
+
+    spanserve bench soak [--clients 64] [--minutes 10] [--model M] [--session-clients 8]
 """
 
 import argparse
@@ -29,7 +36,9 @@ from benchmarks.serve import make_prompt, percentile
 from benchmarks.server_process import ServerProcess, metrics
 
 KINDS = ("completion", "chat", "chat_spans", "stream_dropped", "abandoned", "span_query")
+SESSION_KINDS = ("session_append", "session_query")
 ABANDON_AFTER_S = 0.3
+KEYS = {"stateless": "soak-key-stateless", "sessions": "soak-key-sessions"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between RSS / KV samples")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--serve-args", default="", help="extra `spanserve serve` arguments, space separated")
+    parser.add_argument("--session-clients", type=int, default=0,
+                        help="a second tenant's clients, each running a session near its limits (then the run has "
+                             "a phase without them and one with them)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/soak.json)")
     parser.add_argument("--no-chart", action="store_true")
@@ -93,9 +105,9 @@ async def _one(http: httpx.AsyncClient, kind: str, rng: random.Random, docs: lis
 
 
 async def _client(url: str, index: int, deadline: float, seed: int, docs: list[str], max_tokens: int,
-                  records: list) -> None:
+                  records: list, headers: dict | None = None) -> None:
     rng = random.Random(seed * 1000 + index)
-    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=300, headers=headers) as http:
         while time.monotonic() < deadline:
             kind = rng.choice(KINDS)
             start = time.monotonic()
@@ -105,6 +117,43 @@ async def _client(url: str, index: int, deadline: float, seed: int, docs: list[s
                 status, error = -1, type(exc).__name__
             records.append({"kind": kind, "status": status, "error": error, "start": start,
                             "latency_s": time.monotonic() - start})
+
+
+async def _session_client(url: str, index: int, deadline: float, seed: int, records: list) -> None:
+    """A tenant's session kept near its limits: retention close to the model's length, two flash
+    questions, data appended as fast as the backlog takes it, a question after every few appends."""
+    rng = random.Random(seed * 7919 + index)
+    headers = {"Authorization": f"Bearer {KEYS['sessions']}"}
+    async with httpx.AsyncClient(base_url=url, timeout=300, headers=headers) as http:
+        max_len = (await http.get("/v1/models")).json()["data"][0]["max_model_len"]
+        created = await http.post("/v1/sessions", json={
+            "system": "Answer from the log.", "retention_tokens": max_len - 64,
+            "flash": ["What is the last value?", "Which sensor is last?"], "flash_max_tokens": 16})
+        records.append({"kind": "session_append", "status": created.status_code, "error": None,
+                        "start": time.monotonic(), "latency_s": 0.0})
+        if created.status_code != 200:
+            return
+        sid, appended = created.json()["id"], 0
+        try:
+            while time.monotonic() < deadline:
+                rows = "".join(f"t={appended + i}, sensor={rng.choice('ABC')}, value={rng.randrange(100)}\n"
+                               for i in range(rng.choice([4, 16, 64])))
+                kind, path, body = "session_append", f"/v1/sessions/{sid}/data", {"text": rows}
+                if appended % 5 == 4:
+                    kind, path, body = "session_query", f"/v1/sessions/{sid}/query", {
+                        "question": "Which sensor reported the highest value?", "max_tokens": 16}
+                start = time.monotonic()
+                try:
+                    status, error = (await http.post(path, json=body)).status_code, None
+                except httpx.HTTPError as exc:
+                    status, error = -1, type(exc).__name__
+                records.append({"kind": kind, "status": status, "error": error, "start": start,
+                                "latency_s": time.monotonic() - start})
+                appended += 1
+                if status in (400, 429):  # its backlog is full or the queue: wait for it to drain
+                    await asyncio.sleep(0.2)
+        finally:
+            await http.delete(f"/v1/sessions/{sid}")
 
 
 async def _sampler(server: ServerProcess, deadline: float, every: float, samples: list, t0: float) -> None:
@@ -117,27 +166,37 @@ async def _sampler(server: ServerProcess, deadline: float, every: float, samples
 def run(args: argparse.Namespace) -> dict:
     out = Path(args.out) if args.out else harness.result_path("soak")
     model = ["--model", args.model] if args.model else []
-    server = ServerProcess([*model, *args.serve_args.split()], out.with_suffix(".server.log"), startup_timeout=300)
+    keys = []
+    if args.session_clients:
+        keys_file = out.with_suffix(".keys")
+        keys_file.parent.mkdir(parents=True, exist_ok=True)
+        keys_file.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
+        keys = ["--api-keys", str(keys_file), "--metrics-public"]
+    server = ServerProcess([*model, *keys, *args.serve_args.split()], out.with_suffix(".server.log"),
+                           startup_timeout=300)
     try:
         baseline = metrics(server.url)["spanserve_kv_blocks_used"]
-        records, samples, t0 = [], [], time.monotonic()
-        deadline = t0 + args.minutes * 60
+        samples, t0 = [], time.monotonic()
         docs = _docs(random.Random(args.seed))
-
-        async def main():
-            await asyncio.gather(_sampler(server, deadline, args.sample_s, samples, t0),
-                                 *(_client(server.url, i, deadline, args.seed, docs, args.max_tokens, records)
-                                   for i in range(args.clients)))
-
-        asyncio.run(main())
+        phases = {"alone": 0, "with_sessions": args.session_clients} if args.session_clients else {"all": 0}
+        records = {}
+        for phase, session_clients in phases.items():
+            records[phase] = _phase(server, args, docs, session_clients, samples, t0)
         idle_at, end_blocks = _wait_idle(server, baseline)
+        last = records[list(phases)[-1]]
         result = {"benchmark": "soak", "clients": args.clients, "minutes": args.minutes,
+                  "session_clients": args.session_clients,
                   "machine": harness.machine_info(), "kv_blocks_baseline": baseline, "kv_blocks_end": end_blocks,
                   "kv_blocks_back_to_baseline": end_blocks == baseline, "seconds_to_idle": idle_at,
                   "rss_mb": {"start": samples[0]["rss_mb"] if samples else None,
                              "peak": max(s["rss_mb"] for s in samples) if samples else None,
                              "end": _rss_mb(server.proc.pid)},
-                  "per_kind": summarize(records), "samples": samples, "requests": records}
+                  "per_kind": summarize(last), "samples": samples, "requests": last}
+        if args.session_clients:
+            result["phases"] = {phase: summarize(rows, KINDS + SESSION_KINDS) for phase, rows in records.items()}
+            result["p99_with_sessions_over_alone"] = {
+                kind: _ratio(result["phases"]["with_sessions"][kind]["p99_s"], result["phases"]["alone"][kind]["p99_s"])
+                for kind in KINDS}
     finally:
         server.stop()
     _report(result)
@@ -145,6 +204,27 @@ def run(args: argparse.Namespace) -> dict:
     if not args.no_chart:
         _chart(result, out.with_suffix(".png"))
     return result
+
+
+def _phase(server: ServerProcess, args, docs: list[str], session_clients: int, samples: list, t0: float) -> list:
+    """--minutes of the stateless clients, beside `session_clients` session clients of another tenant."""
+    records: list = []
+    deadline = time.monotonic() + args.minutes * 60
+    headers = {"Authorization": f"Bearer {KEYS['stateless']}"} if args.session_clients else None
+
+    async def main():
+        await asyncio.gather(_sampler(server, deadline, args.sample_s, samples, t0),
+                             *(_client(server.url, i, deadline, args.seed, docs, args.max_tokens, records, headers)
+                               for i in range(args.clients)),
+                             *(_session_client(server.url, i, deadline, args.seed, records)
+                               for i in range(session_clients)))
+
+    asyncio.run(main())
+    return records
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 3)
 
 
 def _wait_idle(server: ServerProcess, baseline: float, timeout: float = 120) -> tuple[float | None, float]:
@@ -157,9 +237,9 @@ def _wait_idle(server: ServerProcess, baseline: float, timeout: float = 120) -> 
         time.sleep(0.5)
 
 
-def summarize(records: list[dict]) -> dict:
+def summarize(records: list[dict], kinds: tuple[str, ...] = KINDS) -> dict:
     out = {}
-    for kind in KINDS:
+    for kind in kinds:
         rows = [r for r in records if r["kind"] == kind]
         statuses: dict[str, int] = {}
         for r in rows:
@@ -177,6 +257,14 @@ def _report(result: dict) -> None:
              fmt(s["p50_s"]), fmt(s["p99_s"])] for kind, s in result["per_kind"].items()]
     harness.print_table(["kind", "requests", "statuses", "errors", "p50 s", "p99 s"], rows,
                         title=f"soak: {result['clients']} clients, {result['minutes']} min")
+    for phase, kinds in result.get("phases", {}).items():
+        harness.print_table(["kind", "requests", "statuses", "errors", "p50 s", "p99 s"],
+                            [[kind, s["requests"], " ".join(f"{k}:{v}" for k, v in sorted(s["statuses"].items())),
+                              s["errors"], fmt(s["p50_s"]), fmt(s["p99_s"])] for kind, s in kinds.items()],
+                            title=f"phase {phase}")
+    if "p99_with_sessions_over_alone" in result:
+        print("stateless tenant's p99 beside the session tenant, over alone: " + ", ".join(
+            f"{kind} {fmt(v)}x" for kind, v in result["p99_with_sessions_over_alone"].items()))
     rss = result["rss_mb"]
     print(f"RSS MB: start {fmt(rss['start'])}, peak {fmt(rss['peak'])}, end {fmt(rss['end'])}; KV blocks in use: "
           f"baseline {result['kv_blocks_baseline']:.0f}, end {result['kv_blocks_end']:.0f} "
