@@ -63,6 +63,15 @@ class CacheFullError(InvalidRequestError):
     code = "cache_full"
 
 
+class BacklogFullError(CacheFullError):
+    """A session's backlog holds too much data computed yet for this append: a 429, retried once
+    it is computed."""
+
+    code = "backlog_full"
+    status = 429
+    retry_after = 1
+
+
 class CorpusNotFoundError(SpanserveError, FileNotFoundError):
     """The real-text corpus package (spanserve/corpus.py) is not installed."""
 

@@ -174,3 +174,27 @@ def test_a_sessions_flash_work_per_append_is_bounded_and_told(tiny_llama_path):
     assert info["flash_budget_tokens"] == 300 and 30 < info["flash_tokens_per_append"] <= 60
     session.close()
     assert_engine_idle(llm)
+
+
+def test_an_append_the_backlog_cannot_take_now_is_a_429_and_one_it_never_can_a_400(tiny_llama_path):
+    llm = AsyncLLM(lambda: LLMEngine(EngineConfig(model=str(tiny_llama_path), dtype="float32", num_blocks=256)))
+    app = create_app(llm, "tiny")
+    rows = "".join(f"t={i}, value={i % 7}\n" for i in range(40))  # about 400 tokens
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                     timeout=60) as client:
+            sid = (await client.post("/v1/sessions", json={"system": "Log.", "retention_tokens": 160})).json()["id"]
+            busy = asyncio.ensure_future(llm.call(lambda: time.sleep(1.0)))  # nothing is computed meanwhile
+            await asyncio.sleep(0.1)
+            first = await client.post(f"/v1/sessions/{sid}/data", json={"text": rows})
+            second = await client.post(f"/v1/sessions/{sid}/data", json={"text": rows})
+            never = await client.post(f"/v1/sessions/{sid}/data", json={"text": rows * 3})
+            await busy
+            return first, second, never
+
+    first, second, never = asyncio.run(run())
+    llm.shutdown()
+    assert first.status_code == 200
+    assert second.status_code == 429 and second.headers["retry-after"] == "1" and "retry once" in second.text
+    assert never.status_code == 400 and "can never fit" in never.text

@@ -359,8 +359,9 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     @app.exception_handler(InvalidRequestError)
     async def _bad_request(_, exc: InvalidRequestError):
         status = getattr(exc, "status", 400)
+        retry = {"Retry-After": str(exc.retry_after)} if hasattr(exc, "retry_after") else None
         return error_response(status, str(exc), "NotFoundError" if status == 404 else "invalid_request_error",
-                              code=getattr(exc, "code", None))
+                              code=getattr(exc, "code", None), headers=retry)
 
     @app.exception_handler(RetryLaterError)
     async def _retry_later(_, exc: RetryLaterError):

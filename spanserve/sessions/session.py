@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from spanserve.engine import text_bound
 from spanserve.engine.request import HeldContext, Priority, Request
 from spanserve.errors import (
+    BacklogFullError,
     CacheFullError,
     InvalidRequestError,
     InvalidSessionError,
@@ -157,9 +158,9 @@ class Session:
             raise CacheFullError(f"data of {counted}{num_tokens} tokens can never fit in session {self.id}'s backlog "
                                  f"of {limit} tokens ({BACKLOG_FACTOR} x retention_tokens): append it in parts")
         if len(st.pending) + num_tokens > limit:
-            raise CacheFullError(f"session {self.id} has {len(st.pending)} tokens of data waiting to be computed, and "
-                                 f"these {counted}{num_tokens} do not fit beside them in its backlog of {limit}: "
-                                 f"retry once they are computed")
+            raise BacklogFullError(f"session {self.id} has {len(st.pending)} tokens of data waiting to be computed, "
+                                   f"and these {counted}{num_tokens} do not fit beside them in its backlog of "
+                                   f"{limit}: retry once they are computed")
 
     def append_tokens(self, tokens: list[int]) -> int:
         self.check_usable()
