@@ -112,6 +112,13 @@ class SessionClosedError(InvalidRequestError):
     code = "session_closed"
 
 
+class RequestFailedError(SpanserveError):
+    """The engine ended one request because its own part of a step raised (a bug, not the
+    client's doing): the others in the step went on."""
+
+    code = "request_failed"
+
+
 class RetryLaterError(SpanserveError):
     """Not the request's fault, and not for now: the server answers `status` with a Retry-After
     of `retry_after` seconds."""

@@ -142,3 +142,23 @@ def test_another_tenants_saved_session_reads_like_one_that_is_not_there(llm, tmp
         "sess-0123456789abcdef0123456789abcdef", "ID")
     assert str(tmp_path) not in str(foreign.value)
     _nothing_left(llm)
+
+
+def test_a_request_whose_own_step_work_raises_ends_alone(llm, monkeypatch):
+    """Its sampled token's handling (here its detokenizer) raises: it ends with the error for its
+    caller, and the request beside it in the same steps runs to its end."""
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": random_prompt(20, seed=1)}, greedy(6), "broken")
+    engine.add_request({"prompt_token_ids": random_prompt(20, seed=2)}, greedy(6), "healthy")
+
+    def fault(token_id):
+        raise RuntimeError("a bug in this request's detokenizer")
+
+    monkeypatch.setattr(engine.groups["broken"].detokenizers[0], "add", fault)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {out.request_id: out for out in engine.step() if out.finished}
+    failed = engine.take_failed()
+    assert set(failed) == {"broken"} and "detokenizer" in str(failed["broken"])
+    assert set(finished) == {"healthy"} and len(finished["healthy"].outputs[0].token_ids) == 6
+    _nothing_left(llm)

@@ -26,6 +26,7 @@ from spanserve.errors import (
     InvalidSparseError,
     PluginNotLoadedError,
     PromptTooLongError,
+    RequestFailedError,
 )
 from spanserve.kv.hashing import extend_block_hashes
 from spanserve.kv.manager import KVCacheManager
@@ -361,10 +362,16 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         group = self.groups.pop(request_id, None)
+        failures = []
         for req in group.children if group else []:
             if not req.is_finished:
                 req.finish("abort")
-                self._release(req)
+                try:
+                    self._release(req)
+                except Exception as exc:  # noqa: BLE001 - an owner's hook: release the others, then raise
+                    failures.append(exc)
+        if failures:
+            raise failures[0]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -396,25 +403,45 @@ class LLMEngine:
         self.scheduler.after_step(batch)
         touched: dict[str, RequestGroup] = {}
         for req, sample in zip(sampled, samples):
-            group = self.groups[req.group_id]
-            self._append(req, sample, group.detokenizers[req.index])
-            touched[group.request_id] = group
+            if (group := self.groups.get(req.group_id)) is not None and self._isolated(req, self._append, req, sample,
+                                                                                       group.detokenizers[req.index]):
+                touched[group.request_id] = group
         for req in prefilling:
-            if req.is_prefilling or req.is_finished:
+            if req.is_prefilling or req.is_finished or req.group_id not in self.groups:
                 continue
             if req.prefill_only:  # its KV was the point (an ingest): done
                 req.finish("length")
-                self._release(req)
-                touched[req.group_id] = self.groups[req.group_id]
+                if self._isolated(req, self._release, req):
+                    touched[req.group_id] = self.groups[req.group_id]
             else:  # it decodes from the next step on
-                self._settle_span_keys(req)
+                self._isolated(req, self._settle_span_keys, req)
         outputs = []
         for group in touched.values():
+            if group.request_id not in self.groups:  # ended by a failure of its own meanwhile
+                continue
             outputs.append(group.to_output())
             if group.finished:
                 del self.groups[group.request_id]
         self.sessions.service()
         return outputs
+
+    def _isolated(self, req: Request, work: Callable, *args) -> bool:
+        """Run one request's own part of a step (its sampled token, its stop check, its owner's
+        hook). If that raises, the request ends with the error for its caller (take_failed) and
+        the step goes on for the others; False then."""
+        try:
+            work(*args)
+            return True
+        except Exception as exc:  # noqa: BLE001 - its failure is its own, whatever it is
+            log.exception("request %s failed in its step; it is ended, the others go on", req.group_id)
+            self.failed[req.group_id] = RequestFailedError(f"request {req.group_id} failed: {type(exc).__name__}: "
+                                                           f"{exc}")
+            try:
+                self.abort_request(req.group_id)
+            except Exception:  # noqa: BLE001 - its owner's hook again: its blocks are freed all the same
+                log.exception("request %s: its owner failed again as it was ended", req.group_id)
+                self.groups.pop(req.group_id, None)
+            return False
 
     def _expire_waiting(self) -> None:
         """End the requests that found no room to start within admission_timeout_s (the pool held
@@ -480,10 +507,13 @@ class LLMEngine:
             self._release(req)
 
     def _release(self, req: Request) -> None:
-        """Free a request that ended, telling its owner first (it may keep some of its blocks)."""
-        if req.owner is not None:
-            req.owner.request_finished(req)
-        self.scheduler.finish(req)
+        """Free a request that ended, telling its owner first (it may keep some of its blocks);
+        its blocks are freed even if the owner's hook raises."""
+        try:
+            if req.owner is not None:
+                req.owner.request_finished(req)
+        finally:
+            self.scheduler.finish(req)
 
     def _stop_reason(self, req: Request, token_id: int, detok: IncrementalDetokenizer):
         p = req.params
