@@ -181,20 +181,23 @@ def test_an_append_the_backlog_cannot_take_now_is_a_429_and_one_it_never_can_a_4
     app = create_app(llm, "tiny")
     rows = "".join(f"t={i}, value={i % 7}\n" for i in range(40))  # about 400 tokens
 
+    def backlog_of_500(sid):
+        """The session's backlog holds 500 tokens not computed yet (its ingest held back)."""
+        session = llm.engine.sessions.get(sid)
+        session._start_ingest = lambda: None
+        session.append_tokens(list(range(100, 600)))
+
     async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
                                      timeout=60) as client:
             sid = (await client.post("/v1/sessions", json={"system": "Log.", "retention_tokens": 160})).json()["id"]
-            busy = asyncio.ensure_future(llm.call(lambda: time.sleep(1.0)))  # nothing is computed meanwhile
-            await asyncio.sleep(0.1)
-            first = await client.post(f"/v1/sessions/{sid}/data", json={"text": rows})
-            second = await client.post(f"/v1/sessions/{sid}/data", json={"text": rows})
+            await llm.call(lambda: backlog_of_500(sid))
+            later = await client.post(f"/v1/sessions/{sid}/data", json={"text": rows})
             never = await client.post(f"/v1/sessions/{sid}/data", json={"text": rows * 3})
-            await busy
-            return first, second, never
+            await client.delete(f"/v1/sessions/{sid}")
+            return later, never
 
-    first, second, never = asyncio.run(run())
+    later, never = asyncio.run(run())
     llm.shutdown()
-    assert first.status_code == 200
-    assert second.status_code == 429 and second.headers["retry-after"] == "1" and "retry once" in second.text
+    assert later.status_code == 429 and later.headers["retry-after"] == "1" and "retry once" in later.text
     assert never.status_code == 400 and "can never fit" in never.text

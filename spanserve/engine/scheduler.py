@@ -14,8 +14,9 @@ Requests come in lanes: their tenant (the API key's, None offline) and their pri
 tenants that computed the fewest tokens lately first, and within a tenant its classes, most
 urgent first. So one tenant's urgent work (a session's questions and flash re-evaluations) comes
 before that tenant's other work, never before another tenant's share. A waiting request that
-cannot be admitted preempts running requests of a lane served after its own, at the step
-boundary. The background class (session ingest) runs only in steps with nothing else to do, a
+cannot be admitted preempts its own tenant's running requests of a less urgent class, at the
+step boundary; when running requests need blocks the pool does not have, the newest of the lane
+served last gives its own. The background class (session ingest) runs only in steps with nothing else to do, a
 chunk at a time, paced by BackgroundPace.
 
 A waiting request whose blocks do not fit now does not hold up the smaller ones behind it: up to
@@ -157,7 +158,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         order = self._lane_order()
         rank = {each: i for i, each in enumerate(order)}
-        self._yield_to_urgent(order, rank)
+        self._yield_to_urgent()
         for each in order:
             if each[1] == Priority.INGEST:  # background: only in a step nothing else needs
                 if scheduled:
@@ -191,16 +192,22 @@ class Scheduler:
         i = max(range(len(self.running)), key=lambda i: (rank.get(lane(self.running[i]), len(rank)), i))
         return self.running.pop(i)
 
-    def _yield_to_urgent(self, order: list[Lane], rank: dict[Lane, int]) -> None:
-        """Preempt running requests of lanes served later (the last, newest first) while they keep
-        the first waiting request out."""
-        while (head := next((self.waiting.peek(each) for each in order if self.waiting.peek(each)), None)) \
-                is not None and self.running:
-            if max(rank[lane(req)] for req in self.running) <= rank[lane(head)]:
-                return
-            if len(self.running) < self.max_num_seqs and self._admit(head):
-                continue
-            self._preempt(self._victim(rank))
+    def _yield_to_urgent(self) -> None:
+        """Preempt a tenant's running requests of a less urgent class (the least urgent, newest
+        first) while they keep that tenant's most urgent waiting request out. Classes order a
+        tenant's own work only: no request preempts another tenant's to start."""
+        for tenant in {tenant for tenant, _ in self.waiting.lanes()}:
+            while True:
+                lanes = sorted(each for each in self.waiting.lanes() if each[0] == tenant)
+                own = [i for i, req in enumerate(self.running) if req.tenant == tenant]
+                if not lanes or not own:
+                    break
+                head, least = self.waiting.peek(lanes[0]), max(own, key=lambda i: (self.running[i].priority, i))
+                if self.running[least].priority <= head.priority:
+                    break
+                if len(self.running) < self.max_num_seqs and self._admit(head):
+                    continue
+                self._preempt(self.running.pop(least))
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], budget: int, of: Lane,
                           rank: dict[Lane, int]) -> int:
