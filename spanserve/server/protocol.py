@@ -3,9 +3,10 @@
 The response models document the API (/openapi.json); the routes build plain dicts.
 """
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic_core import PydanticCustomError
 
 from spanserve.sampling import SamplingParams
 
@@ -22,6 +23,20 @@ def _int(**bounds):
     """An integer as JSON Schema has it: 5 or 5.0, never true or "5" (the request models are strict).
     The bounds go inside, next to the int, where /openapi.json can show them."""
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+def _refused(what: str, *neutral):
+    """An OpenAI field this server does not implement. Its `neutral` values, which ask for nothing
+    (null, empty, the default, or what the server does anyway), pass, and are all /openapi.json
+    allows; any other is a 400 naming the field and saying so, never a silent default in place
+    of what the client asked for."""
+    def check(value):
+        if not any(type(value) is type(n) and value == n for n in (None, *neutral)):
+            raise PydanticCustomError("unsupported", f"{what} is not supported by this server")
+        return value
+    schema = {"anyOf": [{"type": "null"}, *({"const": n} for n in neutral)],
+              "description": f"Not supported: {what}. Any other value than these is a 400."}
+    return Annotated[Any, AfterValidator(check), WithJsonSchema(schema)]
 
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
@@ -81,7 +96,12 @@ class _SamplingFields(_Body):
     min_tokens: _int(ge=0) = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # identifiers of the end user and the prompt family for OpenAI's monitoring and cache routing: accepted,
+    # they change nothing in what is generated (spanserve caches by content for every request)
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    logit_bias: _refused("logit_bias", {}) = None
     # as in vLLM: requests share cached KV only with requests of the same salt (within the tenant of the key)
     cache_salt: CacheSalt | None = None
     # spanserve extension: how requests with position-independent spans link them (pic/link.py)
@@ -132,6 +152,8 @@ class CompletionRequest(_SamplingFields, _Request):
     max_tokens: _int(ge=1) | None = 16
     logprobs: _int(ge=0, le=20) | None = None
     echo: bool = False
+    best_of: _refused("best_of other than 1 (several samples, the best returned)", 1) = None
+    suffix: _refused("suffix (text after the completion, for insertion)", "") = None
 
 
 class TextContentPart(_Body):
@@ -143,6 +165,12 @@ class TextContentPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextContentPart] | None = None
+    name: _refused("a message's name (no chat template here renders it)", "") = None
+    tool_calls: _refused("an assistant message's tool_calls (tool calling)", []) = None
+    tool_call_id: _refused("a tool message's tool_call_id (tool calling)") = None
+    function_call: _refused("function_call (tool calling)") = None
+    refusal: _refused("an assistant message's refusal") = None
+    audio: _refused("audio") = None
 
 
 class ChatCompletionRequest(_SamplingFields, _Request):
@@ -151,6 +179,21 @@ class ChatCompletionRequest(_SamplingFields, _Request):
     max_completion_tokens: _int(ge=1) | None = None
     logprobs: bool = False
     top_logprobs: _int(ge=0, le=20) | None = None
+    response_format: _refused("response_format other than text (structured output)", {"type": "text"}) = None
+    tools: _refused("tools (tool calling)", []) = None
+    tool_choice: _refused("tool_choice other than none (tool calling)", "none") = None
+    parallel_tool_calls: bool | None = None  # (with no tools, nothing to call in parallel)
+    functions: _refused("functions (tool calling)", []) = None
+    function_call: _refused("function_call (tool calling)", "none") = None
+    modalities: _refused("modalities other than text", ["text"]) = None
+    audio: _refused("audio output") = None
+    prediction: _refused("prediction (predicted outputs)") = None
+    reasoning_effort: _refused("reasoning_effort") = None
+    verbosity: _refused("verbosity") = None
+    web_search_options: _refused("web_search_options") = None
+    store: _refused("store (stored completions)", False) = None
+    metadata: _refused("metadata (for stored completions)", {}) = None
+    service_tier: _refused("service_tier other than auto or default", "auto", "default") = None
 
     def chat_messages(self) -> list[dict]:
         """Messages as the chat template wants them; text parts of a content list are joined,
