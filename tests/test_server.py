@@ -777,3 +777,19 @@ def test_sparse_decode_over_http_matches_offline(client, model_name, offline):
                           ({"sparse_prefill": True}, "needs a sparse flow")]:
         with pytest.raises(openai.BadRequestError, match=message):
             client.completions.create(model=model_name, prompt="hi", max_tokens=2, extra_body=body)
+
+
+def test_tokenize_and_detokenize_as_vllm_has_them(tiny_server):
+    url = tiny_server.url
+    text = "The harbour town exports salt."
+    r = httpx.post(f"{url}/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) and r["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.post(f"{url}/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    completion = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    assert chat["count"] == completion["usage"]["prompt_tokens"]  # what a chat completion prompts with
+    assert_openai_error(httpx.post(f"{url}/tokenize", json={"prompt": text, "messages": messages}), 400)
+    assert_openai_error(httpx.post(f"{url}/tokenize", json={"messages": messages, "add_generation_prompt": False}),
+                        400, "add_generation_prompt")
+    assert_openai_error(httpx.post(f"{url}/detokenize", json={"tokens": [10**6]}), 400, "vocabulary")

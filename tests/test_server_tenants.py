@@ -118,3 +118,10 @@ def test_keys_files_are_read_strictly(tmp_path):
     assert Tenants.load() is None
     assert cache_salt(None, "s") == "s" and cache_salt("a", None) != cache_salt("b", None)
     assert cache_salt("a", "b c") != cache_salt("a b", "c")  # no two (tenant, salt) pairs collide
+
+
+def test_tokenize_and_detokenize_need_a_key(server):
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})):
+        assert_openai_error(httpx.post(f"{server.url}{path}", json=body, timeout=10), 401)
+        assert httpx.post(f"{server.url}{path}", json=body, timeout=10,
+                          headers={"Authorization": "Bearer key-b"}).status_code == 200

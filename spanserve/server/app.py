@@ -17,6 +17,7 @@ from jinja2.exceptions import TemplateError
 from starlette.exceptions import HTTPException
 
 from spanserve import __version__, heap
+from spanserve.engine import text_bound
 from spanserve.engine.async_engine import AsyncLLM
 from spanserve.errors import InvalidRequestError, RetryLaterError
 from spanserve.kernels.threads import helper_thread
@@ -28,12 +29,18 @@ from spanserve.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     Health,
     ModelList,
     SpanQueryRequest,
     SpanQueryResponse,
+    TokenizeChatRequest,
+    TokenizePromptRequest,
+    TokenizeResponse,
     Version,
+    chat_messages,
 )
 from spanserve.server.sessions import add_session_routes, session_lifespan
 from spanserve.server.tenants import Tenants, cache_salt, tenant_of
@@ -79,7 +86,8 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
     def _guarded(self, path: str) -> bool:
-        return path.startswith("/v1/") or (path == "/metrics" and not self.metrics_public)
+        return path.startswith("/v1/") or path in ("/tokenize", "/detokenize") or \
+            (path == "/metrics" and not self.metrics_public)
 
 
 def _salt(http: Request, client_salt: str | None) -> str | None:
@@ -400,6 +408,29 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     @app.get("/version")
     async def version() -> Version:
         return Version(version=__version__)
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(body: TokenizePromptRequest | TokenizeChatRequest) -> TokenizeResponse:
+        """A text's or a conversation's token ids, as the engine would prompt with them (vLLM's route)."""
+        server.check_model(body.model)
+
+        def ids() -> list[int]:
+            if isinstance(body, TokenizeChatRequest):
+                return llm.engine.chat_prompt(chat_messages(body.messages))["prompt_token_ids"]
+            text_bound.refuse_beyond(len(body.prompt), llm.engine.max_model_len, tokenizer)
+            return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+        tokens = await asyncio.to_thread(ids)
+        strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=llm.engine.max_model_len, tokens=tokens,
+                                token_strs=strs)
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        server.check_model(body.model)
+        if any(t >= vocab_size for t in body.tokens):
+            raise InvalidRequestError(f"token ids must be below the vocabulary size {vocab_size}")
+        return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> str:

@@ -196,16 +196,58 @@ class ChatCompletionRequest(_SamplingFields, _Request):
     service_tier: _refused("service_tier other than auto or default", "auto", "default") = None
 
     def chat_messages(self) -> list[dict]:
-        """Messages as the chat template wants them; text parts of a content list are joined,
-        unless some are spans (the engine then renders the template around them)."""
-        out = []
-        for m in self.messages:
-            content = m.content
-            if isinstance(content, list):
-                has_spans = any(p.span for p in content)
-                content = [p.model_dump() for p in content] if has_spans else "".join(p.text for p in content)
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
-        return out
+        return chat_messages(self.messages)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template wants them; text parts of a content list are joined, unless
+    some are spans (the engine then renders the template around them)."""
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            has_spans = any(p.span for p in content)
+            content = [p.model_dump() for p in content] if has_spans else "".join(p.text for p in content)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    return out
+
+
+class _TokenizeRequest(_Request):
+    # Fields of the other form are an error, not ignored: a body is a prompt or a conversation.
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+class TokenizePromptRequest(_TokenizeRequest):
+    """vLLM's /tokenize of a text."""
+
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_TokenizeRequest):
+    """vLLM's /tokenize of a conversation, through the model's chat template with the assistant's
+    turn opened (what a chat completion prompts with)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: _refused("add_generation_prompt false", True) = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class SpanQueryRequest(_Request):
