@@ -82,6 +82,25 @@ class PluginNotLoadedError(InvalidRequestError):
     code = "plugin_not_loaded"
 
 
+class TokenIdError(InvalidRequestError):
+    """Token ids outside the model's vocabulary."""
+
+    code = "invalid_token_ids"
+
+
+class InputTooLongError(InvalidRequestError):
+    """An input longer than the model takes whole (it is never truncated)."""
+
+    code = "context_length_exceeded"
+
+
+class UnknownModelError(InvalidRequestError):
+    """A request names a model this server does not serve for that route (404)."""
+
+    code = "model_not_found"
+    status = 404
+
+
 class SessionNotFoundError(InvalidRequestError):
     """No open session with this id is visible to the caller (404: another key's session looks
     exactly like one that does not exist)."""

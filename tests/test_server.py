@@ -681,7 +681,8 @@ def test_schemathesis(case, body_validators):
     # max_tokens <= max_model_len), on which model name is served, whether its spans fit its prompt, and
     # whether a span query is well formed (its tree is free JSON), whether link policy comb has its plug-in,
     # whether a session exists and its retention fits its instructions, whether a sparse flow exists,
-    # whether its text makes any token at all, whether its link policy settings go together,
+    # whether its text makes any token at all, whether its link policy settings go together, whether token
+    # ids to embed or detokenize are within the vocabulary of the model that reads them,
     # and no JSON schema can say any of these;
     # the same check, minus those answers, follows.
     response = case.call_and_validate(excluded_checks=[positive_data_acceptance], timeout=60)
@@ -693,7 +694,7 @@ def test_schemathesis(case, body_validators):
             (400, "context_length_exceeded"), (404, "model_not_found"), (400, "invalid_span"),
             (400, "invalid_query"), (400, "plugin_not_loaded"), (404, "session_not_found"),
             (400, "invalid_session"), (400, "invalid_sparse"), (400, "cache_full"), (400, "invalid_link_policy"),
-            (400, "empty_prompt")}, (
+            (400, "empty_prompt"), (400, "invalid_token_ids")}, (
             response.status_code, response.text)
 
 
@@ -793,3 +794,31 @@ def test_tokenize_and_detokenize_as_vllm_has_them(tiny_server):
     assert_openai_error(httpx.post(f"{url}/tokenize", json={"messages": messages, "add_generation_prompt": False}),
                         400, "add_generation_prompt")
     assert_openai_error(httpx.post(f"{url}/detokenize", json={"tokens": [10**6]}), 400, "vocabulary")
+
+
+def test_embeddings_are_the_retrieval_encoders_own(tiny_server):
+    """/v1/embeddings gives what the encoder span queries retrieve with gives (all-MiniLM-L6-v2):
+    texts, token ids, base64 and the openai SDK; never a truncated input or a silent model swap."""
+    import base64
+
+    import numpy as np
+    from openai import OpenAI
+
+    from spanserve.spans.retrieval import get_embedder
+
+    url, encoder = tiny_server.url, get_embedder()
+    texts = ["The harbour town of Velmont exports salt.", "Tarholm hosts a winter fair."]
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": texts, "model": "all-MiniLM-L6-v2"}, timeout=60).json()
+    got = np.array([d["embedding"] for d in r["data"]])
+    assert np.allclose(got, encoder.encode(texts), atol=1e-5) and [d["index"] for d in r["data"]] == [0, 1]
+    assert r["usage"]["prompt_tokens"] == sum(encoder.count_tokens(texts)) and got.shape == (2, 384)
+    ids = encoder.tokenizer(texts[0], add_special_tokens=False)["input_ids"]
+    by_ids = httpx.post(f"{url}/v1/embeddings", json={"input": ids, "encoding_format": "base64"}, timeout=60).json()
+    vector = np.frombuffer(base64.b64decode(by_ids["data"][0]["embedding"]), dtype="<f4")
+    assert np.allclose(vector, got[0], atol=1e-5)
+    sdk = OpenAI(base_url=f"{url}/v1", api_key="none").embeddings.create(input="salt", model="all-MiniLM-L6-v2")
+    assert len(sdk.data[0].embedding) == 384
+    assert_openai_error(httpx.post(f"{url}/v1/embeddings", json={"input": "x", "model": "gpt-4"}), 404, "embeds with")
+    assert_openai_error(httpx.post(f"{url}/v1/embeddings", json={"input": "x", "dimensions": 128}), 400,
+                        "dimensions")
+    assert_openai_error(httpx.post(f"{url}/v1/embeddings", json={"input": "word " * 400}), 400, "never truncated")

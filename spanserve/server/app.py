@@ -19,10 +19,11 @@ from starlette.exceptions import HTTPException
 from spanserve import __version__, heap
 from spanserve.engine import text_bound
 from spanserve.engine.async_engine import AsyncLLM
-from spanserve.errors import InvalidRequestError, RetryLaterError
+from spanserve.errors import InvalidRequestError, RetryLaterError, TokenIdError
 from spanserve.kernels.threads import helper_thread
 from spanserve.outputs import RequestOutput
 from spanserve.server import openai_format as fmt
+from spanserve.server.embeddings import add_embedding_routes
 from spanserve.server.metrics import ServerMetrics
 from spanserve.server.protocol import (
     ChatCompletionRequest,
@@ -400,6 +401,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # outermost: before the key is read
 
     add_session_routes(app, server, llm, session_dir, errors=_ERRORS, sse=sse, final_output=final_output)
+    add_embedding_routes(app, errors=_ERRORS)
 
     @app.get("/health")
     async def health() -> Health:
@@ -429,7 +431,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         server.check_model(body.model)
         if any(t >= vocab_size for t in body.tokens):
-            raise InvalidRequestError(f"token ids must be below the vocabulary size {vocab_size}")
+            raise TokenIdError(f"token ids must be below the vocabulary size {vocab_size}")
         return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -250,6 +250,36 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class EmbeddingRequest(_Request):
+    """OpenAI's embeddings request, for the server's embedding model (all-MiniLM-L6-v2, the encoder
+    span queries retrieve with): a text, texts, token ids of that model, or lists of them."""
+
+    model: str | None = None
+    input: (str | Annotated[list[str], Field(min_length=1, max_length=2048)] | TokenIds
+            | Annotated[list[TokenIds], Field(min_length=1, max_length=2048)])
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Literal[384] | None = None  # all-MiniLM-L6-v2's own size: it has no shorter form
+    user: str | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64: little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class SpanQueryRequest(_Request):
     """spanserve extension: run a span query (see the README): its JSON tree under `query`."""
 

@@ -111,16 +111,27 @@ class Embedder:
 
     def encode(self, texts: list[str]) -> np.ndarray:
         """float32 (len(texts), dims); rows L2-normalized. Batches of similar lengths (less padding)."""
+        return self._pooled(len(texts), lambda i: len(texts[i]), lambda rows: self.tokenizer(
+            [texts[i] for i in rows], padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"))
+
+    def encode_ids(self, ids: list[list[int]]) -> np.ndarray:
+        """The same for texts given as this model's token ids, without [CLS]/[SEP] (added here);
+        each at most max_length - 2 ids (the caller checks)."""
+        def batch(rows):
+            seqs = [[self.tokenizer.cls_token_id, *ids[i], self.tokenizer.sep_token_id] for i in rows]
+            return self.tokenizer.pad({"input_ids": seqs}, return_tensors="pt")
+        return self._pooled(len(ids), lambda i: len(ids[i]), batch)
+
+    def _pooled(self, count: int, length, batch) -> np.ndarray:
         torch = self._torch
-        out = np.zeros((len(texts), self.dims), dtype=np.float32)
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        out = np.zeros((count, self.dims), dtype=np.float32)
+        order = sorted(range(count), key=length)
         with torch.inference_mode():
             for start in range(0, len(order), self.batch_size):
                 rows = order[start:start + self.batch_size]
-                batch = self.tokenizer([texts[i] for i in rows], padding=True, truncation=True,
-                                       max_length=self.max_length, return_tensors="pt")
-                states = self.model(**batch).last_hidden_state
-                mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)
+                inputs = batch(rows)
+                states = self.model(**inputs).last_hidden_state
+                mask = inputs["attention_mask"].unsqueeze(-1).to(states.dtype)
                 pooled = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
                 if self.normalize:
                     pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
