@@ -47,6 +47,11 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     finished[out.request_id] = out
+            failed = self.engine.take_failed()  # requests the engine ended with an error of their own
+            if errors := [failed[g.request_id] for g in groups if g.request_id in failed]:
+                for g in groups:
+                    self.engine.abort_request(g.request_id)
+                raise errors[0]
         return [finished[g.request_id] for g in groups]
 
     def chat(

@@ -162,3 +162,18 @@ def test_a_request_whose_own_step_work_raises_ends_alone(llm, monkeypatch):
     assert set(failed) == {"broken"} and "detokenizer" in str(failed["broken"])
     assert set(finished) == {"healthy"} and len(finished["healthy"].outputs[0].token_ids) == 6
     _nothing_left(llm)
+
+
+def test_the_offline_llm_raises_a_request_failure_instead_of_waiting_forever(llm, monkeypatch):
+    from spanserve.engine import detokenizer
+    from spanserve.errors import RequestFailedError
+
+    def fault(self, token_id):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "add", fault)
+    with pytest.raises(RequestFailedError, match="a bug"):
+        llm.generate({"prompt_token_ids": random_prompt(10, seed=4)}, greedy(3))
+    monkeypatch.undo()
+    _nothing_left(llm)
+    _others_still_served(llm)

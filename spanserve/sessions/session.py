@@ -449,7 +449,10 @@ class Session:
     def _stop(self) -> None:
         for group in [self._ingest] + [item.running for item in self._standing()]:
             if group is not None:
-                self.engine.abort_request(group.request_id)
+                try:
+                    self.engine.abort_request(group.request_id)
+                except Exception:  # noqa: BLE001 - stopping must finish: the request's blocks are freed anyway
+                    log.exception("session %s: ending its request %s failed", self.id, group.request_id)
         self._ingest = None
         for item in self._standing():
             item.running = None
