@@ -86,7 +86,8 @@ def test_a_failure_in_one_sessions_background_work_ends_that_session_alone(llm, 
     assert broken.info()["failed"] == "RuntimeError: a bug in this session's ingest"
     assert broken._session.blocks == []  # its memory is back
     assert events[-1] is None and "failed" in events[-2]["error"]["message"]
-    for call in (lambda: broken.append("more"), lambda: broken.query("Last value?")):
+    for call in (lambda: broken.append("more"), lambda: broken.query("Last value?"),
+                 lambda: broken._session.subscribe(events.append)):
         with pytest.raises(SessionFailedError, match="delete it"):
             call()
     healthy.append(ROWS[1])

@@ -191,7 +191,10 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
 
         def take():
             session = store.get(session_id, tenant)  # another tenant's id: the 404 of none
-            wait = SAVE_INTERVAL_S - (time.monotonic() - last_saved.get(session_id, float("-inf")))
+            now = time.monotonic()
+            for stale in [sid for sid, at in last_saved.items() if now - at > SAVE_INTERVAL_S]:
+                del last_saved[stale]  # (only the recent ones matter)
+            wait = SAVE_INTERVAL_S - (now - last_saved.get(session_id, float("-inf")))
             if wait > 0:
                 raise TooSoonError(f"session {session_id} was saved less than {SAVE_INTERVAL_S:g} s ago; "
                                    f"retry in {wait:.1f} s", retry_after=wait)

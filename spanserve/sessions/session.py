@@ -414,7 +414,8 @@ class Session:
     def subscribe(self, callback: Callable[[dict], None]) -> Callable[[], None]:
         """Call `callback(event)` (on the engine thread) with every flash answer from now on, after
         the ones already known, and `callback(None)` when the session closes; returns the function
-        that unsubscribes."""
+        that unsubscribes. A closed or failed session says so instead (check_usable)."""
+        self.check_usable()
         self._subscribers.append(callback)
         for flash in self.flash.values():
             if flash.answer is not None:
