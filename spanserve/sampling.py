@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 
 from spanserve.errors import InvalidRequestError, InvalidSparseError
+from spanserve.structured.params import StructuredOutputs
 from spanserve.utils import strict_kwargs
 
 
@@ -40,6 +41,9 @@ class SamplingParams:
     sparse: str | None = None
     sparse_budget: int = 2048
     sparse_prefill: bool = False
+    # Constrained decoding (spanserve/structured/): a StructuredOutputs, or a dict of its fields
+    # (json, json_object, regex, choice, grammar), as vLLM spells it.
+    structured_outputs: "StructuredOutputs | dict | None" = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -91,6 +95,7 @@ class SamplingParams:
                 raise InvalidRequestError(message)
         if self.sparse_prefill and self.sparse is None:
             raise InvalidSparseError("sparse_prefill needs a sparse flow (sparse=...)")
+        self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

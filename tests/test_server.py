@@ -7,6 +7,7 @@ Greedy (and seeded) results over HTTP must equal the offline `LLM` API's for the
 import asyncio
 import itertools
 import json
+import re
 import threading
 
 import httpx
@@ -458,7 +459,7 @@ BAD_REQUESTS = [
 
 # OpenAI fields this server does not implement: each refused by name when it asks for something
 BAD_REQUESTS += [("/v1/chat/completions", {**CHAT_OK, field: value}, 400, "not supported", field) for field, value in [
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "required"), ("functions", [{"name": "f"}]), ("logit_bias", {"5": 10}),
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
     ("reasoning_effort", "low"), ("store", True), ("metadata", {"k": "v"}), ("service_tier", "flex"),
@@ -496,7 +497,7 @@ def test_bad_request(tiny_server, path, body, status, message, param):
 def test_openai_fields_that_ask_for_nothing_are_accepted(tiny_server):
     """The refused fields' neutral values (null, empty, text, none, false, auto) and the identifiers
     pass: clients that send defaults are served."""
-    neutral = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+    neutral = {"tools": [], "tool_choice": "none", "parallel_tool_calls": True,
                "logit_bias": {}, "modalities": ["text"], "store": False, "service_tier": "auto", "user": "u1",
                "safety_identifier": "s1", "prompt_cache_key": "k1"}
     assert httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**CHAT_OK, **neutral}).status_code == 200
@@ -682,7 +683,8 @@ def test_schemathesis(case, body_validators):
     # whether a span query is well formed (its tree is free JSON), whether link policy comb has its plug-in,
     # whether a session exists and its retention fits its instructions, whether a sparse flow exists,
     # whether its text makes any token at all, whether its link policy settings go together, whether token
-    # ids to embed or detokenize are within the vocabulary of the model that reads them,
+    # ids to embed or detokenize are within the vocabulary of the model that reads them, whether a regex,
+    # grammar or JSON schema compiles,
     # and no JSON schema can say any of these;
     # the same check, minus those answers, follows.
     response = case.call_and_validate(excluded_checks=[positive_data_acceptance], timeout=60)
@@ -694,7 +696,7 @@ def test_schemathesis(case, body_validators):
             (400, "context_length_exceeded"), (404, "model_not_found"), (400, "invalid_span"),
             (400, "invalid_query"), (400, "plugin_not_loaded"), (404, "session_not_found"),
             (400, "invalid_session"), (400, "invalid_sparse"), (400, "cache_full"), (400, "invalid_link_policy"),
-            (400, "empty_prompt"), (400, "invalid_token_ids")}, (
+            (400, "empty_prompt"), (400, "invalid_token_ids"), (400, "invalid_grammar")}, (
             response.status_code, response.text)
 
 
@@ -822,3 +824,32 @@ def test_embeddings_are_the_retrieval_encoders_own(tiny_server):
     assert_openai_error(httpx.post(f"{url}/v1/embeddings", json={"input": "x", "dimensions": 128}), 400,
                         "dimensions")
     assert_openai_error(httpx.post(f"{url}/v1/embeddings", json={"input": "word " * 400}), 400, "never truncated")
+
+
+def test_structured_outputs_over_http_with_the_openai_sdk(tiny_server):
+    """response_format json_schema and json_object on chat, vLLM's structured_outputs on completions;
+    a schema, regex or grammar that does not compile is a 400 naming the problem."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
+              "properties": {"city": {"type": "string", "maxLength": 10}, "population": {"type": "integer"}}}
+    validator = jsonschema_rs.validator_for(schema)
+    with openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+        for seed in range(3):
+            reply = client.chat.completions.create(
+                model=None, messages=[{"role": "user", "content": "A city?"}], max_tokens=80, seed=seed,
+                temperature=1.0, response_format={"type": "json_schema",
+                                                  "json_schema": {"name": "city", "schema": schema, "strict": True}})
+            choice = reply.choices[0]
+            assert choice.finish_reason == "length" or validator.is_valid(json.loads(choice.message.content))
+        anything = client.chat.completions.create(model=None, messages=[{"role": "user", "content": "{"}],
+                                                  max_tokens=60, temperature=0, response_format={"type": "json_object"})
+        assert anything.choices[0].finish_reason == "length" or \
+            isinstance(json.loads(anything.choices[0].message.content), dict)
+        code = client.completions.create(model=None, prompt="Code:", max_tokens=10, temperature=1.0,
+                                         extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+        assert re.fullmatch("[A-Z]{2}-[0-9]{3}", code.choices[0].text)
+    url = f"{tiny_server.url}/v1"
+    bad = httpx.post(f"{url}/completions", json={**OK, "structured_outputs": {"regex": "([0-9"}})
+    assert assert_openai_error(bad, 400, "structured_outputs")["code"] == "invalid_grammar"
+    both = httpx.post(f"{url}/chat/completions", json={**CHAT_OK, "response_format": {"type": "json_object"},
+                                                       "structured_outputs": {"choice": ["a"]}})
+    assert_openai_error(both, 400, "not both")

@@ -40,6 +40,7 @@ from spanserve.pic.prompt import chat_parts, is_parts_prompt, tokenize_parts
 from spanserve.sampling import SamplingParams
 from spanserve.sessions.store import SessionStore
 from spanserve.sparse.decode import SparseDecode, load_flows
+from spanserve.structured.grammars import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ class LLMEngine:
         if config.quantization:
             quant.check(config.quantization, self.device, self.dtype)
         self.tokenizer = load_tokenizer(path)
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size)  # structured outputs: compiled as asked
         model = load_model(path, self.dtype, self.device, get_backend(config.attention_backend, self.device),
                            max_positions=self.max_model_len, random_weights=config.load_format == "dummy")
         if config.quantization:
@@ -308,6 +310,7 @@ class LLMEngine:
                 priority=priority, held=held, prefill_only=prefill_only, owner=owner, tenant=tenant,
                 sparse=SparseDecode(flow, params.sparse_budget, self.config.block_size, params.sparse_prefill)
                 if flow else None,
+                constraint=self.grammars.constraint(params.structured_outputs) if params.structured_outputs else None,
             ))
         detoks = [IncrementalDetokenizer(self.tokenizer, token_ids, r.params) for r in children]
         return RequestGroup(request_id, tp.text, children, detoks)
@@ -499,6 +502,8 @@ class LLMEngine:
 
     def _append(self, req: Request, sample: Sample, detok: IncrementalDetokenizer) -> None:
         req.append_token(sample.token_id)
+        if req.constraint is not None:
+            req.constraint.accept(sample.token_id)
         if sample.top_logprobs is not None:
             req.logprobs.append({**sample.top_logprobs, sample.token_id: sample.logprob})
         reason = self._stop_reason(req, sample.token_id, detok)
@@ -526,6 +531,8 @@ class LLMEngine:
         stop_string = detok.add(token_id)
         if stop_string is not None:
             return ("stop", stop_string)
+        if req.constraint is not None and req.constraint.done:  # the grammar is complete: nothing may follow
+            return ("stop", None)
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_total_tokens:
             return ("length", None)
         return None

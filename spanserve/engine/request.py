@@ -11,6 +11,7 @@ from spanserve.kv.block_pool import Block
 from spanserve.pic.layout import PromptLayout
 from spanserve.sampling import SamplingParams
 from spanserve.sparse.decode import SparseDecode
+from spanserve.structured.grammars import Constraint
 
 
 class Priority(enum.IntEnum):
@@ -63,6 +64,7 @@ class Request:
     prefill_only: bool = False  # done once its prompt is computed: nothing sampled (an ingest)
     owner: RequestOwner | None = None  # told when it ends
     sparse: "SparseDecode | None" = None  # its sparse decode flow and state, if any
+    constraint: "Constraint | None" = None  # its place in its grammar (structured outputs), if any
 
     def __post_init__(self):
         self.token_ids: list[int] = list(self.prompt_token_ids)

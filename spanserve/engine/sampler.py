@@ -22,6 +22,8 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[Sample]:
     for row, req in enumerate(requests):
         _apply_penalties(logits[row], req)
         _suppress_eos_before_min_tokens(logits[row], req)
+        if req.constraint is not None:  # after the rest: what the grammar forbids stays forbidden
+            req.constraint.mask(logits[row])
     token_ids = _choose_tokens(logits, requests)
     samples = [Sample(t) for t in token_ids.tolist()]
     if raw_logprobs is not None:

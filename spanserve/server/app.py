@@ -445,11 +445,17 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
             "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "spanserve",
             "max_model_len": llm.engine.max_model_len}]})
 
+    async def compile_grammar(spec) -> None:
+        """A request's grammar compiled (and cached) off the event loop: a bad one is a 400 here."""
+        if spec is not None:
+            await asyncio.to_thread(llm.engine.grammars.grammar, spec)
+
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse, "content": _SSE}, **_ERRORS})
     async def completions(body: CompletionRequest, http: Request):
         server.check_model(body.model)
         # Tokenizing a long text takes a while: off the event loop, which other clients share.
         prompts = await asyncio.to_thread(fmt.completion_prompts, body.prompt, body.spans, llm.engine)
+        await compile_grammar(body.structured())
         salt = _salt(http, body.cache_salt)
         runs = []
         for text, prompt in prompts:  # validate every prompt before any starts
@@ -475,6 +481,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
             prompt["cache_salt"] = _salt(http, body.cache_salt)
         except TemplateError as exc:  # e.g. a template that insists on alternating user/assistant turns
             raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}") from exc
+        await compile_grammar(body.structured())
         max_tokens = server.check_length(prompt["prompt_token_ids"], body.max_completion_tokens or body.max_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, top, vocab_size)

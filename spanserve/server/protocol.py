@@ -9,6 +9,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic_core import PydanticCustomError
 
 from spanserve.sampling import SamplingParams
+from spanserve.structured.params import InvalidGrammarError, StructuredOutputs
 
 # Seeds, top_k and token ids stay within JSON's safe integers, exact in every client and validator (near
 # 2**63 they disagree, as doubles, about which side of the bound a number falls), and within torch's int64.
@@ -79,6 +80,43 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class StructuredOutputsField(_Body):
+    """vLLM's `structured_outputs` extra: exactly one constraint on the output."""
+
+    json_: dict | str | None = Field(None, alias="json", description="a JSON schema")
+    json_object: bool | None = None
+    regex: NonEmptyStr | None = None
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    grammar: NonEmptyStr | None = Field(None, description="a Lark grammar (llguidance's dialect)")
+
+    def params(self) -> StructuredOutputs:
+        return StructuredOutputs(json=self.json_, json_object=bool(self.json_object), regex=self.regex,
+                                 choice=self.choice, grammar=self.grammar)
+
+
+class JsonSchemaSpec(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None  # the output always matches the schema
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    def params(self) -> StructuredOutputs | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        if self.json_schema is None:
+            raise InvalidGrammarError("response_format json_schema needs its json_schema")
+        return StructuredOutputs(json=self.json_schema.schema_)
+
+
 class _SamplingFields(_Body):
     model: str | None = None
     n: _int(ge=1, le=16) = 1
@@ -117,6 +155,11 @@ class _SamplingFields(_Body):
     sparse: NonEmptyStr | None = Field(None, max_length=128)
     sparse_budget: _int(ge=1, le=_SAFE) = 2048
     sparse_prefill: bool = False
+    structured_outputs: StructuredOutputsField | None = None  # vLLM's extra
+
+    def structured(self) -> StructuredOutputs | None:
+        """The request's constraint on its output, if any."""
+        return self.structured_outputs.params() if self.structured_outputs is not None else None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
         optional = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -131,7 +174,7 @@ class _SamplingFields(_Body):
             # ids beyond the vocabulary can never be sampled (and cannot index the logits)
             stop_token_ids=[t for t in self.stop_token_ids or [] if t < vocab_size],
             ignore_eos=self.ignore_eos, logprobs=logprobs, sparse=self.sparse, sparse_budget=self.sparse_budget,
-            sparse_prefill=self.sparse_prefill, **optional,
+            sparse_prefill=self.sparse_prefill, structured_outputs=self.structured(), **optional,
         )
 
 
@@ -179,7 +222,7 @@ class ChatCompletionRequest(_SamplingFields, _Request):
     max_completion_tokens: _int(ge=1) | None = None
     logprobs: bool = False
     top_logprobs: _int(ge=0, le=20) | None = None
-    response_format: _refused("response_format other than text (structured output)", {"type": "text"}) = None
+    response_format: ResponseFormat | None = None
     tools: _refused("tools (tool calling)", []) = None
     tool_choice: _refused("tool_choice other than none (tool calling)", "none") = None
     parallel_tool_calls: bool | None = None  # (with no tools, nothing to call in parallel)
@@ -197,6 +240,12 @@ class ChatCompletionRequest(_SamplingFields, _Request):
 
     def chat_messages(self) -> list[dict]:
         return chat_messages(self.messages)
+
+    def structured(self) -> StructuredOutputs | None:
+        formatted = self.response_format.params() if self.response_format is not None else None
+        if formatted is not None and self.structured_outputs is not None:
+            raise InvalidGrammarError("give response_format or structured_outputs, not both")
+        return formatted or super().structured()
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:

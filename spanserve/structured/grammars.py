@@ -1,0 +1,104 @@
+"""Grammars: the compiled grammars of one tokenizer, cached by their source, and Constraint: one
+request's place in its grammar, which masks its logits before each token and follows the token
+sampled."""
+
+import re
+import threading
+from collections import OrderedDict
+
+import torch
+
+from spanserve.structured.params import InvalidGrammarError, StructuredOutputs
+
+MAX_CACHED = 256  # grammars kept, the least recently used dropped first
+# JSON without free whitespace between its tokens: a model may otherwise run on in blank space and
+# never close the object within max_tokens (seen on a small model)
+COMPACT_JSON = {"whitespace_flexible": False}
+
+
+class Grammars:
+    """llguidance over a Hugging Face tokenizer, for a model of `vocab_size` logits."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._hf, self.vocab_size = tokenizer, vocab_size
+        self._tokenizer = None
+        self._cache: OrderedDict[str, str] = OrderedDict()  # StructuredOutputs.key() -> checked grammar
+        self._lock = threading.Lock()
+
+    def grammar(self, spec: StructuredOutputs) -> str:
+        """The grammar of `spec`, checked against the tokenizer (InvalidGrammarError, naming the
+        problem, if the library cannot compile it); cached by its source."""
+        import llguidance
+
+        key = spec.key()
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        try:
+            text = _grammar_text(spec)
+        except ValueError as exc:
+            raise InvalidGrammarError(f"structured_outputs: {exc}") from None
+        error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer())
+        if error:
+            raise InvalidGrammarError(f"structured_outputs: {error.splitlines()[0][:500]}")
+        with self._lock:
+            self._cache[key] = text
+            while len(self._cache) > MAX_CACHED:
+                self._cache.popitem(last=False)
+        return text
+
+    def constraint(self, spec: StructuredOutputs) -> "Constraint":
+        import llguidance
+
+        return Constraint(llguidance.LLMatcher(self.tokenizer(), self.grammar(spec)), self.vocab_size)
+
+    def tokenizer(self):
+        """llguidance's view of the tokenizer (built once: a few hundred ms)."""
+        import llguidance.hf
+
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size)
+            return self._tokenizer
+
+
+def _grammar_text(spec: StructuredOutputs) -> str:
+    from llguidance import LLMatcher
+
+    if spec.json is not None:
+        return LLMatcher.grammar_from_json_schema(spec.json, overrides=COMPACT_JSON)
+    if spec.json_object:
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=COMPACT_JSON)
+    if spec.regex is not None:
+        return LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        return LLMatcher.grammar_from_regex("|".join(f"(?:{re.escape(c)})" for c in spec.choice))
+    return LLMatcher.grammar_from_lark(spec.grammar)
+
+
+class Constraint:
+    """One request's place in its grammar: the tokens it may sample next, and the token it did."""
+
+    def __init__(self, matcher, vocab_size: int):
+        import llguidance.torch
+
+        self.matcher = matcher
+        self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Set the logits of the tokens the grammar does not allow next to -inf (in place, one row)."""
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)  # (on the CPU)
+        bitmask = self._bitmask if logits.device.type == "cpu" else self._bitmask.to(logits.device)
+        llguidance.torch.apply_token_bitmask_inplace(logits.view(1, -1), bitmask)
+
+    def accept(self, token_id: int) -> None:
+        if not self.matcher.consume_token(token_id):
+            raise RuntimeError(f"the grammar refused token {token_id}: {self.matcher.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing may follow (but the end of the sequence)."""
+        return self.matcher.is_stopped()
