@@ -7,12 +7,13 @@ import logging
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from spanserve.attention import BACKENDS  # (the package sets OpenMP's wait policy first)
 from spanserve.comb import calibrate as comb_calibrate
 from spanserve.comb import train as comb_train
 from spanserve.config import LOAD_FORMATS, EngineConfig
-from spanserve.errors import SpanserveError
+from spanserve.errors import InvalidRequestError, SpanserveError
 from spanserve.pic.link import APE_SCALE, APE_TEMPERATURE, BLEND_LAYERS, POLICIES
 from spanserve.sampling import SamplingParams
 from spanserve.sessions import feed as session_feed
@@ -101,6 +102,13 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
     g.add_argument("--sparse-budget", type=int, default=2048, help="tokens a sparse flow attends to per step")
     g.add_argument("--sparse-prefill", action="store_true", help="a short prompt suffix after cached KV (a session "
                    "question) attends sparsely too")
+    s = p.add_argument_group("structured output (one of)")
+    s.add_argument("--json-schema", default=None, metavar="SCHEMA", help="the answer is JSON matching this schema "
+                   "(its text, or @FILE)")
+    s.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    s.add_argument("--regex", default=None, help="the answer matches this regex")
+    s.add_argument("--choice", action="append", default=None, help="the answer is one of these (repeat the flag)")
+    s.add_argument("--grammar", default=None, help="the answer follows this Lark grammar (its text, or @FILE)")
 
 
 def sampling_params(args) -> SamplingParams:
@@ -108,7 +116,25 @@ def sampling_params(args) -> SamplingParams:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
         sparse=args.sparse, sparse_budget=args.sparse_budget, sparse_prefill=args.sparse_prefill,
+        structured_outputs=_structured(args),
     )
+
+
+def _structured(args) -> dict | None:
+    """The structured-output flags given, as SamplingParams' structured_outputs (it checks there is one)."""
+    given = {"json": _text_or_file(args.json_schema), "json_object": args.json_object or None,
+             "regex": args.regex, "choice": args.choice, "grammar": _text_or_file(args.grammar)}
+    given = {kind: value for kind, value in given.items() if value is not None}
+    return given or None
+
+
+def _text_or_file(value: str | None) -> str | None:
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as exc:
+        raise InvalidRequestError(f"cannot read {value[1:]}: {exc.strerror}") from None
 
 
 def stream_text(engine, prompt, params: SamplingParams) -> Iterator[str]:
@@ -135,8 +161,6 @@ def chat_prompt(engine, messages: list[dict]) -> dict:
 
 def read_docs(docs: list[str]) -> list:
     """--doc values as Spans: literal text, or @PATH for a file's contents."""
-    from pathlib import Path
-
     from spanserve.pic.prompt import Span
 
     return [Span(Path(d[1:]).read_text() if d.startswith("@") else d) for d in docs]
@@ -245,8 +269,6 @@ def demo_spans(llm) -> None:
 
 
 def cmd_serve(args) -> None:
-    from pathlib import Path
-
     import uvicorn
 
     from spanserve.engine.async_engine import AsyncLLM
@@ -280,8 +302,6 @@ BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu"
 
 
 def cmd_query(args) -> None:
-    from pathlib import Path
-
     from spanserve.spans.api import as_tree, prepare
     from spanserve.spans.ir import pretty
     from spanserve.spans.retrieval import Retriever

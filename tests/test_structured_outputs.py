@@ -106,3 +106,21 @@ def test_a_bad_constraint_is_a_clear_error(llm, constraint, message):
     with pytest.raises(InvalidGrammarError, match=message):
         llm.generate("hi", SamplingParams(max_tokens=4, structured_outputs=constraint))
     assert_engine_idle(llm)
+
+
+def test_the_cli_constrains_the_answer(tiny_llama_path, tmp_path, capsys):
+    from spanserve.cli import main
+
+    common = ["--model", str(tiny_llama_path), "--dtype", "float32", "--num-blocks", "64", "--raw",
+              "--temperature", "0", "--max-tokens", "40"]
+    main(["generate", "Pick a colour:", *common, "--choice", "red", "--choice", "blue"])
+    assert capsys.readouterr().out.strip() in ("red", "blue")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "required": ["n"], "additionalProperties": False,
+                                  "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}}))
+    main(["generate", "A number:", *common, "--json-schema", f"@{schema}"])
+    assert json.loads(capsys.readouterr().out)["n"] in range(100)
+    with pytest.raises(SystemExit, match="error: .*structured_outputs"):
+        main(["generate", "x", *common, "--regex", "([0-9"])
+    with pytest.raises(SystemExit, match="exactly one"):
+        main(["generate", "x", *common, "--regex", "a", "--json-object"])
