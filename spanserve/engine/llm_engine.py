@@ -439,12 +439,17 @@ class LLMEngine:
             log.exception("request %s failed in its step; it is ended, the others go on", req.group_id)
             self.failed[req.group_id] = RequestFailedError(f"request {req.group_id} failed: {type(exc).__name__}: "
                                                            f"{exc}")
-            try:
-                self.abort_request(req.group_id)
-            except Exception:  # noqa: BLE001 - its owner's hook again: its blocks are freed all the same
-                log.exception("request %s: its owner failed again as it was ended", req.group_id)
-                self.groups.pop(req.group_id, None)
+            self._end(req.group_id)
             return False
+
+    def _end(self, request_id: str) -> None:
+        """Abort a request the engine ends itself; an owner's hook that raises meanwhile is logged
+        (the blocks are freed all the same), never the step's failure."""
+        try:
+            self.abort_request(request_id)
+        except Exception:  # noqa: BLE001
+            log.exception("request %s: its owner's hook failed as it was ended", request_id)
+            self.groups.pop(request_id, None)
 
     def _expire_waiting(self) -> None:
         """End the requests that found no room to start within admission_timeout_s (the pool held
@@ -461,7 +466,7 @@ class LLMEngine:
                 f"no room to start this request within {timeout:g} s: it needs {blocks} KV blocks, and running "
                 f"requests and sessions hold {self.kv.pool.num_blocks - self.kv.pool.num_free} of "
                 f"{self.kv.pool.num_blocks}; retry later")
-            self.abort_request(req.group_id)
+            self._end(req.group_id)
 
     def take_failed(self) -> dict[str, Exception]:
         """The requests the engine ended since the last call, by id, with the error for their caller."""
