@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spanserve.kernels import cpu_kernel, native, selfcheck, variants
-from spanserve.kernels.layouts import W8A8_BLOCK, f32_panels, w8a8_panels, w8a8_twin
+from spanserve.kernels.layouts import W8A8_BLOCK, f32_panels, int8w_panels, w8a8_panels, w8a8_twin
 
 needs_compiler = pytest.mark.skipif(native.compiler_path() is None, reason="no C compiler")
 SANITIZED_RUN = os.environ.get("SPANSERVE_KERNEL_VARIANTS") == "sanitized"
@@ -161,8 +161,7 @@ def test_f32_gemm_int8w_is_the_dequantized_matmul(lib, seed, shape, n_threads):
     x = torch.randn(rows, k)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     scale = torch.rand(n) / 127
-    packed = f32_panels(q)
-    padded, out = F.pad(scale, (0, packed.shape[0] * 16 - n)), torch.empty(rows, n)
+    (packed, padded), out = int8w_panels(q, scale), torch.empty(rows, n)
     with _threads(n_threads):
         status = lib.f32_gemm_int8w(x.data_ptr(), packed.data_ptr(), padded.data_ptr(), None, out.data_ptr(), rows,
                                     n, padded.shape[0], k)

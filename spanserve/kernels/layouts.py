@@ -1,4 +1,5 @@
-"""The weight layouts the C GEMMs read, and the w8a8 product's torch twin.
+"""What the C kernels read: their dtype codes, the weight layouts of their GEMMs, and the w8a8
+product's torch twin.
 
 f32_gemm.c (float32 and int8 weights) reads panels of 16 output channels, [padded out / 16][in][16],
 padded to a tile of 48; int8_gemm.c (w8a8) reads panels of 16 output channels with 4 input
@@ -11,6 +12,8 @@ is not there.
 import torch
 import torch.nn.functional as F
 
+# The `dtype` codes every kernel takes for the tensors it reads and writes (common.h's load_floats).
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 F32_TILE = 48  # output channels of one tile of f32_gemm.c (TILE_PANELS x PANEL): the padding unit
 W8A8_BLOCK = 64  # input channels sharing one activation scale (int8_gemm.c's QBLOCK)
 W8A8_TILE = 64  # output channels its kernel computes together (TILE_PANELS x PANEL)
@@ -22,6 +25,18 @@ def f32_panels(weight: torch.Tensor) -> torch.Tensor:
     rows = -(-out_features // F32_TILE) * F32_TILE
     padded = F.pad(weight, (0, 0, 0, rows - out_features))
     return padded.view(rows // 16, 16, in_features).transpose(1, 2).contiguous()
+
+
+def f32_unpacked(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The weight [out_features, in] back from its f32_gemm.c panels."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
+
+
+def int8w_panels(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weight [out, in] and its scale per output channel as f32_gemm_int8w reads them: (the
+    panels, the scale in float32 zero-padded to their output channels)."""
+    packed = f32_panels(qweight)
+    return packed, F.pad(scale.float(), (0, packed.shape[0] * 16 - qweight.shape[0]))
 
 
 def w8a8_panels(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,13 +19,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-import torch
-
+from spanserve.kernels.layouts import DTYPES  # noqa: F401 - the kernels' dtype codes, as native.DTYPES
 from spanserve.kernels.selfcheck import check
 from spanserve.paths import cache_dir
-
-# The `dtype` codes every kernel takes for the tensors it reads and writes (common.h's load_floats).
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "int8_gemm.c", CSRC / "f32_gemm.c",

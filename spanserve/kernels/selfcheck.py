@@ -10,9 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from spanserve.kernels.layouts import f32_panels, w8a8_panels, w8a8_twin
-
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' dtype codes (native.DTYPES)
+from spanserve.kernels.layouts import DTYPES, f32_panels, int8w_panels, w8a8_panels, w8a8_twin
 
 
 def check(lib: ctypes.CDLL) -> str:
@@ -58,8 +56,7 @@ def _f32_gemm_int8w(lib, dtype) -> str:
     x = torch.randn(9, 150, generator=gen)
     q = torch.randint(-127, 128, (50, 150), generator=gen, dtype=torch.int8)
     scale = torch.rand(50, generator=gen) / 100
-    packed = f32_panels(q)
-    padded, out = F.pad(scale, (0, packed.shape[0] * 16 - 50)), torch.empty(9, 50)
+    (packed, padded), out = int8w_panels(q, scale), torch.empty(9, 50)
     status = lib.f32_gemm_int8w(_ptr(x), _ptr(packed), _ptr(padded), None, _ptr(out), 9, 50, padded.shape[0], 150)
     return f"status {status}" if status else _compare(out, x @ (q.float() * scale[:, None]).t(), 1e-5)
 

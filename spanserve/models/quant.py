@@ -28,7 +28,7 @@ from torch import nn
 
 from spanserve.errors import InvalidRequestError
 from spanserve.kernels import cpu_kernel, native
-from spanserve.kernels.layouts import W8A8_BLOCK, f32_panels, w8a8_panels, w8a8_twin, w8a8_unpacked
+from spanserve.kernels.layouts import W8A8_BLOCK, f32_unpacked, int8w_panels, w8a8_panels, w8a8_twin, w8a8_unpacked
 from spanserve.models import layout
 
 log = logging.getLogger(__name__)
@@ -88,8 +88,9 @@ class Int8Linear(nn.Module):
             self.k_pad = -self.in_features % TORCH_INT8_K_MULTIPLE
             self.register_buffer("qweight", F.pad(qweight, (0, self.k_pad)).contiguous())
         else:
-            self.register_buffer("packed", f32_panels(qweight))
-            self.register_buffer("scale32", F.pad(scale.float(), (0, self.packed.shape[0] * 16 - self.out_features)))
+            packed, scale32 = int8w_panels(qweight, scale)
+            self.register_buffer("packed", packed)
+            self.register_buffer("scale32", scale32)
         self.register_buffer("scale", scale)
         self.bias = linear.bias
 
@@ -97,7 +98,7 @@ class Int8Linear(nn.Module):
         """The int8 weight [out_features, in_features], from whichever layout holds it."""
         if self.kernel is None:
             return self.qweight[:, : self.in_features]
-        return self.packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+        return f32_unpacked(self.packed, self.out_features)
 
     def sizes_team(self, rows: int) -> bool:
         """Whether `rows` rows run in the C GEMM, which starts the threads its work pays for (threads.py)."""
