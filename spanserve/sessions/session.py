@@ -439,7 +439,7 @@ class Session:
     def fail(self, reason: str) -> None:
         """Its background work raised: stop it and free the session's memory, tell its
         subscribers, and answer SessionFailedError until its owner deletes it. Nobody else's
-        work is touched (SessionStore.service)."""
+        work is touched: service() calls this when its own work raises."""
         if self.closed or self.failure is not None:
             return
         self.failure = reason
