@@ -19,11 +19,13 @@ from spanserve.llm import LLM  # noqa: E402
 from spanserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from spanserve.pic.prompt import Span  # noqa: E402
 from spanserve.sampling import SamplingParams  # noqa: E402
+from spanserve.structured import StructuredOutputs  # noqa: E402
+from spanserve.tools import Tools  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "Span", "RequestOutput", "CompletionOutput", "EngineConfig",
-           "SpanserveError", "InvalidRequestError", "AsyncLLM", "__version__"]
+           "StructuredOutputs", "Tools", "SpanserveError", "InvalidRequestError", "AsyncLLM", "__version__"]
 
 
 def __getattr__(name):  # AsyncLLM pulls in asyncio/threading only when asked for

@@ -11,6 +11,8 @@ from spanserve.sampling import SamplingParams
 from spanserve.sessions import persist
 from spanserve.sessions.ready import DEFAULT_THRESHOLD
 from spanserve.sessions.session import Answer, Session
+from spanserve.tools import Tools
+from spanserve.tools.conversation import chat_request
 
 
 class LLM:
@@ -58,12 +60,18 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tools: Tools | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them. A content may be
-        a list of parts, some of them spans: [Span(doc1), Span(doc2), "question"]."""
+        a list of parts, some of them spans: [Span(doc1), Span(doc2), "question"]. With `tools`
+        (spanserve.tools.Tools), messages may carry OpenAI's tool_calls and tool results, and
+        `tools.reply(output.text, output.finish_reason)` reads an answer's calls."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.chat_prompt(c) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        if tools is not None and not isinstance(tools, Tools):
+            raise InvalidRequestError("tools must be a spanserve.tools.Tools")
+        params = _per_prompt(sampling_params, len(conversations))
+        requests = [chat_request(self.engine, c, p, tools) for c, p in zip(conversations, params)]
+        return self.generate([prompt for prompt, _ in requests], [p for _, p in requests])
 
     def run_query(self, query, judge_arity: int | None = None, retriever=None):
         """Run a span query (a tree from spanserve.spans, its JSON form, or JSON text) and return
@@ -75,8 +83,8 @@ class LLM:
         results = run_sync(self.engine, queries, retriever=retriever, judge_arity=judge_arity)
         return results if isinstance(query, list) else results[0]
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self.engine.chat_prompt(messages)["prompt_token_ids"]
+    def apply_chat_template(self, messages: list[dict], tools: Tools | None = None) -> list[int]:
+        return chat_request(self.engine, messages, SamplingParams(), tools)[0]["prompt_token_ids"]
 
     def create_session(self, system: str = "You are a helpful assistant.", retention_tokens: int | None = None,
                        flash: Sequence[str] = (), flash_max_tokens: int = 64, exit_answers: Sequence[str] = (),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import EOS_TOKEN_ID, VOCAB_SIZE
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
 
 from spanserve import LLM
 from spanserve.models.loader import load_tokenizer, resolve_model
@@ -87,6 +87,44 @@ def tiny_qwen2_path(tmp_path_factory, tokenizer_dir) -> Path:
     """Qwen2: biases on q/k/v (none on o), tied embeddings."""
     config = Qwen2Config(**_TINY, tie_word_embeddings=True)
     return _save_random_model(config, tokenizer_dir, tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+# A chat template that renders tools, assistant calls and tool results (as Qwen2.5's does), for a
+# tokenizer with <tool_call> and </tool_call> as tokens of their own (as Qwen2.5's has).
+TOOLS_TEMPLATE = """{%- if messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}{% else %}<|im_start|>system
+You are a helpful assistant.{% endif %}
+{%- if tools %}
+
+Functions you may call:
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}Call one as <tool_call>
+{"name": <name>, "arguments": <object>}
+</tool_call>{% endif %}<|im_end|>
+{%- for m in messages %}{% if m.role == 'tool' %}
+<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>{% elif not (loop.first and m.role == 'system') %}
+<|im_start|>{{ m.role }}
+{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>
+{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}
+</tool_call>{% endfor %}<|im_end|>{% endif %}{% endfor %}
+{%- if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="session")
+def tiny_tools_model_path(tmp_path_factory, tokenizer_dir) -> Path:
+    """A tiny Llama whose tokenizer has tool-call tokens and whose template renders tools."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tools_tokenizer = tmp_path_factory.mktemp("tools-tokenizer")
+    tokenizer.save_pretrained(str(tools_tokenizer))
+    config = LlamaConfig(**{**_TINY, "vocab_size": len(tokenizer)}, tie_word_embeddings=False)
+    return _save_random_model(config, tools_tokenizer, tmp_path_factory.mktemp("tiny-tools"))
 
 
 @pytest.fixture(scope="session")

@@ -247,13 +247,14 @@ class LLMEngine:
         text_bound.refuse_beyond(chars, self.max_model_len - 1, self.tokenizer)
         return tokenize_parts(self.tokenizer, parts, self.config.block_size, self.pad_token_id, add_special_tokens)
 
-    def chat_prompt(self, messages: list[dict]) -> dict:
-        """A conversation as a token prompt; message contents may hold spans (pic/prompt.py)."""
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> dict:
+        """A conversation as a token prompt; message contents may hold spans (pic/prompt.py).
+        `tools`: for a chat template that renders them (spanserve/tools/ decides)."""
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise InvalidRequestError("each chat message must be a dict with 'role' and 'content'")
         text_bound.refuse_beyond(sum(map(_content_chars, messages)), self.max_model_len - 1, self.tokenizer)
-        ids, spans = self._tokenize_parts(chat_parts(self.tokenizer, messages), add_special_tokens=False)
+        ids, spans = self._tokenize_parts(chat_parts(self.tokenizer, messages, tools), add_special_tokens=False)
         return {"prompt_token_ids": ids, "spans": spans}
 
     def link_policy(self, params: SamplingParams) -> LinkPolicy:

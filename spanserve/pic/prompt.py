@@ -79,7 +79,7 @@ def _pad(ids: list[int], block_size: int, pad_id: int) -> None:
     ids.extend([pad_id] * (-len(ids) % block_size))
 
 
-def chat_parts(tokenizer, messages: list[dict]) -> list:
+def chat_parts(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list:
     """Render a conversation whose message contents may contain spans into str (the template's
     own text), MessageText and Span parts.
 
@@ -87,10 +87,11 @@ def chat_parts(tokenizer, messages: list[dict]) -> list:
     {"type": "text", "text": ..., "span": true} dicts. The chat template renders the
     conversation with a marker in place of each piece of content; the text is then cut at the
     markers. (A template that transforms contents, e.g. trims them, transforms the markers instead.)
+    `tools`: OpenAI's tool list, for a template that renders tools (spanserve/tools/).
     """
     pieces: list = []
     rendered = [{**m, "content": _content_with_marks(m.get("content"), pieces)} for m in messages]
-    text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(rendered, tools=tools, add_generation_prompt=True, tokenize=False)
     parts: list = []
     for k, piece in enumerate(pieces):
         before, found, text = text.partition(_MARK.format(k))

@@ -48,8 +48,12 @@ from spanserve.server.tenants import Tenants, cache_salt, tenant_of
 from spanserve.spans.api import prepare, run_async
 from spanserve.spans.ir import Generate, QueryError
 from spanserve.spans.limits import QueryLimits
+from spanserve.structured.params import InvalidGrammarError
+from spanserve.tools import Tools
+from spanserve.tools.conversation import for_template, markers_are_tokens
 
 log = logging.getLogger("spanserve.server")
+GRAMMAR_COMPILE_S = 10.0  # the longest a request's grammar may take to compile
 
 
 class APIError(Exception):
@@ -418,7 +422,9 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
 
         def ids() -> list[int]:
             if isinstance(body, TokenizeChatRequest):
-                return llm.engine.chat_prompt(chat_messages(body.messages))["prompt_token_ids"]
+                tools = Tools([t.model_dump(exclude_none=True) for t in body.tools]) if body.tools else None
+                messages, shown = for_template(chat_messages(body.messages), tools, tokenizer.chat_template)
+                return llm.engine.chat_prompt(messages, shown)["prompt_token_ids"]
             text_bound.refuse_beyond(len(body.prompt), llm.engine.max_model_len, tokenizer)
             return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
@@ -446,9 +452,14 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
             "max_model_len": llm.engine.max_model_len}]})
 
     async def compile_grammar(spec) -> None:
-        """A request's grammar compiled (and cached) off the event loop: a bad one is a 400 here."""
-        if spec is not None:
-            await asyncio.to_thread(llm.engine.grammars.grammar, spec)
+        """A request's grammar compiled (and cached) off the event loop, in a bounded time: a bad
+        one is a 400 here. (A compile past the bound runs on in its thread, and is cached.)"""
+        if spec is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(llm.engine.grammars.grammar, spec), GRAMMAR_COMPILE_S)
+        except TimeoutError:
+            raise InvalidGrammarError(f"the grammar did not compile within {GRAMMAR_COMPILE_S:g} s") from None
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse, "content": _SSE}, **_ERRORS})
     async def completions(body: CompletionRequest, http: Request):
@@ -476,20 +487,24 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
               responses={200: {"model": ChatCompletionResponse, "content": _SSE}, **_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         server.check_model(body.model)
+        tools = body.tools_of()
+        messages, shown = for_template(body.chat_messages(), tools, tokenizer.chat_template)
         try:
-            prompt = await asyncio.to_thread(llm.engine.chat_prompt, body.chat_messages())
+            prompt = await asyncio.to_thread(llm.engine.chat_prompt, messages, shown)
             prompt["cache_salt"] = _salt(http, body.cache_salt)
         except TemplateError as exc:  # e.g. a template that insists on alternating user/assistant turns
             raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}") from exc
-        await compile_grammar(body.structured())
         max_tokens = server.check_length(prompt["prompt_token_ids"], body.max_completion_tokens or body.max_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, top, vocab_size)
+        if tools is not None:
+            params = tools.sampling_params(params, markers_are_tokens(tokenizer))
+        await compile_grammar(params.structured_outputs)
         run = server.start(prompt, params, tenant_of(http))
         server.admit([run], body.n)
         if body.stream:
-            return sse(fmt.stream_chat(await primed(run), body, model_name, tokenizer))
-        return fmt.chat_response(await final_output(run, http), body, model_name, tokenizer)
+            return sse(fmt.stream_chat(await primed(run), body, model_name, tokenizer, tools))
+        return fmt.chat_response(await final_output(run, http), body, model_name, tokenizer, tools)
 
     @app.post("/v1/spans", responses={200: {"model": SpanQueryResponse, "content": _SSE}, **_ERRORS})
     async def span_query(body: SpanQueryRequest, http: Request):

@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator
 from spanserve.errors import InvalidRequestError, InvalidSpanError
 from spanserve.outputs import RequestOutput
 from spanserve.pic.prompt import Span
+from spanserve.tools import Tools
+from spanserve.tools.stream import ToolStream
 
 
 def completion_prompts(prompt, spans, engine) -> list[tuple[str | None, dict]]:
@@ -90,13 +92,20 @@ def completion_response(results, body, model: str, tokenizer) -> dict:
             "model": model, "choices": choices, "usage": usage(finals)}
 
 
-def chat_response(final: RequestOutput, body, model: str, tokenizer) -> dict:
-    choices = [{
-        "index": c.index, "message": {"role": "assistant", "content": c.text},
-        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-        "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
-        if body.logprobs else None,
-    } for c in final.outputs]
+def chat_response(final: RequestOutput, body, model: str, tokenizer, tools: Tools | None = None) -> dict:
+    choices = []
+    for c in final.outputs:
+        message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+        if tools is not None:
+            reply = tools.reply(c.text, c.finish_reason)
+            message["content"], finish_reason = reply.content, reply.finish_reason
+            if reply.tool_calls:
+                message["tool_calls"] = [call.openai() for call in reply.tool_calls]
+        choices.append({
+            "index": c.index, "message": message, "finish_reason": finish_reason, "stop_reason": c.stop_reason,
+            "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
+            if body.logprobs else None,
+        })
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": usage([final])}
 
@@ -154,7 +163,25 @@ def _completion_chunk(chunk_id, created, model, index, text, finish_reason, logp
             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-async def stream_chat(run, body, model: str, tokenizer) -> AsyncIterator[dict]:
+class _Replies:
+    """The chat deltas of each choice's new text: content, or content and tool calls (tools/stream.py)."""
+
+    def __init__(self, tools: Tools | None):
+        self.tools, self.texts, self.streams = tools, {}, {}
+
+    def of(self, c, delta: str) -> tuple[list[dict], str | None]:
+        if self.tools is None:
+            return ([{"content": delta}] if delta else []), c.finish_reason
+        text = self.texts[c.index] = self.texts.get(c.index, "") + delta
+        stream = self.streams.setdefault(c.index, ToolStream(self.tools))
+        pieces = stream.feed(text)
+        if c.finish_reason is None:
+            return pieces, None
+        rest, finish_reason = stream.end(text, c.finish_reason)
+        return pieces + rest, finish_reason
+
+
+async def stream_chat(run, body, model: str, tokenizer, tools: Tools | None = None) -> AsyncIterator[dict]:
     created, chunk_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
 
     def chunk(choices, **extra):
@@ -164,11 +191,15 @@ async def stream_chat(run, body, model: str, tokenizer) -> AsyncIterator[dict]:
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(body.n)])
     deltas, final = _Deltas(body.stop), None
+    replies = _Replies(tools)
     async for out in run:
         final = out
         for c, _, delta, new_ids, new_lps in deltas.of(out):
             lps = chat_logprobs(tokenizer, new_ids, new_lps, body.top_logprobs or 0) if body.logprobs else None
-            yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
-                          "logprobs": lps, "finish_reason": c.finish_reason}])
+            pieces, finish_reason = replies.of(c, delta)
+            for k, piece in enumerate(pieces or [{}]):
+                last = k == len(pieces) - 1 or not pieces
+                yield chunk([{"index": c.index, "delta": piece, "logprobs": lps if k == 0 else None,
+                              "finish_reason": finish_reason if last else None}])
     if body.stream_options and body.stream_options.include_usage:
         yield chunk([], usage=usage([final]))

@@ -10,6 +10,7 @@ from pydantic_core import PydanticCustomError
 
 from spanserve.sampling import SamplingParams
 from spanserve.structured.params import InvalidGrammarError, StructuredOutputs
+from spanserve.tools import Tools, ToolsError
 
 # Seeds, top_k and token ids stay within JSON's safe integers, exact in every client and validator (near
 # 2**63 they disagree, as doubles, about which side of the bound a number falls), and within torch's int64.
@@ -205,15 +206,49 @@ class TextContentPart(_Body):
     span: bool = False  # spanserve extension: a position-independent span (a document, a tool output)
 
 
+class CalledFunction(_Body):
+    name: NonEmptyStr
+    arguments: str  # a JSON object's text
+
+
+class MessageToolCall(_Body):
+    """A call an assistant message made (OpenAI's tool_calls item)."""
+
+    id: NonEmptyStr
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextContentPart] | None = None
     name: _refused("a message's name (no chat template here renders it)", "") = None
-    tool_calls: _refused("an assistant message's tool_calls (tool calling)", []) = None
-    tool_call_id: _refused("a tool message's tool_call_id (tool calling)") = None
-    function_call: _refused("function_call (tool calling)") = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: NonEmptyStr | None = None  # a tool message: the call it answers
+    function_call: _refused("function_call (deprecated; use tool_calls)") = None
     refusal: _refused("an assistant message's refusal") = None
     audio: _refused("audio") = None
+
+
+class FunctionSpec(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema for the arguments
+    strict: bool | None = None  # the arguments always match it, under tool_choice required or a named function
+
+
+class ToolSpec(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields, _Request):
@@ -223,11 +258,11 @@ class ChatCompletionRequest(_SamplingFields, _Request):
     logprobs: bool = False
     top_logprobs: _int(ge=0, le=20) | None = None
     response_format: ResponseFormat | None = None
-    tools: _refused("tools (tool calling)", []) = None
-    tool_choice: _refused("tool_choice other than none (tool calling)", "none") = None
-    parallel_tool_calls: bool | None = None  # (with no tools, nothing to call in parallel)
-    functions: _refused("functions (tool calling)", []) = None
-    function_call: _refused("function_call (tool calling)", "none") = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: _refused("functions (deprecated; use tools)", []) = None
+    function_call: _refused("function_call (deprecated; use tool_choice)", "none") = None
     modalities: _refused("modalities other than text", ["text"]) = None
     audio: _refused("audio output") = None
     prediction: _refused("prediction (predicted outputs)") = None
@@ -240,6 +275,17 @@ class ChatCompletionRequest(_SamplingFields, _Request):
 
     def chat_messages(self) -> list[dict]:
         return chat_messages(self.messages)
+
+    def tools_of(self) -> Tools | None:
+        """The request's tools, which it may or must call (None without tools)."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none"):
+                raise ToolsError("tool_choice needs tools")
+            return None
+        choice = self.tool_choice or "auto"
+        return Tools([t.model_dump(exclude_none=True) for t in self.tools],
+                     choice if isinstance(choice, str) else choice.model_dump(),
+                     self.parallel_tool_calls is not False)
 
     def structured(self) -> StructuredOutputs | None:
         formatted = self.response_format.params() if self.response_format is not None else None
@@ -257,7 +303,12 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         if isinstance(content, list):
             has_spans = any(p.span for p in content)
             content = [p.model_dump() for p in content] if has_spans else "".join(p.text for p in content)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
 
 
@@ -280,6 +331,7 @@ class TokenizeChatRequest(_TokenizeRequest):
     turn opened (what a chat completion prompts with)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None  # shown to the model as a chat completion shows them
     add_generation_prompt: _refused("add_generation_prompt false", True) = None
 
 
@@ -363,7 +415,7 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-FinishReason = Literal["stop", "length", "abort"] | None
+FinishReason = Literal["stop", "length", "tool_calls", "abort"] | None
 
 
 class CompletionLogprobs(BaseModel):
@@ -409,7 +461,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when the answer is only tool calls
+    tool_calls: list[MessageToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
