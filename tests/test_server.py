@@ -852,3 +852,11 @@ def test_structured_outputs_over_http_with_the_openai_sdk(tiny_server):
     both = httpx.post(f"{url}/chat/completions", json={**CHAT_OK, "response_format": {"type": "json_object"},
                                                        "structured_outputs": {"choice": ["a"]}})
     assert_openai_error(both, 400, "not both")
+    judged = httpx.post(f"{url}/spans", json={"query": {"g": {"input": {"user": "A city?"}, "max_tokens": 80,
+                                                              "temperature": 1.0, "seed": 2, "response_format": {
+                                                                  "type": "json_schema",
+                                                                  "json_schema": {"schema": schema}}}}})
+    assert judged.status_code == 200 and validator.is_valid(json.loads(judged.json()["text"]))
+    unknown = {"type": "json_schema", "json_schema": {"schema": {"type": "no-such-type"}}}
+    bad_query = httpx.post(f"{url}/spans", json={"query": {"g": {"input": {"user": "x"}, "response_format": unknown}}})
+    assert assert_openai_error(bad_query, 400, "structured_outputs")["code"] == "invalid_grammar"

@@ -124,3 +124,41 @@ def test_the_cli_constrains_the_answer(tiny_llama_path, tmp_path, capsys):
         main(["generate", "x", *common, "--regex", "([0-9"])
     with pytest.raises(SystemExit, match="exactly one"):
         main(["generate", "x", *common, "--regex", "a", "--json-object"])
+
+
+VERDICT = {"type": "object", "additionalProperties": False, "required": ["best", "why"],
+           "properties": {"best": {"type": "integer", "minimum": 0, "maximum": 3}, "why": {"type": "string",
+                                                                                     "maxLength": 40}}}
+
+
+def test_a_span_query_judge_returns_json_its_caller_can_parse(llm):
+    """A g node's response_format holds the judge to a schema; the candidates it reads stay free text."""
+    from spanserve.spans.ir import cross, g, plus, system, user
+
+    candidates = [g(user(f"Write idea number {i}."), max_tokens=12, temperature=0.7, seed=i) for i in range(4)]
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT}}
+    judge = g(cross(system("You judge ideas."), plus(*candidates), user("Which idea is best?")),
+              max_tokens=80, temperature=0.8, seed=3, response_format=fmt)
+    result = llm.run_query(judge)
+    assert jsonschema_rs.validator_for(VERDICT).is_valid(json.loads(result.text)), result.text
+    with pytest.raises(Exception, match="response_format"):
+        g(user("x"), response_format={"type": "xml"})
+    assert_engine_idle(llm)
+
+
+def test_object_schemas_that_list_their_properties_allow_no_others():
+    from spanserve.structured.schema import closed
+
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {}}},
+                                               "any": {"type": "object"},
+                                               "open": {"type": "object", "properties": {}, "additionalProperties": True},
+                                               "list": {"type": "array", "items": {"properties": {"y": {}}}}},
+              "$defs": {"d": {"anyOf": [{"properties": {"z": {}}}, {"type": "string"}]}}}
+    out = closed(schema)
+    assert out["additionalProperties"] is False and "additionalProperties" not in out["properties"]  # a property's name
+    assert out["properties"]["properties"]["additionalProperties"] is False
+    assert "additionalProperties" not in out["properties"]["any"]  # any object: stays any
+    assert out["properties"]["open"]["additionalProperties"] is True
+    assert out["properties"]["list"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["d"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema untouched

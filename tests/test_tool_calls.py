@@ -83,6 +83,7 @@ def test_the_reply_reads_calls_only_from_an_answer_the_model_ended():
     (TOOLS, "delete_everything", "not among the tools"),
     (TOOLS, {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
     (TOOLS, {"type": "function"}, "tool_choice must be"),
+    ([{"type": "function", "function": {"name": "f", "strict": True}}], "auto", "strict functions need"),
 ])
 def test_bad_tools_are_clear_errors(tools, choice, message):
     with pytest.raises(ToolsError, match=message):

@@ -46,7 +46,7 @@ from spanserve.server.protocol import (
 from spanserve.server.sessions import add_session_routes, session_lifespan
 from spanserve.server.tenants import Tenants, cache_salt, tenant_of
 from spanserve.spans.api import prepare, run_async
-from spanserve.spans.ir import Generate, QueryError
+from spanserve.spans.ir import Generate, QueryError, generate_nodes
 from spanserve.spans.limits import QueryLimits
 from spanserve.structured.params import InvalidGrammarError
 from spanserve.tools import Tools
@@ -532,6 +532,8 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
             tree = prepare(body.query, retriever, body.judge_arity).tree
         if not isinstance(tree, Generate):
             raise QueryError("$", "the root of a span query is a g or a chat")
+        for spec in filter(None, (node.structured() for node in generate_nodes(tree))):
+            llm.engine.grammars.grammar(spec)  # a bad response_format is a 400 before any call runs
         count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
         return tree, server.limits.check(tree, llm.engine.max_model_len, count)
 

@@ -114,7 +114,7 @@ class _Run:
         exposed = path != "$" and not node.bare  # a caller reads it as a span
         ids, spans = self.executor.tokenizer.prompt(node, self.outputs, exposed)
         params = SamplingParams(max_tokens=node.max_tokens, temperature=node.temperature, n=node.n,
-                                seed=node.seed, stop=list(node.stop))
+                                seed=node.seed, stop=list(node.stop), structured_outputs=node.structured())
         start = time.monotonic()
         prompt = {"prompt_token_ids": ids, "spans": [list(s) for s in spans]}
         out = await self.executor.complete(prompt, params, self.on_root_output if path == "$" else None)

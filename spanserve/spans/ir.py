@@ -14,6 +14,7 @@ Wire form: JSON with one key per node, e.g.
 from dataclasses import dataclass, field, fields, replace
 
 from spanserve.errors import InvalidRequestError
+from spanserve.structured.params import InvalidGrammarError, StructuredOutputs, from_response_format
 
 
 class Node:
@@ -70,6 +71,12 @@ class Generate(Node):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     bare: bool = False  # a caller sees only the output, not the input that produced it
+    # OpenAI's response_format: a judge's verdict as JSON its caller can parse
+    response_format: dict | None = field(default=None, hash=False, compare=True)
+
+    def structured(self) -> StructuredOutputs | None:
+        """The constraint on its output, if any."""
+        return from_response_format(self.response_format) if self.response_format is not None else None
 
     @property
     def children(self) -> tuple[Node, ...]:
@@ -131,8 +138,11 @@ def cross(*children: Node) -> Cross:
 
 
 def g(input: Node, max_tokens: int = 64, temperature: float = 0.0, n: int = 1,  # noqa: A002
-      seed: int | None = None, stop: tuple[str, ...] | list[str] = (), bare: bool = False) -> Generate:
-    return Generate(input, max_tokens, temperature, n, seed, tuple(stop), bare)
+      seed: int | None = None, stop: tuple[str, ...] | list[str] = (), bare: bool = False,
+      response_format: dict | None = None) -> Generate:
+    if response_format is not None and not _response_format(response_format):
+        raise QueryError("g", f"bad response_format {response_format!r}")
+    return Generate(input, max_tokens, temperature, n, seed, tuple(stop), bare, response_format)
 
 
 def chat(*messages: Node, **params) -> Chat:
@@ -141,6 +151,14 @@ def chat(*messages: Node, **params) -> Chat:
 
 def retrieve(query: str, corpus: str | None = None, k: int = 4) -> Retrieve:
     return Retrieve(query, corpus, k)
+
+
+def generate_nodes(node: Node):
+    """Every g in the tree, the root's included."""
+    if isinstance(node, Generate):
+        yield node
+    for child in node.children:
+        yield from generate_nodes(child)
 
 
 # ---- wire form -------------------------------------------------------------------------------
@@ -201,6 +219,7 @@ def _generate_params(body: dict, path: str) -> dict:
         "stop": lambda v: isinstance(v, (str, list)) and all(isinstance(s, str) and s for s in
                                                               ([v] if isinstance(v, str) else v)),
         "bare": lambda v: isinstance(v, bool),
+        "response_format": _response_format,
     }
     for name, value in params.items():
         if not checks[name](value):
@@ -208,6 +227,14 @@ def _generate_params(body: dict, path: str) -> dict:
     if "stop" in params:
         params["stop"] = (params["stop"],) if isinstance(params["stop"], str) else tuple(params["stop"])
     return params
+
+
+def _response_format(value) -> bool:
+    try:
+        from_response_format(value)
+    except InvalidGrammarError:
+        return False
+    return True
 
 
 def _object(body, path: str, required: set[str], optional: set[str]) -> dict:

@@ -9,6 +9,7 @@ from collections import OrderedDict
 import torch
 
 from spanserve.structured.params import InvalidGrammarError, StructuredOutputs
+from spanserve.structured.schema import closed
 
 MAX_CACHED = 256  # grammars kept, the least recently used dropped first
 # JSON without free whitespace between its tokens: a model may otherwise run on in blank space and
@@ -67,7 +68,7 @@ def _grammar_text(spec: StructuredOutputs) -> str:
     from llguidance import LLMatcher
 
     if spec.json is not None:
-        return LLMatcher.grammar_from_json_schema(spec.json, overrides=COMPACT_JSON)
+        return LLMatcher.grammar_from_json_schema(closed(spec.json), overrides=COMPACT_JSON)
     if spec.json_object:
         return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=COMPACT_JSON)
     if spec.regex is not None:

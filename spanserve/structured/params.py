@@ -64,3 +64,18 @@ class StructuredOutputs:
         kind = next(k for k in KINDS if getattr(self, k) not in (None, False))
         value = getattr(self, kind)
         return f"{kind}:{json.dumps(value, sort_keys=True) if kind in ('json', 'choice') else value}"
+
+
+def from_response_format(value) -> StructuredOutputs | None:
+    """OpenAI's response_format ({"type": "text" | "json_object" | "json_schema", "json_schema":
+    {"schema": ...}}) as a constraint; None for free text."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    spec = value.get("json_schema") if kind == "json_schema" else None
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise InvalidGrammarError("response_format is {'type': 'text'}, {'type': 'json_object'} or "
+                                  "{'type': 'json_schema', 'json_schema': {'schema': {...}}}")
+    return StructuredOutputs(json=spec["schema"])

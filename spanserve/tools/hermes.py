@@ -10,6 +10,8 @@ one block per call, a newline between blocks."""
 import json
 import re
 
+from spanserve.structured.schema import closed
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
 # a call's head, up to where its arguments start (a model writes the name first, as it was taught)
@@ -24,7 +26,7 @@ def grammar(functions: list, parallel: bool, markers_are_tokens: bool) -> str:
     `markers_are_tokens`: the tokenizer has <tool_call> and </tool_call> as tokens of their own,
     which the grammar then names as tokens (llguidance does not spell added tokens as text)."""
     schema = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                         "properties": {"name": {"const": f.name}, "arguments": f.parameters}}
+                         "properties": {"name": {"const": f.name}, "arguments": closed(f.parameters)}}
                         for f in functions],
               "x-guidance": _LAYOUT}
     open_, close = (OPEN, CLOSE) if markers_are_tokens else (json.dumps(OPEN), json.dumps(CLOSE))

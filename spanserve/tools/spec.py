@@ -29,6 +29,7 @@ class Function:
     name: str
     parameters: dict  # a JSON schema for its arguments (an object)
     description: str | None = None
+    strict: bool = False  # its arguments must match the schema
 
     @classmethod
     def of(cls, tool, where: str) -> "Function":
@@ -42,10 +43,12 @@ class Function:
             raise ToolsError(f"{where}.function.name must be 1 to 64 letters, digits, _ or -")
         if not isinstance(parameters, dict):
             raise ToolsError(f"{where}.function.parameters must be a JSON schema object")
-        description = fn.get("description")
+        description, strict = fn.get("description"), fn.get("strict") or False
         if description is not None and not isinstance(description, str):
             raise ToolsError(f"{where}.function.description must be a string")
-        return cls(name, parameters, description)
+        if not isinstance(strict, bool):
+            raise ToolsError(f"{where}.function.strict must be a boolean")
+        return cls(name, parameters, description, strict)
 
     def openai(self) -> dict:
         fn = {"name": self.name, **({"description": self.description} if self.description else {}),
@@ -92,6 +95,9 @@ class Tools:
             raise ToolsError("tools: two functions share a name")
         self.choice = _choice(choice, names)
         self.parallel = bool(parallel) and self.choice in ("auto", "required")
+        if self.choice == "auto" and any(f.strict for f in self.functions):
+            raise ToolsError("strict functions need tool_choice required or a named function (where the grammar "
+                             "holds the arguments to the schema); under auto the model's arguments are not held")
 
     @property
     def constrained(self) -> bool:
