@@ -17,6 +17,9 @@ from spanserve.errors import InvalidRequestError, SpanserveError
 from spanserve.pic.link import APE_SCALE, APE_TEMPERATURE, BLEND_LAYERS, POLICIES
 from spanserve.sampling import SamplingParams
 from spanserve.sessions import feed as session_feed
+from spanserve.tools import Tools
+from spanserve.tools.conversation import chat_request
+from spanserve.tools.stream import ToolStream
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -109,6 +112,11 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
     s.add_argument("--regex", default=None, help="the answer matches this regex")
     s.add_argument("--choice", action="append", default=None, help="the answer is one of these (repeat the flag)")
     s.add_argument("--grammar", default=None, help="the answer follows this Lark grammar (its text, or @FILE)")
+    t = p.add_argument_group("tool calling (generate, chat)")
+    t.add_argument("--tools", default=None, metavar="JSON|@FILE", help="functions the model may call: OpenAI's "
+                   "tools list; the answer's calls are printed as JSON")
+    t.add_argument("--tool-choice", default="auto", help="auto, none, required, or a function's name")
+    t.add_argument("--no-parallel-tool-calls", action="store_true", help="at most one call per answer")
 
 
 def sampling_params(args) -> SamplingParams:
@@ -137,8 +145,9 @@ def _text_or_file(value: str | None) -> str | None:
         raise InvalidRequestError(f"cannot read {value[1:]}: {exc.strerror}") from None
 
 
-def stream_text(engine, prompt, params: SamplingParams) -> Iterator[str]:
-    """Run one request on the synchronous engine, yielding text as it is produced."""
+def stream_text(engine, prompt, params: SamplingParams, finished: list | None = None) -> Iterator[str]:
+    """Run one request on the synchronous engine, yielding text as it is produced; its final
+    output is appended to `finished`, if given."""
     request_id = engine.add_request(prompt, params)
     # Hold back what could be the start of a stop string: it is cut from the final text.
     hold = max((len(s) for s in params.stop), default=1) - 1
@@ -151,8 +160,46 @@ def stream_text(engine, prompt, params: SamplingParams) -> Iterator[str]:
                     ready = len(text) if out.finished else max(shown, len(text) - hold)
                     yield text[shown:ready]
                     shown = ready
+                    if out.finished and finished is not None:
+                        finished.append(out.outputs[0])
     finally:
         engine.abort_request(request_id)
+
+
+def tools_of(args) -> Tools | None:
+    """The --tools flags as Tools (None without --tools)."""
+    if args.tools is None:
+        return None
+    try:
+        tools = json.loads(_text_or_file(args.tools))
+    except ValueError as exc:
+        raise InvalidRequestError(f"--tools is not valid JSON: {exc}") from None
+    return Tools(tools, args.tool_choice, parallel=not args.no_parallel_tool_calls)
+
+
+def _print_content(deltas: list[dict]) -> None:
+    print("".join(d.get("content", "") for d in deltas), end="", flush=True)
+
+
+def answer(engine, messages: list[dict], params: SamplingParams, tools: Tools | None) -> dict:
+    """Stream a chat answer to the terminal and return it as an assistant message; with tools,
+    its calls are printed as JSON lines (OpenAI's tool_calls items) and kept in the message."""
+    prompt, params = chat_request(engine, messages, params, tools)
+    if tools is None:
+        text = "".join(print(delta, end="", flush=True) or delta for delta in stream_text(engine, prompt, params))
+        print()
+        return {"role": "assistant", "content": text}
+    stream, finished, text = ToolStream(tools), [], ""
+    for delta in stream_text(engine, prompt, params, finished):  # the content as it comes, calls at the end
+        text += delta
+        _print_content(stream.feed(text))
+    reply = tools.reply(text, finished[0].finish_reason)
+    _print_content(stream.end(text, finished[0].finish_reason)[0])
+    print()
+    for call in reply.tool_calls:
+        print(json.dumps(call.openai(), ensure_ascii=False))
+    return {"role": "assistant", "content": reply.content,
+            **({"tool_calls": [c.openai() for c in reply.tool_calls]} if reply.tool_calls else {})}
 
 
 def chat_prompt(engine, messages: list[dict]) -> dict:
@@ -172,22 +219,25 @@ def cmd_generate(args) -> None:
     engine = LLMEngine(engine_config(args))
     docs = read_docs(args.doc)
     if args.raw:
-        prompt = [*docs, args.prompt] if docs else args.prompt
-    else:
-        messages = [{"role": "system", "content": args.system}] if args.system else []
-        content = [*docs, args.prompt] if docs else args.prompt
-        prompt = chat_prompt(engine, [*messages, {"role": "user", "content": content}])
-    for delta in stream_text(engine, prompt, sampling_params(args)):
-        print(delta, end="", flush=True)
-    print()
+        if args.tools is not None:
+            raise InvalidRequestError("--tools goes with the chat template: drop --raw")
+        for delta in stream_text(engine, [*docs, args.prompt] if docs else args.prompt, sampling_params(args)):
+            print(delta, end="", flush=True)
+        print()
+        return
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    content = [*docs, args.prompt] if docs else args.prompt
+    answer(engine, [*messages, {"role": "user", "content": content}], sampling_params(args), tools_of(args))
 
 
 def cmd_chat(args) -> None:
     from spanserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_config(args))
+    tools = tools_of(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
-    print("spanserve chat: empty line or Ctrl-D to quit, /reset to clear the history.")
+    print("spanserve chat: empty line or Ctrl-D to quit, /reset to clear the history."
+          + (" You answer the model's tool calls: type each result." if tools else ""))
     while True:
         try:
             line = input("\n> ").strip()
@@ -199,12 +249,17 @@ def cmd_chat(args) -> None:
             history = history[:1] if args.system else []
             continue
         history.append({"role": "user", "content": line})
-        reply = ""
-        for delta in stream_text(engine, chat_prompt(engine, history), sampling_params(args)):
-            reply += delta
-            print(delta, end="", flush=True)
-        print()
-        history.append({"role": "assistant", "content": reply})
+        history.append(answer(engine, history, sampling_params(args), tools))
+        # the user plays the tools; the model goes on from their results, free to answer in text
+        followup = Tools([f.openai() for f in tools.functions], "auto") if tools else None
+        while history[-1].get("tool_calls"):
+            for call in history[-1]["tool_calls"]:
+                try:
+                    result = input(f"{call['function']['name']} result> ")
+                except (EOFError, KeyboardInterrupt):
+                    return
+                history.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+            history.append(answer(engine, history, sampling_params(args), followup))
 
 
 def cmd_demo(args) -> None:
@@ -298,7 +353,7 @@ def cmd_serve(args) -> None:
 
 BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu", "soak", "span_decode", "quant",
            "session", "session_server", "sparse", "sparse_pick", "prefill_attention", "linear_layout", "projections",
-           "step"]
+           "step", "structured"]
 
 
 def cmd_query(args) -> None:

@@ -151,7 +151,8 @@ def test_object_schemas_that_list_their_properties_allow_no_others():
 
     schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {}}},
                                                "any": {"type": "object"},
-                                               "open": {"type": "object", "properties": {}, "additionalProperties": True},
+                                               "open": {"type": "object", "properties": {},
+                                                        "additionalProperties": True},
                                                "list": {"type": "array", "items": {"properties": {"y": {}}}}},
               "$defs": {"d": {"anyOf": [{"properties": {"z": {}}}, {"type": "string"}]}}}
     out = closed(schema)

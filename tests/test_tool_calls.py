@@ -22,7 +22,8 @@ WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"]
            "properties": {"city": {"type": "string", "maxLength": 16},
                           "unit": {"enum": ["celsius", "fahrenheit"]}}}
 ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
-       "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+       "properties": {"a": {"type": "integer", "minimum": -999, "maximum": 999},
+                      "b": {"type": "integer", "minimum": -999, "maximum": 999}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "add", "parameters": ADD}}]
 SCHEMAS = {"get_weather": jsonschema_rs.validator_for(WEATHER), "add": jsonschema_rs.validator_for(ADD)}
@@ -225,12 +226,12 @@ def _check_calls(calls, names=("get_weather", "add")):
 
 def test_the_server_calls_tools(client, model):
     r = client.chat.completions.create(model=model, messages=ASKED, tools=TOOLS, tool_choice="required",
-                                       max_tokens=150, temperature=0.8, seed=1, n=2, parallel_tool_calls=False)
+                                       max_tokens=120, temperature=0.8, seed=1, n=2, parallel_tool_calls=False)
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         assert len(choice.message.tool_calls) == 1
         _check_calls(choice.message.tool_calls)
-    named = client.chat.completions.create(model=model, messages=CALLED, tools=TOOLS, max_tokens=150,
+    named = client.chat.completions.create(model=model, messages=CALLED, tools=TOOLS, max_tokens=120,
                                            tool_choice={"type": "function", "function": {"name": "add"}})
     assert named.choices[0].finish_reason == "tool_calls"
     _check_calls(named.choices[0].message.tool_calls, ("add",))
@@ -240,7 +241,7 @@ def test_the_server_calls_tools(client, model):
 
 
 def test_the_server_streams_tool_call_deltas(client, model):
-    stream = client.chat.completions.create(model=model, messages=ASKED, tools=TOOLS, max_tokens=150, stream=True,
+    stream = client.chat.completions.create(model=model, messages=ASKED, tools=TOOLS, max_tokens=120, stream=True,
                                             tool_choice={"type": "function", "function": {"name": "add"}})
     calls, finish, chunks = {}, None, 0
     for chunk in stream:
@@ -277,3 +278,33 @@ def test_tokenize_renders_tools(server):
     with_tools = httpx.post(f"{server.url}/tokenize", json={"messages": CALLED, "tools": TOOLS}).json()
     without = httpx.post(f"{server.url}/tokenize", json={"messages": CALLED}).json()
     assert with_tools["count"] > without["count"]
+
+
+# ---- the CLI ------------------------------------------------------------------------------------
+
+def test_the_cli_prints_the_calls(tiny_llama_path, tmp_path, capsys, monkeypatch):
+    from spanserve.cli import main
+
+    tools = tmp_path / "tools.json"
+    digit = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}
+    tools.write_text(json.dumps([{"type": "function", "function": {"name": "add", "parameters": digit}}]))
+    common = ["--model", str(tiny_llama_path), "--dtype", "float32", "--num-blocks", "64", "--temperature", "0",
+              "--max-tokens", "60", "--tools", f"@{tools}", "--system", ""]
+    main(["generate", "Add 2 and 3.", *common, "--tool-choice", "add"])
+    call = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"])["a"] in range(10)
+    # chat: the user answers the call, the model goes on from the result
+    lines, prompts = iter(["Add 2 and 3.", "5"]), []
+
+    def typed(prompt=""):
+        prompts.append(prompt)
+        try:
+            return next(lines)
+        except StopIteration:  # the user is done: Ctrl-D
+            raise EOFError from None
+    monkeypatch.setattr("builtins.input", typed)
+    main(["chat", *common, "--tool-choice", "required", "--no-parallel-tool-calls"])
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"id"')]
+    assert prompts[:2] == ["\n> ", "add result> "] and printed[0]["function"]["name"] == "add"
+    with pytest.raises(SystemExit, match="not among the tools"):
+        main(["generate", "x", *common, "--tool-choice", "nope"])
