@@ -31,6 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    g.add_argument("--speculative-config", default=None, metavar="JSON", help="speculative decoding, as vLLM's: "
+                   '\'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt_lookup_min/max: 2/4)')
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
     g.add_argument("--sparse-flow", action="append", default=[], metavar="PACKAGE.MODULE.CLASS",
@@ -86,7 +88,7 @@ def engine_config(args) -> EngineConfig:
         ape_temperature=args.ape_temperature, ape_scale=args.ape_scale, focus_spans=args.focus_spans,
         focus_tokens=args.focus_tokens,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager, load_format=args.load_format,
-        quantization=args.quantization,
+        quantization=args.quantization, speculative_config=args.speculative_config,
     )
 
 

@@ -79,6 +79,9 @@ class EngineConfig:
     sparse_flows: list[str] = field(default_factory=list)
     # link_policy="comb": the encoder plug-in's file; None: the one shipped for the model, if any
     comb_plugin: str | None = None
+    # Speculative decoding, as vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens":
+    # k, "prompt_lookup_min": a, "prompt_lookup_max": b} (spanserve/speculative/); None: off
+    speculative_config: dict | str | None = None
 
     def __post_init__(self):
         if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.background_chunk_tokens) < 1:
@@ -90,6 +93,9 @@ class EngineConfig:
             raise InvalidRequestError(f"session_flash_budget must be >= 0, got {self.session_flash_budget}")
         if self.admission_timeout_s is not None and not self.admission_timeout_s > 0:
             raise InvalidRequestError(f"admission_timeout_s must be > 0, got {self.admission_timeout_s}")
+        from spanserve.speculative.config import SpeculativeConfig
+
+        SpeculativeConfig.of(self.speculative_config)  # raises on a bad one, at start
         if self.num_blocks is not None and self.num_blocks < 1:
             raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
         from spanserve.pic.link import LinkPolicy

@@ -40,6 +40,8 @@ from spanserve.pic.prompt import chat_parts, is_parts_prompt, tokenize_parts
 from spanserve.sampling import SamplingParams
 from spanserve.sessions.store import SessionStore
 from spanserve.sparse.decode import SparseDecode, load_flows
+from spanserve.speculative.config import SpeculativeConfig
+from spanserve.speculative.speculator import Speculator
 from spanserve.structured.grammars import Grammars
 
 log = logging.getLogger(__name__)
@@ -140,6 +142,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.background_chunk_tokens)
         self.failed: dict[str, Exception] = {}  # request id -> why the engine ended it (take_failed)
+        spec = SpeculativeConfig.of(config.speculative_config)
+        self.speculator = Speculator(spec) if spec is not None else None  # drafts checked in one step
         graph_batch = 0 if config.enforce_eager or self.device.type != "cuda" else config.max_num_seqs
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.kv_dtype, self.device,
                                   graph_batch=graph_batch, max_model_len=self.max_model_len,
@@ -391,10 +395,14 @@ class LLMEngine:
         runs again later (scheduler.BackgroundPace paces the chunks and bounds the stops)."""
         self._expire_waiting()
         self._select_links()
+        if self.speculator is not None:
+            self.speculator.draft(self.scheduler.running)
         batch = self.scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.fit(batch)
         if not batch:
             return []
-        sampled = [item.request for item in batch if item.samples]
+        sampled = [item for item in batch if item.samples]
         prefilling = [item.request for item in batch if item.request.is_prefilling]
         pace = self.scheduler.background
         background = all(item.request.priority == Priority.INGEST for item in batch)
@@ -404,11 +412,13 @@ class LLMEngine:
             return []
         if background:
             pace.ran()
+        drafted = {id(item): n for item, n in zip(batch, self.speculator.withdraw(batch))} if self.speculator else {}
         self.scheduler.after_step(batch)
         touched: dict[str, RequestGroup] = {}
-        for req, sample in zip(sampled, samples):
-            if (group := self.groups.get(req.group_id)) is not None and self._isolated(req, self._append, req, sample,
-                                                                                       group.detokenizers[req.index]):
+        for item, tokens in zip(sampled, samples):
+            req = item.request
+            if (group := self.groups.get(req.group_id)) is not None and self._isolated(
+                    req, self._append_all, req, tokens, group.detokenizers[req.index], drafted.get(id(item), 0)):
                 touched[group.request_id] = group
         for req in prefilling:
             if req.is_prefilling or req.is_finished or req.group_id not in self.groups:
@@ -506,6 +516,16 @@ class LLMEngine:
                 chosen = self.runner.blend_select(req, counts)
             self.runner.copy_blocks(self.kv.relink(req, chosen))
 
+    def _append_all(self, req: Request, samples: list[Sample], detok: IncrementalDetokenizer, drafted: int) -> None:
+        """Append a step's tokens to a request (more than one where the target accepted drafts)
+        until one ends it."""
+        for sample in samples:
+            if req.is_finished:
+                break
+            self._append(req, sample, detok)
+        if drafted:
+            self.speculator.accepted(req, drafted, len(samples) - 1, self.kv)
+
     def _append(self, req: Request, sample: Sample, detok: IncrementalDetokenizer) -> None:
         req.append_token(sample.token_id)
         if req.constraint is not None:
@@ -525,6 +545,8 @@ class LLMEngine:
                 req.owner.request_finished(req)
         finally:
             self.scheduler.finish(req)
+            if self.speculator is not None:
+                self.speculator.forget(req)
 
     def _stop_reason(self, req: Request, token_id: int, detok: IncrementalDetokenizer):
         p = req.params

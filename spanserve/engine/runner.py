@@ -11,7 +11,7 @@ from spanserve.attention import AttentionMetadata, KeyRotation, SpanShare
 from spanserve.attention.torch_ref import fold_query_heads, store_kv
 from spanserve.attention.triton_paged import TritonAttention
 from spanserve.engine.cuda_graphs import DecodeGraphs
-from spanserve.engine.sampler import Sample, sample
+from spanserve.engine.sampler import Sample, sample, verify
 from spanserve.engine.scheduler import ScheduledRequest
 from spanserve.heap import keep_freed_memory
 from spanserve.kernels import cpu_kernel
@@ -55,8 +55,10 @@ class ModelRunner:
             cpu_kernel.load()  # built now (seconds, once per machine) rather than in the first request
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledRequest], stop: Callable[[], bool] | None = None) -> list[Sample] | None:
-        """Run one step; returns one Sample per request in `batch` whose `samples` is True. With
+    def execute(self, batch: list[ScheduledRequest],
+                stop: Callable[[], bool] | None = None) -> list[list[Sample]] | None:
+        """Run one step; returns the tokens of each request in `batch` whose `samples` is True: one,
+        or for a request with a draft, the drafts the target accepts and one more. With
         `stop`, the step may end early, between two layers, once stop() is True: then None (its
         tokens are computed again in a later step). A CUDA graph replay never stops."""
         input_ids, positions, meta, logit_rows, plugin_rows = self._prepare(batch)
@@ -74,7 +76,7 @@ class ModelRunner:
             if not logit_rows:
                 return []
             logits = self.model.compute_logits(hidden).cpu()
-            return sample(logits, [item.request for item in batch if item.samples])
+            return _samples(logits, [item for item in batch if item.samples])
 
     def use_encoder(self, plugin) -> None:
         """Attach a CombPlugin: its deltas then apply to the rows of requests whose link policy
@@ -119,8 +121,8 @@ class ModelRunner:
                 context_lens.append(ctx_len)
                 rotations.append(None if self._settled(layout, table) else self._rotation(layout, ctx_len))
                 shares.append(self._span_share(layout, ctx_len))
-                if samples:
-                    logit_rows.append(len(input_ids) - 1)
+                if samples:  # the last token's row, and a draft's each
+                    logit_rows.extend(range(len(input_ids) - 1 - item.drafts, len(input_ids)))
         block_tables = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.long)
         for i, table in enumerate(tables):
             block_tables[i, : len(table)] = torch.tensor(table)
@@ -425,6 +427,19 @@ def _relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """Per token: squared distance between two [T, heads, D] tensors, over old's mean square."""
     new, old = new.float(), old.float()
     return (new - old).pow(2).sum((1, 2)) / old.pow(2).sum((1, 2)).mean().clamp_min(1e-12)
+
+
+def _samples(logits: torch.Tensor, items: list[ScheduledRequest]) -> list[list[Sample]]:
+    """Each sampling item's tokens from its logit rows (one row, or one per draft token and one)."""
+    if not any(item.drafts for item in items):
+        return [[s] for s in sample(logits, [item.request for item in items])]
+    out, row = [], 0
+    for item in items:
+        rows = logits[row:row + item.drafts + 1]
+        drafts = item.request.token_ids[-item.drafts:] if item.drafts else []
+        out.append(verify(rows, item.request, drafts) if item.drafts else sample(rows, [item.request]))
+        row += item.drafts + 1
+    return out
 
 
 def _sequences(item: ScheduledRequest):

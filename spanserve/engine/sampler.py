@@ -35,6 +35,44 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[Sample]:
     return samples
 
 
+def verify(logits: torch.Tensor, req: Request, drafts: list[int]) -> list[Sample]:
+    """The tokens the target writes at a drafting request's len(drafts) + 1 positions (a row of
+    `logits` each): the drafts it accepts, then one of its own. Greedy: a draft stands while it is
+    the row's argmax. Sampled: the draft d of a row whose distribution is p stands with probability
+    p(d); otherwise the row's token is drawn from p without d. Once every draft stands, the last
+    row draws one more. For drafts of one token each (probability 1) this is speculative sampling
+    (Leviathan et al. 2023, Chen et al. 2023): every token follows the target's distribution, drawn
+    with the request's own generator (a seeded request stays reproducible)."""
+    if req.params.greedy:
+        chosen = logits.argmax(dim=-1).tolist()
+        n = next((i for i, (c, d) in enumerate(zip(chosen, drafts)) if c != d), len(drafts))
+        tokens = chosen[:n + 1]
+    else:
+        probs, tokens = _filtered_probs(logits, [req] * len(logits)), []
+        for row, draft in enumerate(drafts):
+            if torch.rand(1, generator=req.generator).item() < probs[row, draft].item():
+                tokens.append(draft)
+                continue
+            probs[row, draft] = 0.0
+            tokens.append(_draw(probs[row], req.generator))
+            break
+        else:
+            tokens.append(_draw(probs[len(drafts)], req.generator))
+    samples = [Sample(t) for t in tokens]
+    if req.params.logprobs is not None:
+        raw = torch.log_softmax(logits[:len(tokens)], dim=-1)
+        for row, s in enumerate(samples):
+            s.logprob = raw[row, s.token_id].item()
+            top = raw[row].topk(req.params.logprobs) if req.params.logprobs else None
+            s.top_logprobs = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
+    return samples
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """A token drawn with probability proportional to `probs` (one row, unnormalized)."""
+    return int((probs / torch.empty_like(probs).exponential_(generator=generator)).argmax())
+
+
 def _apply_penalties(logits: torch.Tensor, req: Request) -> None:
     p = req.params
     if not p.uses_penalties:

@@ -54,6 +54,7 @@ class ScheduledRequest:
     end: int  # in-context progress after this step (from request.num_computed_tokens)
     span_chunks: list[SpanChunk] = field(default_factory=list)
     num_tokens: int = 0  # tokens computed this step, all views together
+    drafts: int = 0  # of its last tokens, how many are a draft the step checks (spanserve/speculative/)
 
     @property
     def samples(self) -> bool:

@@ -1,0 +1,111 @@
+"""Speculator: the drafts of the running requests for one step, and how many each request gets.
+
+Before a step it appends each eligible decoding request's draft to its tokens, so the scheduler
+plans them like any tokens (and allocates their slots); after scheduling, drafts beyond what the
+step computes are dropped. After the step the drafts leave the tokens again: the engine appends
+what the target accepted, one token at a time through its usual stop checks, and the KV the step
+computed for the accepted drafts counts as computed. A rejected draft's KV sits beyond the
+computed tokens, is never hashed into the prefix cache, and is overwritten later.
+
+A request whose drafts keep being rejected gets fewer (down to one), and after REJECTED_STEPS
+fully rejected drafts in a row none for PAUSE_STEPS steps: chat with little to copy pays little."""
+
+from dataclasses import dataclass
+
+from spanserve.speculative import ngram
+from spanserve.speculative.config import SpeculativeConfig
+
+REJECTED_STEPS = 4
+PAUSE_STEPS = 16
+
+
+@dataclass
+class _Drafting:
+    k: int  # drafts it gets next
+    rejected_in_a_row: int = 0
+    paused: int = 0  # steps left without drafts
+    num_real: int = 0  # its tokens before this step's draft
+    drafted: int = 0  # this step's draft, after scheduling
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.state: dict[object, _Drafting] = {}  # request -> its drafting (dropped when it ends)
+        self.num_drafted = 0  # totals since start: acceptance = num_accepted / num_drafted
+        self.num_accepted = 0
+
+    def draft(self, running: list) -> None:
+        """Append a draft to each decoding request that may have one."""
+        for req in running:
+            if not _eligible(req):
+                continue
+            state = self.state.setdefault(req, _Drafting(self.config.num_speculative_tokens))
+            state.num_real, state.drafted = req.num_tokens, 0
+            if state.paused:
+                state.paused -= 1
+                continue
+            room = min(req.params.max_tokens - req.num_output_tokens, req.max_total_tokens - req.num_tokens) - 1
+            tokens = ngram.propose(req.token_ids, min(state.k, room), self.config.prompt_lookup_min,
+                                   self.config.prompt_lookup_max)
+            req.token_ids.extend(tokens)
+            state.drafted = len(tokens)
+
+    def fit(self, batch: list) -> None:
+        """Keep of each draft what this step computes; a request not in the step loses its draft
+        (a preempted one too: its tokens are recomputed from its real ones)."""
+        scheduled = {item.request: item for item in batch}
+        for req, state in self.state.items():
+            if not state.drafted:
+                continue
+            item = scheduled.get(req)
+            keep = max(0, min(state.drafted, item.end - state.num_real)) if item is not None else 0
+            del req.token_ids[state.num_real + keep:]
+            state.drafted = keep
+            if item is not None:
+                item.drafts = keep
+
+    def withdraw(self, batch: list) -> list[int]:
+        """Take the drafts out of the tokens after the step, before the scheduler counts it: each
+        drafting request's step ends at its real tokens. Returns, per item of `batch`, how many
+        draft tokens it computed."""
+        counts = []
+        for item in batch:
+            state = self.state.get(item.request)
+            drafted = state.drafted if state is not None else 0
+            if drafted:
+                del item.request.token_ids[state.num_real:]
+                item.end = state.num_real
+            counts.append(drafted)
+        return counts
+
+    def accepted(self, req, drafted: int, num_accepted: int, kv) -> None:
+        """After the engine appended the accepted tokens: the drafts' KV that the target kept
+        counts as computed (and its full blocks enter the prefix cache); the next draft's size."""
+        self.num_drafted += drafted
+        self.num_accepted += num_accepted
+        state = self.state.get(req)
+        if state is None or req.is_finished:  # it ended on one of them: nothing more to count
+            return
+        req.num_computed_tokens = state.num_real + num_accepted
+        kv.cache_computed_blocks(req)
+        state.drafted = 0
+        if num_accepted == drafted:
+            state.k, state.rejected_in_a_row = min(self.config.num_speculative_tokens, state.k + 1), 0
+            return
+        state.k = max(1, num_accepted + 1)
+        state.rejected_in_a_row = state.rejected_in_a_row + 1 if num_accepted == 0 else 0
+        if state.rejected_in_a_row >= REJECTED_STEPS:
+            state.paused, state.rejected_in_a_row = PAUSE_STEPS, 0
+
+    def forget(self, req) -> None:
+        self.state.pop(req, None)
+
+
+def _eligible(req) -> bool:
+    """Decoding, and with nothing that depends on the tokens before it in ways the one-step check
+    does not follow yet: penalties, a grammar, a sparse flow, tokens held from EOS (min_tokens)."""
+    p = req.params
+    return (not req.is_prefilling and not req.is_finished and not req.prefill_only and req.num_computed_tokens ==
+            req.num_tokens - 1 and not p.uses_penalties and req.constraint is None and req.sparse is None
+            and req.num_output_tokens >= p.min_tokens)

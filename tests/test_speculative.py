@@ -1,0 +1,152 @@
+"""Speculative decoding (spanserve/speculative/): prompt-lookup drafts checked by the target in one
+step. Greedy output equals decoding without speculation token for token, in batches that mix
+drafting and plain requests, through preemption, stop strings and sessions; sampled tokens follow
+the target's distribution; no rejected token reaches the prefix cache; bad settings fail at start."""
+
+import pytest
+import torch
+from helpers import assert_engine_idle, greedy, random_prompt, token_ids
+
+from spanserve import LLM, SamplingParams
+from spanserve.engine.request import Request
+from spanserve.engine.sampler import verify
+from spanserve.speculative import ngram
+from spanserve.speculative.config import SpeculativeConfig, SpeculativeConfigError
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def _looping(length: int, seed: int) -> list[int]:
+    """A prompt that repeats a phrase: a random model copies it on, and drafts find it."""
+    phrase = random_prompt(7, seed=seed)
+    return (phrase * (length // 7 + 1))[:length]
+
+
+PROMPTS = [_looping(40, 1), random_prompt(23, seed=2), _looping(75, 3), random_prompt(9, seed=4)]
+
+
+def make_llm(path, **kwargs) -> LLM:
+    return LLM(model=str(path), dtype="float32", num_blocks=128, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_path):
+    return make_llm(tiny_llama_path)
+
+
+@pytest.fixture(scope="module")
+def drafting(tiny_llama_path):
+    return make_llm(tiny_llama_path, speculative_config=NGRAM)
+
+
+def test_prompt_lookup_drafts_what_followed_the_last_occurrence():
+    assert ngram.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 3, 1, 3) == [7, 1, 2]  # the most recent match
+    assert ngram.propose([5, 6, 5, 6, 5], 2, 2, 2) == [6, 5]
+    assert ngram.propose([1, 2, 3, 4], 4, 1, 3) == []  # no suffix occurs earlier
+    assert ngram.propose([4, 8, 4], 5, 1, 2) == [8, 4]  # only what exists after the match
+    assert ngram.propose([1, 2, 3, 1, 2, 3, 4, 1, 2, 3], 2, 2, 3) == [4, 1]  # the longest suffix first
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "eagle", "num_speculative_tokens": 3}, "unknown speculative method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"\[1, 16\]"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, r"\[1, 16\]"),
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "min <= max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tokens": 3}, "unknown field draft_tokens"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "not implemented yet"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_settings_fail_at_start(tiny_llama_path, config, message):
+    with pytest.raises(SpeculativeConfigError, match=message):
+        SpeculativeConfig.of(config)
+    with pytest.raises(SpeculativeConfigError, match=message):
+        make_llm(tiny_llama_path, speculative_config=config)
+
+
+def test_greedy_output_equals_decoding_without_speculation(plain, drafting):
+    params = [greedy(40), greedy(24), SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3),
+              greedy(33, logprobs=2)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    expected, got = plain.generate(prompts, params), drafting.generate(prompts, params)
+    assert token_ids(got) == token_ids(expected)
+    speculator = drafting.engine.speculator
+    assert speculator.num_accepted > 3 and speculator.num_drafted > speculator.num_accepted  # both kinds ran
+    for e, g in zip(expected[3].outputs[0].logprobs, got[3].outputs[0].logprobs):  # accepted tokens' logprobs
+        assert e.keys() == g.keys() and all(abs(e[t] - g[t]) < 1e-3 for t in e)
+    assert_engine_idle(drafting)
+
+
+def test_a_draft_never_runs_past_max_tokens_or_a_stop(plain, drafting):
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    for n in (1, 2, 3, 7):
+        assert len(drafting.generate(prompt, greedy(n))[0].outputs[0].token_ids) == n
+    free = plain.generate(prompt, greedy(30))[0].outputs[0]
+    stop = free.token_ids[12]
+    expected = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop]))[0]
+    got = drafting.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop]))[0]
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids and got.outputs[0].finish_reason == "stop"
+
+
+def test_no_rejected_token_reaches_the_prefix_cache(plain, drafting):
+    """A prompt made of a finished request's prompt and output finds in the cache only what the
+    target wrote: its continuation is the plain engine's."""
+    first = drafting.generate({"prompt_token_ids": PROMPTS[2]}, greedy(48))[0]
+    again = PROMPTS[2] + first.outputs[0].token_ids
+    got = drafting.generate({"prompt_token_ids": again}, greedy(16))[0]
+    assert got.num_cached_tokens >= 64
+    assert got.outputs[0].token_ids == plain.generate({"prompt_token_ids": again}, greedy(16))[0].outputs[0].token_ids
+
+
+def test_preemption_drops_the_drafts_and_keeps_the_output(tiny_llama_path, plain):
+    small = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=10, speculative_config=NGRAM)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    got = small.generate(prompts, greedy(40))
+    assert small.engine.scheduler.num_preemptions > 0 and small.engine.speculator.num_accepted > 0
+    assert token_ids(got) == token_ids(plain.generate(prompts, greedy(40)))
+    assert_engine_idle(small)
+
+
+def test_a_session_question_drafts_too(plain, drafting):
+    answers = []
+    for llm in (plain, drafting):
+        session = llm.create_session(system="Repeat the log.")
+        session.append("t=1 a=7\nt=2 a=7\nt=3 a=7\nt=4 a=7\n")
+        session.wait()
+        answers.append(session.query("Again:", greedy(24)).text)
+        session.close()
+    assert answers[0] == answers[1]
+
+
+def _request(params: SamplingParams) -> Request:
+    return Request("r", [1, 2, 3], params)
+
+
+def test_sampled_tokens_follow_the_targets_distribution():
+    """Speculative sampling with a one-token draft: the first token follows p0 whatever the draft,
+    and the second follows p1 where the first was the draft (checked on 8,000 draws)."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]]))
+    req = _request(SamplingParams(temperature=1.0, seed=11))
+    firsts, seconds = torch.zeros(4), torch.zeros(4)
+    for _ in range(8000):
+        tokens = [s.token_id for s in verify(logits, req, [1, 3])]
+        firsts[tokens[0]] += 1
+        if tokens[0] == 1:
+            seconds[tokens[1]] += 1
+    torch.testing.assert_close(firsts / firsts.sum(), logits[0].exp(), atol=0.025, rtol=0)
+    torch.testing.assert_close(seconds / seconds.sum(), logits[1].exp(), atol=0.035, rtol=0)
+
+
+def test_greedy_verification_keeps_the_drafts_the_target_would_write():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
+    req = _request(SamplingParams(temperature=0))
+    assert [s.token_id for s in verify(logits, req, [1, 0])] == [1, 0, 2]  # both stand, and one more
+    assert [s.token_id for s in verify(logits, req, [1, 2])] == [1, 0]  # the second falls: the target's own
+    assert [s.token_id for s in verify(logits, req, [2, 0])] == [1]
+
+
+def test_a_seeded_sampled_request_is_reproducible(drafting):
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=30)
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    assert drafting.generate(prompt, params)[0].outputs[0].token_ids == \
+        drafting.generate(prompt, params)[0].outputs[0].token_ids
