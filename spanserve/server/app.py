@@ -54,6 +54,7 @@ from spanserve.tools.conversation import for_template, markers_are_tokens
 
 log = logging.getLogger("spanserve.server")
 GRAMMAR_COMPILE_S = 10.0  # the longest a request's grammar may take to compile
+SSE_KEEPALIVE_S = 15.0  # a quiet stream sends a comment this often (many proxies close one idle 30-60 s)
 
 
 class APIError(Exception):
@@ -167,7 +168,7 @@ class Server:
 
     def __init__(self, llm: AsyncLLM, model_name: str, max_queued: int | None, limits: QueryLimits):
         self.llm, self.model_name, self.max_queued, self.limits = llm, model_name, max_queued, limits
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(llm.engine)
         self.queued = 0  # sequences admitted that have not produced a token yet
         self._places: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # run -> its _Place
 
@@ -247,14 +248,14 @@ class Server:
             self._record(request_id, status, last, time.monotonic() - start)
 
     def _record(self, request_id: str, status: str, out: RequestOutput | None, elapsed: float) -> None:
-        self.metrics.requests[status] += 1
+        self.metrics.requests.labels(status).inc()
         if not isinstance(out, RequestOutput):  # none, or an answer an extension had kept
             log.info("%s %s prompt=0 cached=0 generated=0 total=%.3fs", request_id, status, elapsed)
             return
         generated = sum(len(c.token_ids) for c in out.outputs)
-        self.metrics.prompt_tokens += len(out.prompt_token_ids)
-        self.metrics.generation_tokens += generated
-        self.metrics.cached_tokens += out.num_cached_tokens
+        self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.metrics.generation_tokens.inc(generated)
+        self.metrics.cached_tokens.inc(out.num_cached_tokens)
         ttft = out.metrics.ttft_s if out.metrics else None
         if ttft is not None:
             self.metrics.ttft.observe(ttft)
@@ -301,14 +302,28 @@ async def final_output(outputs: AsyncIterator[RequestOutput], http: Request) -> 
 
 
 def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    """The chunks as server-sent events, with a `: keep-alive` comment after each SSE_KEEPALIVE_S
+    without one (a span query's inner calls, a request preempted and queued again), so that a proxy
+    does not close the quiet stream."""
     async def body():
+        step = None  # the pending next chunk: it outlives a keep-alive, as cancelling it aborts the request
         try:
-            async for chunk in chunks:
+            while True:
+                step = step or asyncio.ensure_future(anext(chunks, None))
+                if not (await asyncio.wait({step}, timeout=SSE_KEEPALIVE_S))[0]:
+                    yield ": keep-alive\n\n"
+                    continue
+                chunk, step = step.result(), None
+                if chunk is None:
+                    break
                 yield f"data: {json.dumps(chunk)}\n\n"
         except Exception:  # the status line is sent: report the failure in the stream, as vLLM does
             log.exception("internal error while streaming")
             yield f"data: {json.dumps({'error': ERROR_500})}\n\n"
         finally:
+            if step is not None:  # the client left while a chunk was pending: end the request in its task
+                step.cancel()
+                await asyncio.wait({step})
             await chunks.aclose()
         yield "data: [DONE]\n\n"
     return StreamingResponse(body(), media_type="text/event-stream",
@@ -441,9 +456,9 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
 
     @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> str:
+    async def metrics() -> PlainTextResponse:
         """Prometheus text exposition format."""
-        return server.metrics.render(llm.engine)
+        return PlainTextResponse(server.metrics.render(), media_type=server.metrics.content_type)
 
     @app.get("/v1/models", responses={401: _ERRORS[401]})
     async def models() -> ModelList:
