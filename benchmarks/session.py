@@ -168,7 +168,7 @@ def _asked(question: str, repeat: int = 0) -> str:
     rather than returning the kept one. Each repeat has its own number, at the question's start:
     a stateless request whose prompt matched an earlier one's up to its question's first block
     would find that block in the prefix cache (with the repeats told apart by trailing spaces
-    alone, a repeat of stateless cached computed 12 of 28 rows: session 40) while the session
+    alone, a repeat of stateless cached computed 12 of 28 rows) while the session
     computes every row."""
     return f"Q{repeat + 1}. {question} "
 

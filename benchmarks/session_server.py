@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> dict:
             ingest_s = time.perf_counter() - start
             info = session.info()
             ingested, context = _size(info) - session.before, info["num_tokens"]
-            # None from a build that never stops a background step (before session 36: an A/B of builds)
+            # None from an older build that never stops a background step (an A/B of builds)
             stopped = metrics(server.url).get("spanserve_background_steps_stopped_total")
     finally:
         server.stop()

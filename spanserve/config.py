@@ -37,8 +37,8 @@ class EngineConfig:
     # arriving meanwhile stops the step between two layers (engine.step's interrupt, served by
     # AsyncLLM), so it waits for a layer, not a chunk, and larger chunks cost questions little
     # while each step's weight reads are shared by more tokens: SmolLM2 (w8a8)
-    # ingested 1.15-2.25x faster at 64 than at 16 between 4.1k and 6.6k tokens of data
-    # (session 36, the two alternated in one process).
+    # ingested 1.15-2.25x faster at 64 than at 16 between 4.1k and 6.6k tokens of data (the two
+    # alternated in one process).
     # The offline LLM has no arrivals mid-step: its questions are queued before the steps run.
     background_chunk_tokens: int = 64
     # Sessions together may hold 90% of the KV pool; one tenant's (API key's) sessions this share

@@ -1,5 +1,5 @@
 """The docs against the code: docs/server.md names every route, request field, status code and
-`spanserve serve` flag, and no page or result file is labelled by a numbered round of work."""
+`spanserve serve` flag, and no page, source file or result file is labelled by a numbered round of work."""
 
 import inspect
 import re
@@ -19,6 +19,9 @@ from spanserve.server.app import create_app
 ROOT = Path(__file__).resolve().parent.parent
 SERVER_DOC = ROOT / "docs" / "server.md"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+# The code's comments and docstrings, the kernels' C and the benchmarks: measurements cited there too
+CODE = sorted({*(ROOT / "spanserve").rglob("*.py"), *(ROOT / "spanserve" / "kernels" / "csrc").glob("*.[ch]"),
+               *(ROOT / "benchmarks").glob("*.py"), ROOT / "Makefile"})
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -83,16 +86,28 @@ def test_server_doc_names_every_serve_flag(server_doc):
     assert not missing, f"docs/server.md does not document these `spanserve serve` flags: {missing}"
 
 
-# "session 14", "Session 15:", "round 3": a measurement labelled by the numbered work that made it
+# "session" or "round" and a number ("Session N:", "round N"): a measurement labelled by the
+# numbered work that made it. Not a streaming session's number-free mentions ("a session's regions").
 WORK_LABEL = re.compile(r"\b[Ss]ession \d+\b|\b[Rr]ound \d+\b")
+
+
+def _work_labels(files: list[Path]) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{number}: {match.group()}" for path in files
+            for number, line in enumerate(path.read_text().splitlines(), 1)
+            for match in WORK_LABEL.finditer(line)]
 
 
 def test_docs_carry_no_numbered_rounds_of_work():
     assert len(PAGES) > 5
-    found = [f"{page.relative_to(ROOT)}:{number}: {match.group()}" for page in PAGES
-             for number, line in enumerate(page.read_text().splitlines(), 1)
-             for match in WORK_LABEL.finditer(line)]
+    found = _work_labels(PAGES)
     assert not found, f"numbered rounds of work in the docs (history lives in git): {found}"
+
+
+def test_code_carries_no_numbered_rounds_of_work():
+    assert len(CODE) > 50 and ROOT / "Makefile" in CODE
+    assert any(path.suffix == ".c" for path in CODE) and any(path.suffix == ".h" for path in CODE)
+    found = _work_labels(CODE)
+    assert not found, f"numbered rounds of work in the code's comments (history lives in git): {found}"
 
 
 # s12, session12, r3, round3 as a part of a name: a result labelled by the round that made it

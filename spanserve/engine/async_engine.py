@@ -8,7 +8,7 @@ The engine is best built on that thread too (pass a function that builds it). Op
 thread team per thread that runs parallel ops: a model loaded on the main thread and stepped on
 this one leaves two teams, more threads than the cores of a small machine, and libgomp then
 cuts its workers' spin so that they sleep between the ops of a step (decode steps 20% slower
-on 2 cores, session 32). Built here, the engine thread's team is the only one.
+on 2 cores). Built here, the engine thread's team is the only one.
 """
 
 import asyncio

@@ -14,8 +14,8 @@ the keys up to its position, with no gathered copy of the context and no score m
 Warm-up: after half a millisecond or more without 512-bit vector work (Python, small torch ops),
 this machine's cores run the next kernel's first few hundred microseconds slowly (the wide units
 powered down): the same prefill call over 1,050 keys took 0.35 ms longer on one thread after a
-0.6 ms Python pause than back to back, and not after a pause of small matmuls (one-off timing,
-session 33). Work between a step's kernels is kept short for that too (sparse/builtins.py).
+0.6 ms Python pause than back to back, and not after a pause of small matmuls (one-off timing).
+Work between a step's kernels is kept short for that too (sparse/builtins.py).
 
 Both come from spanserve's C library (spanserve/kernels/native.py), built on first use. Without a
 compiler, or with SPANSERVE_CPU_KERNELS=0, attention keeps the torch path; the reason is logged

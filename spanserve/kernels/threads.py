@@ -26,7 +26,7 @@ THREADS_SPIN = not (os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
 # the LM head (49k x 576 here) pays from one row on, as two cores read its weights faster.
 # Attention is query rows x heads x keys (8 decodes over 700 keys: 0.66 ms on 2 threads, 0.86
 # ms on 1). spanserve's C GEMMs pay from less work than torch's matmuls (use_pool_for_matmuls):
-# SmolLM2's w8a8 decode step on an AMD EPYC (session 39) took 51 ms with every projection on the
+# SmolLM2's w8a8 decode step on an AMD EPYC (AVX2) took 51 ms with every projection on the
 # pool against 45-49 on one thread at batch 1 (one row: 0.3-1.8M multiply-adds), 125-153 against
 # 146-150 at batch 8 (2.7-14M), and a session question's 26 rows 112 against 188 ms. From 2^21
 # (one-off script, decode after 1,024 tokens, taking turns, ms per token): batch 1 40.6-43.7

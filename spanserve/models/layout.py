@@ -7,12 +7,12 @@ GEMM splits few rows badly over threads: on a 2-core Xeon, SmolLM2's gate/up pro
 threads, and 0.15 against 0.88 ms for the down projection. Those are the row counts of batched
 decode, a session question and a span query's question. From one row and from 64 the two layouts
 cost the same. Qwen2.5's wider projections (896 in) hardly care: 0.8-1.2x per projection, 1.1-1.2x
-in the engine (session 28, `spanserve bench linear_layout`). The weight keeps its shape, so
+in the engine (`spanserve bench linear_layout`). The weight keeps its shape, so
 nothing that reads it changes. bf16 and CUDA GEMMs take other paths and keep the checkpoint's
 layout.
 
 Input-major, MKL still read the weights at 6-10 GB/s for 8 rows, and a float32 decode step of 8
-sequences spent 85 of its 95 ms in matmuls (SmolLM2, session 31). So the few-row products run in
+sequences spent 85 of its 95 ms in matmuls (SmolLM2, Xeon). So the few-row products run in
 spanserve's own GEMM (csrc/f32_gemm.c) over a second copy of each weight, packed in panels of 16
 output channels, streamed once in order for all the rows: 0.64x MKL's time at 8 rows, 0.77x at
 34. One row stays with MKL's matrix-vector product, which streams as fast; past 64 rows, where the
@@ -51,9 +51,9 @@ def store_weights(model: nn.Module, input_major: bool = True) -> None:
 
 # The rows the packed kernel runs for; otherwise MKL on the input-major weight: its matrix-vector
 # product for one row, its GEMM for a prefill chunk past 512 rows. SmolLM2's 121 projections, cold
-# (`spanserve bench projections --methods mkl`), session 31 (Xeon): 1 row 32.0 against MKL's 28.7
-# ms, 8 rows 34.8 against 54.7, 64 rows 109 against 130. Session 39 (AMD EPYC, AVX2, the kernel
-# slicing K): 26 rows 130 against 264, 128 rows 550 against 633, 256 rows 1089 against 1205,
+# (`spanserve bench projections --methods mkl`), on a Xeon: 1 row 32.0 against MKL's 28.7 ms, 8
+# rows 34.8 against 54.7, 64 rows 109 against 130. On an AMD EPYC (AVX2, the kernel slicing K):
+# 26 rows 130 against 264, 128 rows 550 against 633, 256 rows 1089 against 1205,
 # 512 rows 2161 against 2201, 1024 rows 4291 against 4483 (even, within noise).
 PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 512
 # The most memory the packed copies may add (SmolLM2 0.54 GB, Qwen2.5-0.5B 2.0 GB); a larger

@@ -12,10 +12,10 @@ dtype; a float32 model's activations enter the packed kernels as bf16 (kernel_dt
 w8a8 keeps int8's weights and quantizes the activations too, in spanserve's own C kernel
 (kernels/csrc/int8_gemm.c), one scale per row and block of 64 input channels, so the product is int8 by
 int8 (VNNI on x86). Per-block scales keep an outlier channel from flattening its whole row, what
-per-token scales (torch._int_mm, session 28) lost. SmolLM2's 121 projections with cold weights on
-a 2-core Xeon without bf16 (session 29, `spanserve bench projections`): 12.1 against 30.2 ms
+per-token scales (torch._int_mm) lost. SmolLM2's 121 projections with cold weights on
+a 2-core Xeon without bf16 (`spanserve bench projections`): 12.1 against 30.2 ms
 (float32) for one row, 29.0 against 82.2 for 26, 465 against 736 for 512. On an AMD EPYC with
-AVX2 only (its own integer path, session 38): 13.6 against 43.9 ms for one row, 43.6 against 53.7
+AVX2 only (its own integer path): 13.6 against 43.9 ms for one row, 43.6 against 53.7
 for 8, 297 against 285 for 64. `spanserve bench quant` reports the drift beside the speed.
 """
 
@@ -35,13 +35,12 @@ log = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("int8", "int4", "w8a8")
 # The packed int8 kernel against dequantizing every weight for the bf16 GEMM, SmolLM2's 30 layers
-# (session 26, threads spinning): 12 against 70 ms at 16 rows, 87 against 102 at 128, 127
-# against 110 at 192. (Session 9, single-threaded small steps, had put the crossover at 8 rows.)
+# (threads spinning): 12 against 70 ms at 16 rows, 87 against 102 at 128, 127 against 110 at 192.
 # The C GEMM (f32_gemm_int8w) runs up to layout.PACKED_MAX_ROWS rows: 256 rows 1065 against 1381
-# ms dequantized, 512 rows even (session 39, AMD EPYC).
+# ms dequantized, 512 rows even (AMD EPYC).
 TORCH_PACKED_MAX_ROWS = 128
 # The int4 kernel's time grows with every row; beyond this many, dequantizing for the GEMM wins
-# (session 26, SmolLM2's 30 layers: 39.7 against 60.9 ms at 64 rows, 78.1 against 69.6 at 128).
+# (SmolLM2's 30 layers: 39.7 against 60.9 ms at 64 rows, 78.1 against 69.6 at 128).
 INT4_PACKED_MAX_ROWS = 64
 # torch's packed int8 kernel on AVX-512 (torch 2.13, `_weight_int8pack_mm`) reads input channels
 # 16 at a time with no tail: other sizes gave garbage or a segfault on an AMD Zen 4 and an Intel
@@ -55,7 +54,7 @@ def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
     """The activations' dtype in torch's packed kernels: bf16 for a float32 model. Those kernels are
     vectorized for bf16 activations only; with float32 ones, 30 SmolLM2-sized matvecs took 52 ms
     (int8) and 101 ms (int4) against 12 ms for the float32 GEMM they replace, and bf16 ones 6.7 and
-    3.5 ms (session 27, a Xeon without bf16 instructions, where float32 is the `auto` dtype)."""
+    3.5 ms (a Xeon without bf16 instructions, where float32 is the `auto` dtype)."""
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
@@ -74,7 +73,7 @@ class Int8Linear(nn.Module):
     int8 weight packed in its panels of 16 output channels, the activations in float32; without
     that library, up to TORCH_PACKED_MAX_ROWS in torch's packed kernel over the row-major weight;
     more rows dequantize the weight for the float GEMM. SmolLM2's 121 projections on
-    an AMD EPYC with AVX2 only (no bf16 instructions, `spanserve bench projections`, session 38):
+    an AMD EPYC with AVX2 only (no bf16 instructions, `spanserve bench projections`):
     1 row 23.3 ms against torch's 29.9 (float32 43.9), 8 rows 51.0 against 81.4, 64 rows 341
     against 572. The C path's products are float32's, torch's those of bf16 activations."""
 

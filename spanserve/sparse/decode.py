@@ -31,7 +31,7 @@ from spanserve.sparse.flow import Flow, IndexerContext
 PREFILL_QUERIES = 64  # the longest prefill chunk that `sparse_prefill` narrows
 # A sequence is narrowed only when its context before the step's queries is at least this many
 # times its budget: below, picking costs more than the attention it saves (SmolLM2 at 2k tokens,
-# bench sparse, session 24: budget 1,024 ran as slow as 0.87x full attention at batch 1, budget
+# `spanserve bench sparse`: budget 1,024 ran as slow as 0.87x full attention at batch 1, budget
 # 2,048 0.51-0.88x; at 4x, 4k and budget 1,024, every flow was faster).
 NARROW_FROM = 4
 

@@ -9,7 +9,7 @@
  * time, into a buffer that stays in L1, and the same float32 tile multiplies them; the scale
  * multiplies the sums once at the end. torch's packed int8 kernel wants bf16 activations, which a
  * CPU without bf16 instructions (AVX2) converts in software: 29.9 ms for SmolLM2's 121 projections
- * of one row against 45.7 for float32 (AMD EPYC, session 38).
+ * of one row against 45.7 for float32 (AMD EPYC, `spanserve bench projections`).
  *
  * Layouts: x [M, K] and out [M, N] float32; packed [N_padded / PANEL][K][PANEL] float32 or int8
  * (zeros for the padding channels); scale [N_padded] float32; bias [N] float32 or NULL. N_padded

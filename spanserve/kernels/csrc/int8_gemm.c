@@ -38,11 +38,11 @@
 #define TILE_PANELS 4 /* panels a tile computes, sharing each activation broadcast */
 #define MAX_ROWS 6    /* rows a tile steps together, sharing each weight vector: 4 x 6 sums in registers */
 /* (4 panels rather than 2: 0.88-0.93x the time of Qwen 0.5B's 96 projections at 1, 8 and 34
- * rows, session 33) */
+ * rows) */
 /* Multiply-adds worth another thread. With weights cold from memory, as in a forward pass, a
  * second thread pays even for one row: it streams weights too. SmolLM2's 121 projections at one
  * row took 10.0 ms with both threads from 64k multiply-adds, 13.7 ms from 1M and 15.8 ms from 32M
- * (`spanserve bench projections`, session 29, threads spinning between calls). Below this, a
+ * (`spanserve bench projections`, threads spinning between calls). Below this, a
  * call is too small for a thread's start. */
 #define WORK_PER_THREAD (1 << 18)
 

@@ -213,7 +213,7 @@ static inline __attribute__((always_inline)) void weigh_values(const float *valu
 
 /* Sums kept in registers at once: 24 of AVX-512's 32. AVX2 has 16: 3 heads x 8 vectors (a head
  * size of 64) spilled every sum to the stack, and decode attention ran at 6.7 GB/s (B=1, 2,048
- * keys, AMD EPYC, session 38); so there the head size is taken 4 vectors at a time. */
+ * keys, AMD EPYC); so there the head size is taken 4 vectors at a time. */
 #if LANES == 16
 #define SUM_WIDTH 8
 #else
@@ -243,7 +243,7 @@ static inline __attribute__((always_inline)) void weigh_group(const float *value
  * with their sums in registers. float32 caches are read in place, bf16 ones converted a block at a
  * time. The next block is prefetched whole as a block starts: its pages are elsewhere in memory,
  * where the hardware's prefetcher would start on each only at its first miss (8 sequences of 600
- * keys, 30 layers, float32: 0.83-0.87x the time from memory, 1.04-1.06x from cache, session 32;
+ * keys, 30 layers, float32: 0.83-0.87x the time from memory, 1.04-1.06x from cache;
  * spreading the prefetches over the block's steps had gained only 2%). */
 static inline __attribute__((always_inline)) void lanes_path(const Args *a, Scratch *s, int64_t seq, int64_t start,
                                                              int64_t end, float *state, int chunks) {

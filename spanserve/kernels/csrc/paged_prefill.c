@@ -28,7 +28,7 @@
 /* A row's output must not depend on the rows it is computed with: a prompt's last tokens computed
  * after a prefix-cache hit must give the bits that prompt computed whole gives. -ffast-math lets
  * gcc reassociate a sum over the head size differently in each inlined copy of the loops (one per
- * count of row groups), which moved results by 1e-7 (session 40); so not here, at no cost in
+ * count of row groups), which moved results by 1e-7; so not here, at no cost in
  * speed. Before the includes: the helpers inlined into the kernel must be compiled alike. */
 #pragma GCC optimize("no-associative-math")
 
@@ -136,8 +136,8 @@ static void load_queries(const Args *a, const Scratch *s, const Unit *u) {
  * a product (groups x keys for scores, groups x width for values) must stay in registers, with a
  * register left for the broadcast element: about 16 vectors where there are 32 (AVX-512), 8 to
  * 12 where there are 16 (AVX2; NEON's 32 hold 16 of these 8-lane vectors). On AVX2 the AVX-512
- * blocking (4 groups, 4 x 4 sums) spilled: 3 groups with 12 sums ran 17-20% faster (session 40,
- * AMD EPYC, 26 to 2,048 queries over 512 to 7,600 keys). Index: the number of groups. */
+ * blocking (4 groups, 4 x 4 sums) spilled: 3 groups with 12 sums ran 17-20% faster (AMD EPYC,
+ * 26 to 2,048 queries over 512 to 7,600 keys). Index: the number of groups. */
 #if LANES == 16
 #define MAX_GROUPS 4
 static const int SCORE_KEYS[MAX_GROUPS + 1] = {0, 16, 8, 4, 4}, VALUE_WIDTH[MAX_GROUPS + 1] = {0, 8, 8, 4, 4};
