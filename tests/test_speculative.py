@@ -150,3 +150,19 @@ def test_a_seeded_sampled_request_is_reproducible(drafting):
     prompt = {"prompt_token_ids": PROMPTS[0]}
     assert drafting.generate(prompt, params)[0].outputs[0].token_ids == \
         drafting.generate(prompt, params)[0].outputs[0].token_ids
+
+
+def test_a_grammar_holds_the_drafts_and_the_output_is_unchanged(tiny_llama_path, plain, drafting):
+    """Drafts end where the grammar would refuse; each checked row is masked as the grammar stands
+    after the drafts before it: the JSON is the plain engine's, token for token."""
+    schema = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+              "properties": {"a": {"type": "string", "maxLength": 30}, "b": {"enum": ["xy", "xyz"]}}}
+    tokenizer = plain.get_tokenizer()
+    quoted = tokenizer.encode('{"a": "one two three one two three", "b": "xyz"} ' * 3)
+    prompts = [{"prompt_token_ids": quoted}, {"prompt_token_ids": PROMPTS[0]}]
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": schema})
+    before = drafting.engine.speculator.num_drafted
+    got, expected = drafting.generate(prompts, params), plain.generate(prompts, params)
+    assert token_ids(got) == token_ids(expected)
+    assert drafting.engine.speculator.num_drafted > before
+    assert_engine_idle(drafting)

@@ -42,7 +42,12 @@ def verify(logits: torch.Tensor, req: Request, drafts: list[int]) -> list[Sample
     p(d); otherwise the row's token is drawn from p without d. Once every draft stands, the last
     row draws one more. For drafts of one token each (probability 1) this is speculative sampling
     (Leviathan et al. 2023, Chen et al. 2023): every token follows the target's distribution, drawn
-    with the request's own generator (a seeded request stays reproducible)."""
+    with the request's own generator (a seeded request stays reproducible). A grammar masks each
+    row as it stands after the drafts before it."""
+    raw = logits
+    if req.constraint is not None:
+        logits = logits.clone()
+        req.constraint.mask_rows(logits, drafts)
     if req.params.greedy:
         chosen = logits.argmax(dim=-1).tolist()
         n = next((i for i, (c, d) in enumerate(zip(chosen, drafts)) if c != d), len(drafts))
@@ -59,11 +64,11 @@ def verify(logits: torch.Tensor, req: Request, drafts: list[int]) -> list[Sample
         else:
             tokens.append(_draw(probs[len(drafts)], req.generator))
     samples = [Sample(t) for t in tokens]
-    if req.params.logprobs is not None:
-        raw = torch.log_softmax(logits[:len(tokens)], dim=-1)
+    if req.params.logprobs is not None:  # the model's own, before a grammar's mask (as sample() gives them)
+        logprobs = torch.log_softmax(raw[:len(tokens)], dim=-1)
         for row, s in enumerate(samples):
-            s.logprob = raw[row, s.token_id].item()
-            top = raw[row].topk(req.params.logprobs) if req.params.logprobs else None
+            s.logprob = logprobs[row, s.token_id].item()
+            top = logprobs[row].topk(req.params.logprobs) if req.params.logprobs else None
             s.top_logprobs = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
     return samples
 

@@ -48,6 +48,8 @@ class Speculator:
             room = min(req.params.max_tokens - req.num_output_tokens, req.max_total_tokens - req.num_tokens) - 1
             tokens = ngram.propose(req.token_ids, min(state.k, room), self.config.prompt_lookup_min,
                                    self.config.prompt_lookup_max)
+            if tokens and req.constraint is not None:  # what the grammar would refuse is no draft
+                tokens = tokens[:req.constraint.allowed_prefix(tokens)]
             req.token_ids.extend(tokens)
             state.drafted = len(tokens)
 
@@ -104,8 +106,10 @@ class Speculator:
 
 def _eligible(req) -> bool:
     """Decoding, and with nothing that depends on the tokens before it in ways the one-step check
-    does not follow yet: penalties, a grammar, a sparse flow, tokens held from EOS (min_tokens)."""
+    does not follow yet: penalties, a sparse flow, tokens held from EOS (min_tokens). A grammar it
+    follows: drafts end where the grammar would refuse, and each row is masked as the grammar
+    stands there."""
     p = req.params
     return (not req.is_prefilling and not req.is_finished and not req.prefill_only and req.num_computed_tokens ==
-            req.num_tokens - 1 and not p.uses_penalties and req.constraint is None and req.sparse is None
-            and req.num_output_tokens >= p.min_tokens)
+            req.num_tokens - 1 and not p.uses_penalties and req.sparse is None and req.num_output_tokens >= p.min_tokens
+            and (req.constraint is None or not req.constraint.done))

@@ -95,6 +95,23 @@ class Constraint:
         bitmask = self._bitmask if logits.device.type == "cpu" else self._bitmask.to(logits.device)
         llguidance.torch.apply_token_bitmask_inplace(logits.view(1, -1), bitmask)
 
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (a draft) the grammar allows in a row from here."""
+        return self.matcher.validate_tokens(tokens)
+
+    def mask_rows(self, logits: torch.Tensor, draft: list[int]) -> None:
+        """Mask row i of `logits` as the grammar would after the first i tokens of `draft` (which
+        it allows): the rows a speculative step checks. The grammar ends where it started."""
+        import llguidance.torch
+
+        bitmask = llguidance.torch.allocate_token_bitmask(len(draft) + 1, logits.shape[-1])
+        for i, token in enumerate(draft):
+            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, i)
+            self.matcher.consume_token(token)
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, len(draft))
+        self.matcher.rollback(len(draft))
+        llguidance.torch.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+
     def accept(self, token_id: int) -> None:
         if not self.matcher.consume_token(token_id):
             raise RuntimeError(f"the grammar refused token {token_id}: {self.matcher.get_error()}")
