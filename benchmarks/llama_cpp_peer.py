@@ -31,9 +31,12 @@ def peer_gguf(model: str | None) -> tuple[Path | None, str]:
 class LlamaCppPeer:
     """A llama.cpp model in a child process. Every method returns timings measured in the child."""
 
-    def __init__(self, gguf: Path, n_ctx: int, threads: int, n_batch: int = 512):
+    def __init__(self, gguf: Path, n_ctx: int, threads: int, n_batch: int = 512, prompt_lookup: int = 0):
+        """prompt_lookup > 0: decode with llama-cpp-python's prompt lookup drafts of that many tokens
+        (LlamaPromptLookupDecoding)."""
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-        config = {"model_path": str(gguf), "n_ctx": n_ctx, "n_threads": threads, "n_batch": n_batch}
+        config = {"model_path": str(gguf), "n_ctx": n_ctx, "n_threads": threads, "n_batch": n_batch,
+                  "prompt_lookup": prompt_lookup}
         self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(config)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, text=True)
         self.vocab_size: int = self._call("vocab_size")
@@ -45,6 +48,11 @@ class LlamaCppPeer:
     def token_times(self, ids: list[int], n: int) -> list[float]:
         """[start, time of each of the first n greedy tokens] from an empty cache, in seconds."""
         return self._call("token_times", ids, n)
+
+    def decode(self, ids: list[int], n: int) -> tuple[list[int], float]:
+        """The greedy tokens after `ids` (up to n, or to EOS) and the seconds they took, reusing the
+        longest prefix shared with the previous call's."""
+        return self._call("decode", ids, n)
 
     def first_token(self, ids: list[int]) -> float:
         """Seconds to the first greedy token after `ids`, reusing the longest prefix it shares with
@@ -75,6 +83,11 @@ def _serve(config: dict) -> None:
 
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
+    lookup = config.pop("prompt_lookup", 0)
+    if lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        config["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
     llm = llama_cpp.Llama(seed=0, verbose=False, **config)
 
     def greedy(ids: list[int], reset: bool):
@@ -100,7 +113,16 @@ def _serve(config: dict) -> None:
         next(iter(greedy(ids, reset=True)))  # reset=True keeps the common prefix's KV
         return time.perf_counter() - start
 
-    methods = {"vocab_size": llm.n_vocab, "prefill": prefill, "token_times": token_times, "first_token": first_token}
+    def decode(ids, n):
+        start, tokens = time.perf_counter(), []
+        for token in greedy(ids, reset=True):
+            if token == llm.token_eos() or len(tokens) == n:
+                break
+            tokens.append(token)
+        return [tokens, time.perf_counter() - start]
+
+    methods = {"vocab_size": llm.n_vocab, "prefill": prefill, "token_times": token_times, "first_token": first_token,
+               "decode": decode}
     for line in sys.stdin:
         method, *args = json.loads(line)
         try:

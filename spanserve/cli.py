@@ -355,7 +355,7 @@ def cmd_serve(args) -> None:
 
 BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu", "soak", "span_decode", "quant",
            "session", "session_server", "sparse", "sparse_pick", "prefill_attention", "linear_layout", "projections",
-           "step", "structured"]
+           "step", "structured", "speculative"]
 
 
 def cmd_query(args) -> None:
