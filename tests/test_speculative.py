@@ -65,7 +65,8 @@ def test_bad_settings_fail_at_start(tiny_llama_path, config, message):
 
 
 def test_greedy_output_equals_decoding_without_speculation(plain, drafting):
-    params = [greedy(40), greedy(24), SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3),
+    params = [greedy(40), SamplingParams(temperature=0, max_tokens=24, min_tokens=20, presence_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3, frequency_penalty=0.2),
               greedy(33, logprobs=2)]
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     expected, got = plain.generate(prompts, params), drafting.generate(prompts, params)

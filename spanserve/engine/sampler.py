@@ -42,11 +42,13 @@ def verify(logits: torch.Tensor, req: Request, drafts: list[int]) -> list[Sample
     p(d); otherwise the row's token is drawn from p without d. Once every draft stands, the last
     row draws one more. For drafts of one token each (probability 1) this is speculative sampling
     (Leviathan et al. 2023, Chen et al. 2023): every token follows the target's distribution, drawn
-    with the request's own generator (a seeded request stays reproducible). A grammar masks each
-    row as it stands after the drafts before it."""
-    raw = logits
+    with the request's own generator (a seeded request stays reproducible). Penalties, min_tokens
+    and a grammar apply to each row as they stand after the drafts before it."""
+    raw, logits, base = logits, logits.clone(), req.num_tokens - len(drafts)
+    for row in range(len(logits)):  # each row as sample() would process it after the drafts before it
+        _apply_penalties(logits[row], req, base + row)
+        _suppress_eos_before_min_tokens(logits[row], req, base + row)
     if req.constraint is not None:
-        logits = logits.clone()
         req.constraint.mask_rows(logits, drafts)
     if req.params.greedy:
         chosen = logits.argmax(dim=-1).tolist()
@@ -78,22 +80,25 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int((probs / torch.empty_like(probs).exponential_(generator=generator)).argmax())
 
 
-def _apply_penalties(logits: torch.Tensor, req: Request) -> None:
+def _apply_penalties(logits: torch.Tensor, req: Request, end: int | None = None) -> None:
+    """Penalties on the next token after the request's first `end` tokens (all of them by default)."""
     p = req.params
     if not p.uses_penalties:
         return
+    tokens = req.token_ids[:end]
     if p.repetition_penalty != 1.0:  # over prompt and output, as in HF/vLLM
-        seen = torch.tensor(sorted(set(req.token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(tokens)), dtype=torch.long)
         picked = logits[seen]
         logits[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
-    output = req.output_token_ids
+    output = tokens[req.num_prompt_tokens:]
     if output and (p.presence_penalty or p.frequency_penalty):  # over the output only, as in OpenAI
         counts = torch.bincount(torch.tensor(output), minlength=logits.numel()).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def _suppress_eos_before_min_tokens(logits: torch.Tensor, req: Request) -> None:
-    if req.num_output_tokens < req.params.min_tokens:
+def _suppress_eos_before_min_tokens(logits: torch.Tensor, req: Request, end: int | None = None) -> None:
+    """No end of the sequence after the first `end` tokens (all by default) before min_tokens."""
+    if (end if end is not None else req.num_tokens) - req.num_prompt_tokens < req.params.min_tokens:
         for token_id in [*req.eos_token_ids, *req.params.stop_token_ids]:
             logits[token_id] = float("-inf")
 

@@ -105,11 +105,9 @@ class Speculator:
 
 
 def _eligible(req) -> bool:
-    """Decoding, and with nothing that depends on the tokens before it in ways the one-step check
-    does not follow yet: penalties, a sparse flow, tokens held from EOS (min_tokens). A grammar it
-    follows: drafts end where the grammar would refuse, and each row is masked as the grammar
-    stands there."""
-    p = req.params
-    return (not req.is_prefilling and not req.is_finished and not req.prefill_only and req.num_computed_tokens ==
-            req.num_tokens - 1 and not p.uses_penalties and req.sparse is None and req.num_output_tokens >= p.min_tokens
+    """Decoding, without a sparse flow (its verify step would attend through the flow: not built
+    yet), and with a grammar that is not done. Penalties, min_tokens and a grammar the check
+    follows row by row (sampler.verify); drafts end where the grammar would refuse."""
+    return (not req.is_prefilling and not req.is_finished and not req.prefill_only
+            and req.num_computed_tokens == req.num_tokens - 1 and req.sparse is None
             and (req.constraint is None or not req.constraint.done))
