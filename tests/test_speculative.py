@@ -167,3 +167,24 @@ def test_a_grammar_holds_the_drafts_and_the_output_is_unchanged(tiny_llama_path,
     assert token_ids(got) == token_ids(expected)
     assert drafting.engine.speculator.num_drafted > before
     assert_engine_idle(drafting)
+
+
+def test_the_server_and_the_cli_take_the_setting(tiny_llama_path, tmp_path, plain, capsys):
+    import json
+
+    import httpx
+    from server_utils import ServerProcess
+
+    from spanserve.cli import main
+
+    server = ServerProcess(["--model", str(tiny_llama_path), "--dtype", "float32", "--num-blocks", "128",
+                            "--speculative-config", json.dumps(NGRAM)], tmp_path / "server.log")
+    try:
+        got = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                         json={"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0}).json()
+    finally:
+        server.stop()
+    expected = plain.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=30))[0]
+    assert got["choices"][0]["text"] == expected.outputs[0].text
+    with pytest.raises(SystemExit, match="num_speculative_tokens"):
+        main(["generate", "hi", "--model", str(tiny_llama_path), "--speculative-config", '{"method": "ngram"}'])
