@@ -54,7 +54,8 @@ def test_prompt_lookup_drafts_what_followed_the_last_occurrence():
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "min <= max"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tokens": 3}, "unknown field draft_tokens"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "not implemented yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "takes the draft's model"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "takes the draft's model"),
     ("{not json", "not valid JSON"),
 ])
 def test_bad_settings_fail_at_start(tiny_llama_path, config, message):
@@ -188,3 +189,24 @@ def test_the_server_and_the_cli_take_the_setting(tiny_llama_path, tmp_path, plai
     assert got["choices"][0]["text"] == expected.outputs[0].text
     with pytest.raises(SystemExit, match="num_speculative_tokens"):
         main(["generate", "hi", "--model", str(tiny_llama_path), "--speculative-config", '{"method": "ngram"}'])
+
+
+def test_a_draft_model_drafts_and_the_output_is_unchanged(tiny_llama_path, plain):
+    """The target itself as its own draft: every greedy draft stands."""
+    llm = make_llm(tiny_llama_path, speculative_config={"method": "draft_model", "model": str(tiny_llama_path),
+                                                         "num_speculative_tokens": 3})
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = [greedy(20), SamplingParams(temperature=0, max_tokens=17, repetition_penalty=1.2), greedy(9), greedy(12)]
+    assert token_ids(llm.generate(prompts, params)) == token_ids(plain.generate(prompts, params))
+    speculator = llm.engine.speculator
+    assert speculator.num_drafted > 20 and speculator.num_accepted >= speculator.num_drafted * 0.6
+    assert_engine_idle(llm)
+
+
+def test_a_draft_model_must_share_the_tokenizer_and_fit(tiny_llama_path, tiny_tools_model_path, monkeypatch):
+    other = {"method": "draft_model", "model": str(tiny_tools_model_path), "num_speculative_tokens": 3}
+    with pytest.raises(SpeculativeConfigError, match="another tokenizer"):
+        make_llm(tiny_llama_path, speculative_config=other)
+    monkeypatch.setattr("spanserve.speculative.draft_model._free_bytes", lambda device: 1000)
+    with pytest.raises(SpeculativeConfigError, match="GiB are free"):
+        make_llm(tiny_llama_path, speculative_config={**other, "model": str(tiny_llama_path)})

@@ -52,6 +52,6 @@ class SpeculativeConfig:
         if not all(isinstance(n, int) and not isinstance(n, bool) for n in (low, high)) or not 1 <= low <= high <= 64:
             raise SpeculativeConfigError(f"prompt_lookup_min and prompt_lookup_max must be integers with "
                                          f"1 <= min <= max <= 64, got {low!r} and {high!r}")
-        if self.method == "draft_model":
-            # not built yet: said at start, never a silent fallback to no speculation
-            raise SpeculativeConfigError("speculative method draft_model is not implemented yet; use ngram")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise SpeculativeConfigError("speculative method draft_model takes the draft's model (a name, directory "
+                                         "or .gguf), and only it does")

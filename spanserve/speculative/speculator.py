@@ -29,14 +29,16 @@ class _Drafting:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig):
-        self.config = config
+    def __init__(self, config: SpeculativeConfig, draft_model=None):
+        """`draft_model`: a DraftModel for method draft_model; ngram drafts by prompt lookup."""
+        self.config, self.draft_model = config, draft_model
         self.state: dict[object, _Drafting] = {}  # request -> its drafting (dropped when it ends)
         self.num_drafted = 0  # totals since start: acceptance = num_accepted / num_drafted
         self.num_accepted = 0
 
     def draft(self, running: list) -> None:
         """Append a draft to each decoding request that may have one."""
+        drafting, counts = [], []
         for req in running:
             if not _eligible(req):
                 continue
@@ -46,12 +48,19 @@ class Speculator:
                 state.paused -= 1
                 continue
             room = min(req.params.max_tokens - req.num_output_tokens, req.max_total_tokens - req.num_tokens) - 1
-            tokens = ngram.propose(req.token_ids, min(state.k, room), self.config.prompt_lookup_min,
-                                   self.config.prompt_lookup_max)
+            drafting.append(req)
+            counts.append(max(0, min(state.k, room)))
+        for req, tokens in zip(drafting, self._propose([req.token_ids for req in drafting], counts)):
             if tokens and req.constraint is not None:  # what the grammar would refuse is no draft
                 tokens = tokens[:req.constraint.allowed_prefix(tokens)]
             req.token_ids.extend(tokens)
-            state.drafted = len(tokens)
+            self.state[req].drafted = len(tokens)
+
+    def _propose(self, contexts: list[list[int]], counts: list[int]) -> list[list[int]]:
+        if self.draft_model is not None:
+            return self.draft_model.propose(contexts, counts)
+        low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        return [ngram.propose(context, count, low, high) for context, count in zip(contexts, counts)]
 
     def fit(self, batch: list) -> None:
         """Keep of each draft what this step computes; a request not in the step loses its draft
