@@ -44,12 +44,17 @@ def _decode(llm, prompts: list[dict], max_tokens: int) -> tuple[list[list[int]],
     return [o.outputs[0].token_ids for o in outs], time.perf_counter() - start
 
 
+def _config(args) -> dict:
+    if args.draft_model is None:
+        return DRAFT
+    return {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k or 4}
+
+
 def _run_spanserve(args, tasks) -> tuple[list[dict], dict]:
     from spanserve import LLM
-    from spanserve.speculative.config import SpeculativeConfig
-    from spanserve.speculative.speculator import Speculator
 
-    llm = LLM(model=args.model, dtype=args.dtype, speculative_config=DRAFT)
+    llm = LLM(model=args.model, dtype=args.dtype, speculative_config=_config(args))
+    drafting = llm.engine.speculator
     rows, prompts_by_task = [], {}
     for task, conversations in tasks.items():
         prompts = prompts_by_task[task] = [llm.engine.chat_prompt(c) for c in conversations]
@@ -58,7 +63,7 @@ def _run_spanserve(args, tasks) -> tuple[list[dict], dict]:
             for repeat in range(args.repeats):
                 llm.engine.speculator = None  # the same engine without drafts (its attribute is the only switch)
                 plain, plain_s = _decode(llm, group, args.max_tokens)
-                llm.engine.speculator = drafting = Speculator(SpeculativeConfig.of(DRAFT))
+                llm.engine.speculator, drafting.num_drafted, drafting.num_accepted = drafting, 0, 0
                 drafted, drafted_s = _decode(llm, group, args.max_tokens)
                 tokens = sum(map(len, plain))
                 rows.append({"task": task, "batch": batch, "repeat": repeat, "tokens": tokens,
@@ -117,9 +122,9 @@ def run(args) -> None:
                 [[k, f"{v['plain_tok_s']:.1f}", f"{v['drafted_tok_s']:.1f}", f"{v['speedup']:.2f}x",
                   f"{v['acceptance']:.0%}", v["identical"], f"{v.get('llama_cpp_tok_s', 0):.1f}",
                   f"{v.get('llama_cpp_lookup_tok_s', 0):.1f}"] for k, v in summary.items()],
-                title=f"speculative decoding ({DRAFT['method']}, k={DRAFT['num_speculative_tokens']}), "
+                title=f"speculative decoding ({_config(args)['method']}, k={_config(args)['num_speculative_tokens']}), "
                       f"{args.model or 'SmolLM2-135M-Instruct'}, {args.dtype}")
-    write_json({"benchmark": "speculative", "model": args.model, "dtype": args.dtype, "draft": DRAFT,
+    write_json({"benchmark": "speculative", "model": args.model, "dtype": args.dtype, "draft": _config(args),
                 "max_tokens": args.max_tokens, "summary": summary, "runs": rows, "llama_cpp": peer_rows,
                 "machine": machine_info()}, "speculative", args.out)
 
@@ -132,6 +137,8 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     p.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
+    p.add_argument("--draft-model", default=None, help="draft with this model (method draft_model) instead of ngram")
+    p.add_argument("--k", type=int, default=None, help="draft_model: tokens drafted per step (default 4)")
     p.add_argument("--quick", action="store_true", help="short prompts (tests, on a tiny model)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/speculative.json)")
 
