@@ -163,3 +163,12 @@ def test_object_schemas_that_list_their_properties_allow_no_others():
     assert out["properties"]["list"]["items"]["additionalProperties"] is False
     assert out["$defs"]["d"]["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the caller's schema untouched
+
+
+def test_warming_builds_the_librarys_view_of_the_vocabulary(tiny_llama_path):
+    from spanserve.structured.grammars import Grammars
+
+    grammars = Grammars(LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=16).get_tokenizer(), 49152)
+    assert grammars._tokenizer is None
+    grammars.warm()  # (`spanserve serve` runs it in a thread at start)
+    assert grammars._tokenizer is not None

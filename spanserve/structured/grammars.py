@@ -54,6 +54,12 @@ class Grammars:
 
         return Constraint(llguidance.LLMatcher(self.tokenizer(), self.grammar(spec)), self.vocab_size)
 
+    def warm(self) -> None:
+        """Build what the first constrained request would otherwise wait for: the library's view of
+        the vocabulary and its token tables, which its first mask fills (0.5 s and 2 s for SmolLM2's
+        49k tokens, 4 s and 5 s for Qwen2.5's 152k, `spanserve bench structured`, AMD Zen 4)."""
+        self.constraint(StructuredOutputs(json_object=True)).mask(torch.zeros(self.vocab_size))
+
     def tokenizer(self):
         """llguidance's view of the tokenizer (built once: a few hundred ms)."""
         import llguidance.hf
