@@ -6,6 +6,7 @@ import re
 import threading
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from spanserve.structured.params import InvalidGrammarError, StructuredOutputs
@@ -87,21 +88,18 @@ def _grammar_text(spec: StructuredOutputs) -> str:
 
 
 class Constraint:
-    """One request's place in its grammar: the tokens it may sample next, and the token it did."""
+    """One request's place in its grammar: the tokens it may sample next, and the token it did.
+
+    Masks are the library's bitmasks (bit t of the mask allows token t: bit t % 32 of little-endian
+    word t // 32), unpacked here: llguidance.torch's apply kernel is a torch.compile'd function that
+    took 3.5-16 ms a call on this CPU (and seconds to compile at first use), the unpacking 0.3 ms."""
 
     def __init__(self, matcher, vocab_size: int):
-        import llguidance.torch
-
-        self.matcher = matcher
-        self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+        self.matcher, self.vocab_size = matcher, vocab_size
 
     def mask(self, logits: torch.Tensor) -> None:
         """Set the logits of the tokens the grammar does not allow next to -inf (in place, one row)."""
-        import llguidance.torch
-
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)  # (on the CPU)
-        bitmask = self._bitmask if logits.device.type == "cpu" else self._bitmask.to(logits.device)
-        llguidance.torch.apply_token_bitmask_inplace(logits.view(1, -1), bitmask)
+        self._masked(logits.view(1, -1), self._bitmasks([]))
 
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` (a draft) the grammar allows in a row from here."""
@@ -110,15 +108,28 @@ class Constraint:
     def mask_rows(self, logits: torch.Tensor, draft: list[int]) -> None:
         """Mask row i of `logits` as the grammar would after the first i tokens of `draft` (which
         it allows): the rows a speculative step checks. The grammar ends where it started."""
-        import llguidance.torch
+        self._masked(logits, self._bitmasks(draft))
 
-        bitmask = llguidance.torch.allocate_token_bitmask(len(draft) + 1, logits.shape[-1])
-        for i, token in enumerate(draft):
-            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, i)
-            self.matcher.consume_token(token)
-        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, len(draft))
-        self.matcher.rollback(len(draft))
-        llguidance.torch.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+    def _bitmasks(self, draft: list[int]) -> torch.Tensor:
+        """[len(draft) + 1, words] int32: what the grammar allows now and after each draft token."""
+        bitmask = torch.empty(len(draft) + 1, -(-self.vocab_size // 32), dtype=torch.int32)
+        for i in range(len(draft) + 1):
+            row = bitmask[i]
+            self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+            if i < len(draft):
+                self.matcher.consume_token(draft[i])
+        if draft:
+            self.matcher.rollback(len(draft))
+        return bitmask
+
+    def _masked(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        # numpy: no torch thread team to wake for a row of 49-152k flags (under load a two-thread
+        # torch op here took 30-40 ms, numpy 0.3)
+        forbidden = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :logits.shape[-1]] == 0
+        if logits.device.type == "cpu":
+            logits.numpy()[forbidden] = -np.inf
+        else:
+            logits.masked_fill_(torch.from_numpy(forbidden).to(logits.device), float("-inf"))
 
     def accept(self, token_id: int) -> None:
         if not self.matcher.consume_token(token_id):
