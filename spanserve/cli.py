@@ -5,7 +5,6 @@ import dataclasses
 import json
 import logging
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -265,64 +264,10 @@ def cmd_chat(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    from spanserve.llm import LLM
+    """Each capability in a few lines, each answer checked (spanserve/demo.py); exits 1 if one is wrong."""
+    from spanserve import demo
 
-    t0 = time.perf_counter()
-    llm = LLM(**engine_config(args).__dict__)
-    engine = llm.engine
-    print(f"loaded {engine.model_path.name} ({engine.dtype}, {engine.device}) in {time.perf_counter() - t0:.1f}s\n")
-
-    question = "Explain in two sentences why the sky is blue."
-    print(f"1. Streaming a chat answer\n> {question}")
-    messages = [{"role": "system", "content": "You are a concise, helpful assistant."},
-                {"role": "user", "content": question}]
-    for delta in stream_text(engine, chat_prompt(engine, messages), SamplingParams(temperature=0, max_tokens=80)):
-        print(delta, end="", flush=True)
-
-    topics = ["the moon", "coffee", "the ocean", "music", "trains", "winter", "bees", "libraries"]
-    prompts = [[{"role": "user", "content": f"Write one sentence about {t}."}] for t in topics]
-    params = SamplingParams(temperature=0.7, seed=0, max_tokens=48)
-    t0 = time.perf_counter()
-    outs = llm.chat(prompts, params)
-    elapsed = time.perf_counter() - t0
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"\n\n2. Continuous batching: {len(prompts)} chats at once, {tokens} tokens in {elapsed:.1f}s "
-          f"({tokens / elapsed:.0f} tok/s)")
-    for topic, out in zip(topics[:3], outs):
-        print(f"   [{topic}] {out.outputs[0].text.strip()[:100]}")
-
-    doc = " ".join(f"Fact {i}: the code of item {i} is {i * 7919 % 10007}." for i in range(120))
-    ask = [{"role": "user", "content": f"{doc}\n\nWhat is the code of item 42?"}]
-    first = llm.chat(ask, SamplingParams(temperature=0, max_tokens=16))[0]
-    second = llm.chat(ask, SamplingParams(temperature=0, max_tokens=16))[0]
-    print(f"\n3. Prefix caching: a {len(first.prompt_token_ids)}-token prompt, twice")
-    print(f"   cold: TTFT {first.metrics.ttft_s * 1000:.0f} ms, {first.num_cached_tokens} cached tokens")
-    print(f"   warm: TTFT {second.metrics.ttft_s * 1000:.0f} ms, {second.num_cached_tokens} cached tokens")
-    print(f"   answer: {second.outputs[0].text.strip()}")
-    demo_spans(llm)
-
-
-def demo_spans(llm) -> None:
-    """Documents as position-independent spans: cached once, reused in any order."""
-    from spanserve.pic.prompt import Span
-
-    facts = [("Orlan", "harbor", 4127), ("Vesk", "mill", 8830), ("Dunmar", "bridge", 2291),
-             ("Ilsa", "lighthouse", 6604)]
-    docs = [" ".join(f"{name} keeps the {place} of town {k}, and the {place} code there is {code + k}."
-                     for k in range(12)) for name, place, code in facts]
-    system = {"role": "system", "content": "Answer from the documents, briefly."}
-
-    def ask(order, question):
-        content = [*(Span(docs[i]) for i in order), question]
-        return llm.chat([system, {"role": "user", "content": content}], SamplingParams(temperature=0, max_tokens=24))[0]
-
-    cold = ask([0, 1, 2, 3], "Who keeps the mill?")
-    warm = ask([3, 1, 0, 2], "Who keeps the lighthouse?")
-    n = len(warm.prompt_token_ids)
-    print(f"\n4. Position-independent spans: 4 documents, {n} prompt tokens")
-    print(f"   cold, documents in order:  TTFT {cold.metrics.ttft_s * 1000:.0f} ms, {cold.num_cached_tokens} cached")
-    print(f"   warm, documents reordered: TTFT {warm.metrics.ttft_s * 1000:.0f} ms, {warm.num_cached_tokens} cached")
-    print(f"   answer: {warm.outputs[0].text.strip()}")
+    demo.main(engine_config(args))
 
 
 def cmd_serve(args) -> None:
