@@ -5,6 +5,7 @@ import dataclasses
 import json
 import logging
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -293,6 +294,8 @@ def cmd_serve(args) -> None:
     app = create_app(llm, name, max_queued=args.max_queued, retriever=retriever, tenants=tenants,
                      max_body_bytes=int(args.max_body_mb * (1 << 20)), query_limits=limits,
                      metrics_public=args.metrics_public, session_dir=args.session_dir)
+    # the grammar library's view of the vocabulary, built now rather than in the first structured request
+    threading.Thread(target=llm.engine.grammars.warm, name="grammar-warmup", daemon=True).start()
     print(f"spanserve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
     llm.shutdown()
