@@ -172,3 +172,16 @@ def test_warming_builds_the_librarys_view_of_the_vocabulary(tiny_llama_path):
     assert grammars._tokenizer is None
     grammars.warm()  # (`spanserve serve` runs it in a thread at start)
     assert grammars._tokenizer is not None
+
+
+def test_a_prompt_with_spans_can_be_constrained(llm):
+    """Spans cached by one request, reused in another order by a constrained one."""
+    from spanserve import Span
+
+    docs = [f"Document {i}: " + " ".join(f"word{i}{j}" for j in range(40)) for i in range(3)]
+    llm.generate([Span(d) for d in docs] + ["Which?"], greedy(2))
+    params = SamplingParams(temperature=0.9, seed=1, max_tokens=60, structured_outputs={"json": SCHEMA})
+    out = llm.generate([Span(docs[2]), Span(docs[0]), Span(docs[1]), "Answer as JSON:"], params)[0]
+    assert out.num_cached_tokens > 0
+    assert out.outputs[0].finish_reason == "length" or _valid("json", out.outputs[0].text), out.outputs[0].text
+    assert_engine_idle(llm)
