@@ -210,3 +210,25 @@ def test_a_draft_model_must_share_the_tokenizer_and_fit(tiny_llama_path, tiny_to
     monkeypatch.setattr("spanserve.speculative.draft_model._free_bytes", lambda device: 1000)
     with pytest.raises(SpeculativeConfigError, match="GiB are free"):
         make_llm(tiny_llama_path, speculative_config={**other, "model": str(tiny_llama_path)})
+
+
+def test_spans_n_and_stop_strings_keep_the_plain_output(plain, drafting):
+    """Drafts looked up in span documents reused in a new order; n > 1 siblings; a stop string."""
+    from spanserve import Span
+
+    tokenizer = plain.get_tokenizer()
+    docs = [tokenizer.decode(_looping(48, seed)) for seed in (7, 8, 9)]
+    spanned = [Span(docs[2]), Span(docs[0]), Span(docs[1]), "Again:"]
+    for llm in (plain, drafting):
+        llm.generate([Span(d) for d in docs] + ["First:"], greedy(2))
+    got, expected = (llm.generate(spanned, greedy(30))[0] for llm in (drafting, plain))
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids and got.num_cached_tokens > 0
+    siblings = SamplingParams(n=3, temperature=0.9, seed=4, max_tokens=20, ignore_eos=True)
+    prompt = {"prompt_token_ids": PROMPTS[2]}
+    outs = drafting.generate(prompt, siblings)[0].outputs
+    assert len(outs) == 3 and all(len(o.token_ids) == 20 for o in outs)
+    stop = plain.generate(prompt, greedy(30))[0].outputs[0].text[10:14]
+    params = SamplingParams(temperature=0, max_tokens=30, stop=[stop])
+    got, expected = (llm.generate(prompt, params)[0].outputs[0] for llm in (drafting, plain))
+    assert (got.text, got.finish_reason) == (expected.text, expected.finish_reason)
+    assert_engine_idle(drafting)
