@@ -50,7 +50,7 @@ def _checked(messages: list[dict]) -> list[dict]:
         if m.get("role") == "tool" and m.get("tool_call_id") not in called:
             raise ToolsError(f"messages[{i}] is a tool result for {m.get('tool_call_id')!r}, which no "
                              f"assistant message before it called")
-        if m.get("content") is None:
+        if m.get("tool_calls") and m.get("content") is None:  # OpenAI's calls-only message: no text
             m["content"] = ""
         out.append(m)
     return out
@@ -72,14 +72,15 @@ def _call(call, where: str) -> dict:
 
 
 def _plain(m: dict) -> dict:
-    """A message without tool fields, for a template that has none."""
-    role, content = m["role"], m["content"]
+    """A message without tool fields, for a template that has none (any other field as it was:
+    the engine says what is wrong with a malformed message)."""
+    role, content = m.get("role"), m.get("content")
     if role == "tool":
-        return {"role": "user", "content": _wrapped("<tool_response>\n", content, "\n</tool_response>")}
+        return {"role": "user", "content": _wrapped("<tool_response>\n", content or "", "\n</tool_response>")}
     if m.get("tool_calls"):
         calls = "\n".join(hermes.render(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"])
         return {"role": role, "content": _wrapped("", content, ("\n" if content else "") + calls)}
-    return {"role": role, "content": content}
+    return {k: v for k, v in m.items() if k != "tool_call_id"}
 
 
 def _wrapped(before: str, content, after: str):
@@ -90,7 +91,7 @@ def _wrapped(before: str, content, after: str):
 
 
 def _with_instructions(messages: list[dict], instructions: str) -> list[dict]:
-    if messages and messages[0]["role"] in ("system", "developer"):
+    if messages and messages[0].get("role") in ("system", "developer"):
         first = messages[0]
         return [{**first, "content": _wrapped("", first["content"], "\n\n" + instructions)}, *messages[1:]]
     return [{"role": "system", "content": f"{DEFAULT_SYSTEM}\n\n{instructions}"}, *messages]
