@@ -72,7 +72,7 @@ def test_metrics_parse_as_prometheus_text_with_help_and_type_for_every_family(se
 
 
 def test_a_label_value_with_a_quote_a_backslash_and_a_newline_is_escaped(served):
-    metrics = ServerMetrics(served[0].engine)  # a second registry beside the app's: no clash
+    metrics = ServerMetrics(lambda: served[0].engine)  # a second registry beside the app's: no clash
     name = 'a "tiny" model \\ on\ntwo lines'
     Counter("spanserve_test_requests", "Requests by model", ["model"], registry=metrics.registry).labels(name).inc()
     text = metrics.render().decode()
@@ -83,7 +83,7 @@ def test_a_label_value_with_a_quote_a_backslash_and_a_newline_is_escaped(served)
 
 
 def test_each_app_counts_in_its_own_registry(served):
-    first, second = ServerMetrics(served[0].engine), ServerMetrics(served[0].engine)
+    first, second = ServerMetrics(lambda: served[0].engine), ServerMetrics(lambda: served[0].engine)
     first.requests.labels("ok").inc()
     assert first.registry.get_sample_value("spanserve_requests_total", {"status": "ok"}) == 1
     assert second.registry.get_sample_value("spanserve_requests_total", {"status": "ok"}) == 0

@@ -91,7 +91,8 @@ def chat_parts(tokenizer, messages: list[dict], tools: list[dict] | None = None)
     """
     pieces: list = []
     rendered = [{**m, "content": _content_with_marks(m.get("content"), pieces)} for m in messages]
-    text = tokenizer.apply_chat_template(rendered, tools=tools, add_generation_prompt=True, tokenize=False)
+    with_tools = {"tools": tools} if tools else {}  # (a template without tools is not asked about them)
+    text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False, **with_tools)
     parts: list = []
     for k, piece in enumerate(pieces):
         before, found, text = text.partition(_MARK.format(k))

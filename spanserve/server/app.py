@@ -168,7 +168,7 @@ class Server:
 
     def __init__(self, llm: AsyncLLM, model_name: str, max_queued: int | None, limits: QueryLimits):
         self.llm, self.model_name, self.max_queued, self.limits = llm, model_name, max_queued, limits
-        self.metrics = ServerMetrics(llm.engine)
+        self.metrics = ServerMetrics(lambda: llm.engine)
         self.queued = 0  # sequences admitted that have not produced a token yet
         self._places: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # run -> its _Place
 

@@ -10,7 +10,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine):
+    def __init__(self, engine_of):
+        """engine_of(): the engine whose counters a scrape reads (looked up at each scrape)."""
         # A registry of its own, not the library's global one: a process may build several apps (tests do).
         self.registry = CollectorRegistry()
 
@@ -31,7 +32,7 @@ class ServerMetrics:
         self.inter_token = histogram("spanserve_inter_token_latency_seconds", "Mean time between a "
                                      "request's tokens after the first")
         self.e2e = histogram("spanserve_e2e_request_latency_seconds", "Time from a request's arrival to its end")
-        self.registry.register(EngineCollector(engine))
+        self.registry.register(EngineCollector(engine_of))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -40,11 +41,12 @@ class ServerMetrics:
 class EngineCollector:
     """The engine's counters and gauges, read when scraped rather than pushed on every step."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine_of):
+        self.engine_of = engine_of
 
     def collect(self):
-        kv, sched = self.engine.kv, self.engine.scheduler
+        engine = self.engine_of()
+        kv, sched = engine.kv, engine.scheduler
         hit_rate = kv.hit_tokens / kv.queried_tokens if kv.queried_tokens else 0.0
         span_hit_rate = kv.span_hit_tokens / kv.span_queried_tokens if kv.span_queried_tokens else 0.0
         for name, doc, value in (
