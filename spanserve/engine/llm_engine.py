@@ -426,13 +426,14 @@ class LLMEngine:
             return []
         if background:
             pace.ran()
-        drafted = {id(item): n for item, n in zip(batch, self.speculator.withdraw(batch))} if self.speculator else {}
+        if self.speculator is not None:
+            self.speculator.withdraw(batch)
         self.scheduler.after_step(batch)
         touched: dict[str, RequestGroup] = {}
         for item, tokens in zip(sampled, samples):
             req = item.request
             if (group := self.groups.get(req.group_id)) is not None and self._isolated(
-                    req, self._append_all, req, tokens, group.detokenizers[req.index], drafted.get(id(item), 0)):
+                    req, self._append_all, req, tokens, group.detokenizers[req.index], item.drafts):
                 touched[group.request_id] = group
         for req in prefilling:
             if req.is_prefilling or req.is_finished or req.group_id not in self.groups:

@@ -95,19 +95,14 @@ class Speculator:
             if item is not None:
                 item.drafts = keep
 
-    def withdraw(self, batch: list) -> list[int]:
+    def withdraw(self, batch: list) -> None:
         """Take the drafts out of the tokens after the step, before the scheduler counts it: each
-        drafting request's step ends at its real tokens. Returns, per item of `batch`, how many
-        draft tokens it computed."""
-        counts = []
+        drafting request's step ends at its real tokens (its item keeps `drafts`, how many it checked)."""
         for item in batch:
-            state = self.state.get(item.request)
-            drafted = state.drafted if state is not None else 0
-            if drafted:
+            if item.drafts:
+                state = self.state[item.request]
                 del item.request.token_ids[state.num_real:]
                 item.end = state.num_real
-            counts.append(drafted)
-        return counts
 
     def accepted(self, req, drafted: int, num_accepted: int, kv) -> None:
         """After the engine appended the accepted tokens: the drafts' KV that the target kept
