@@ -29,10 +29,15 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[Sample]:
     if raw_logprobs is not None:
         for row, (req, s) in enumerate(zip(requests, samples)):
             if req.params.logprobs is not None:
-                s.logprob = raw_logprobs[row, s.token_id].item()
-                top = raw_logprobs[row].topk(req.params.logprobs) if req.params.logprobs else None
-                s.top_logprobs = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
+                _add_logprobs(s, raw_logprobs[row], req.params.logprobs)
     return samples
+
+
+def _add_logprobs(s: Sample, logprobs: torch.Tensor, top_n: int) -> None:
+    """The sampled token's logprob and the `top_n` most likely tokens', from one row of log-softmax."""
+    s.logprob = logprobs[s.token_id].item()
+    top = logprobs.topk(top_n) if top_n else None
+    s.top_logprobs = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
 
 
 def verify(logits: torch.Tensor, req: Request, drafts: list[int]) -> list[Sample]:
@@ -69,9 +74,7 @@ def verify(logits: torch.Tensor, req: Request, drafts: list[int]) -> list[Sample
     if req.params.logprobs is not None:  # the model's own, before a grammar's mask (as sample() gives them)
         logprobs = torch.log_softmax(raw[:len(tokens)], dim=-1)
         for row, s in enumerate(samples):
-            s.logprob = logprobs[row, s.token_id].item()
-            top = logprobs[row].topk(req.params.logprobs) if req.params.logprobs else None
-            s.top_logprobs = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
+            _add_logprobs(s, logprobs[row], req.params.logprobs)
     return samples
 
 
