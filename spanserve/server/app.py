@@ -49,7 +49,6 @@ from spanserve.spans.api import prepare, run_async
 from spanserve.spans.ir import Generate, QueryError, generate_nodes
 from spanserve.spans.limits import QueryLimits
 from spanserve.structured.params import InvalidGrammarError
-from spanserve.tools import Tools
 from spanserve.tools.conversation import for_template, markers_are_tokens
 
 log = logging.getLogger("spanserve.server")
@@ -437,8 +436,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
 
         def ids() -> list[int]:
             if isinstance(body, TokenizeChatRequest):
-                tools = Tools([t.model_dump(exclude_none=True) for t in body.tools]) if body.tools else None
-                messages, shown = for_template(chat_messages(body.messages), tools, tokenizer.chat_template)
+                messages, shown = for_template(chat_messages(body.messages), body.tools_of(), tokenizer.chat_template)
                 return llm.engine.chat_prompt(messages, shown)["prompt_token_ids"]
             text_bound.refuse_beyond(len(body.prompt), llm.engine.max_model_len, tokenizer)
             return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -283,15 +283,18 @@ class ChatCompletionRequest(_SamplingFields, _Request):
                 raise ToolsError("tool_choice needs tools")
             return None
         choice = self.tool_choice or "auto"
-        return Tools([t.model_dump(exclude_none=True) for t in self.tools],
-                     choice if isinstance(choice, str) else choice.model_dump(),
-                     self.parallel_tool_calls is not False)
+        return tools_of(self.tools, choice if isinstance(choice, str) else choice.model_dump(),
+                        self.parallel_tool_calls is not False)
 
     def structured(self) -> StructuredOutputs | None:
         formatted = self.response_format.params() if self.response_format is not None else None
         if formatted is not None and self.structured_outputs is not None:
             raise InvalidGrammarError("give response_format or structured_outputs, not both")
         return formatted or super().structured()
+
+
+def tools_of(tools: list[ToolSpec], choice: str | dict = "auto", parallel: bool = True) -> Tools:
+    return Tools([t.model_dump(exclude_none=True) for t in tools], choice, parallel)
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -333,6 +336,9 @@ class TokenizeChatRequest(_TokenizeRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolSpec] | None = None  # shown to the model as a chat completion shows them
     add_generation_prompt: _refused("add_generation_prompt false", True) = None
+
+    def tools_of(self) -> Tools | None:
+        return tools_of(self.tools) if self.tools else None
 
 
 class TokenizeResponse(BaseModel):
