@@ -10,6 +10,10 @@ Measured in one run, against the GPU's own roof and peers:
                    transformers (same config, bf16, sdpa, its own random weights) in tok/s
   span decode      decode tok/s at batch 1 after --decode-docs documents of 1,024 tokens, as a plain
                    prompt and as warm spans in a new order
+  verify step      the time of a replayed step checking k drafts (k + 1 tokens per sequence, k in
+                   --verify-drafts) over 1,024 tokens of context, as a multiple of a decode step's,
+                   batch 1 and --decode-batch (CUDA only): speculative decoding gains while a step's
+                   accepted drafts + 1 exceed it
   span-hit TTFT    --docs documents x --doc-tokens tokens (the span-query paper's 32 x 2,857) and
                    a short question: spans off (one plain prompt, nothing cached), spans cold
                    (computed now) and spans warm in a new order (best of 3), TTFT in seconds
@@ -54,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--decode-batch", type=int, default=16)
     parser.add_argument("--decode-docs", type=int, default=8, help="documents of 1,024 tokens before the span decode")
+    parser.add_argument("--verify-drafts", default="2,4,8", help="drafts checked per step in the verify-step measure")
     parser.add_argument("--docs", type=int, default=32)
     parser.add_argument("--doc-tokens", type=int, default=2857)
     parser.add_argument("--kv-cache-gb", type=float, default=30.0)
@@ -77,6 +82,7 @@ def run(args: argparse.Namespace) -> dict:
     results["decode"] = {"spanserve": measure("decode", _decode, llm, args, log)}
     results["span_ttft"] = measure("span TTFT", _span_ttft, llm, args, log)
     results["span_decode"] = measure("span decode", _span_decode, llm, args, log)
+    results["verify_step"] = measure("verify step", _verify_step, llm, args, log)  # last: it writes cache blocks
     del llm
     _free(args.device)  # the eager engine's weights and cache take the graph engine's place
     results["decode"]["spanserve eager"] = measure(
@@ -298,6 +304,51 @@ def _span_decode(llm, args, log) -> dict:
             "ratio": warm / plain}
 
 
+def _verify_step(llm, args, log) -> dict | None:
+    """Per batch, the replayed step's time for each k as a multiple of k = 0's (a decode step).
+    Its sequences write the pool's last blocks, as if their 1,024 tokens were cached there."""
+    import torch
+
+    from spanserve.attention import AttentionMetadata
+    from spanserve.engine.cuda_graphs import DecodeGraphs
+
+    if args.device != "cuda":
+        return None
+    engine, context, repeats = llm.engine, 1024, 50
+    runner, block_size = engine.runner, engine.config.block_size
+    drafts = [0] + [int(k) for k in args.verify_drafts.split(",")]
+    scratch = runner.kv_cache.shape[2] - 1  # the block the runner keeps for padding rows
+    out = {}
+    for batch in (1, args.decode_batch):
+        graphs = DecodeGraphs(runner.model, batch, engine.max_model_len, block_size, scratch, max(drafts) + 1)
+        per_seq = -(-(context + max(drafts) + 1) // block_size)
+        tables = torch.arange(scratch - batch * per_seq, scratch, device="cuda").view(batch, per_seq)
+        times = {}
+        for k in drafts:
+            pos = torch.arange(context, context + k + 1, device="cuda").repeat(batch)
+            seq = torch.arange(batch, device="cuda").repeat_interleave(k + 1)
+            meta = AttentionMetadata(
+                slot_mapping=tables[seq, pos // block_size] * block_size + pos % block_size,
+                query_lens=[k + 1] * batch, context_lens=[context + k + 1] * batch, block_tables=tables,
+                context_lens_tensor=torch.full((batch,), context + k + 1, dtype=torch.int32, device="cuda"),
+                positions=pos)
+            ids = torch.randint(100, VOCAB, (batch * (k + 1),), device="cuda")
+            with torch.inference_mode():  # as the runner calls the model: the cache is an inference tensor
+                graphs.run(ids, meta)  # captures
+                _sync("cuda")
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    graphs.run(ids, meta)
+            _sync("cuda")
+            times[k] = (time.perf_counter() - start) / repeats
+        out[f"batch {batch}"] = {"decode_step_ms": times[0] * 1e3,
+                                 **{f"k={k}": times[k] / times[0] for k in drafts[1:]}}
+        log(f"verify step batch {batch}: decode {times[0] * 1e3:.2f} ms, "
+            + ", ".join(f"k={k} {times[k] / times[0]:.2f}x" for k in drafts[1:]))
+        del graphs
+    return out
+
+
 def _spanned(docs: list[list[int]], rng: random.Random, spans: bool) -> dict:
     """A 16-token preamble, the documents (as spans, each padded to a block boundary by the
     engine's rules: 16-token multiples here) and a 32-token question; fresh preamble and question."""
@@ -333,6 +384,9 @@ def _report(results: dict) -> None:
     if decode := results["span_decode"]:
         rows.append([f"decode after {decode['docs']} x 1024: plain / warm spans (tok/s)",
                      f"{decode['plain_tok_per_s']:.1f} / {decode['spans_warm_tok_per_s']:.1f}"])
+    for batch, costs in (results.get("verify_step") or {}).items():
+        rows.append([f"verify step {batch}: k drafts (x a {costs['decode_step_ms']:.2f} ms decode step)",
+                     ", ".join(f"{k} {v:.2f}x" for k, v in costs.items() if k != "decode_step_ms")])
     rows += [[f"failed: {name}", error[:80]] for name, error in results.get("errors", {}).items()]
     harness.print_table(["measure", "value"], rows,
                         title=f"GPU path: {results['shape']} random weights, bf16, {results['device']}")

@@ -2,11 +2,13 @@
 projections and the LM head, called one after another as a forward pass calls them (so the weights
 come cold from memory, not from cache), for --rows rows of random activations. Float32 (the
 engine's: the packed C GEMM up to layout.PACKED_MAX_ROWS rows, MKL beyond) against each of --methods
-(`mkl`: float32 in MKL's GEMM at every row count, the input-major weight), taking turns, best of --repeats. Beside
+(`mkl`: float32 in MKL's GEMM at every row count, the input-major weight; `bf16`: bfloat16
+weights and activations in torch's F.linear, oneDNN's path, AMX tiles where the CPU has them),
+taking turns, best of --repeats. Beside
 each time, the error of its outputs against float32's (mean |difference| over mean |float32|,
 averaged over the projections): accuracy beside speed.
 
-    spanserve bench projections [--model M] [--rows 1,8,26,64,512] [--methods mkl,int8,int4,w8a8]
+    spanserve bench projections [--model M] [--rows 1,8,26,64,512] [--methods mkl,bf16,int8,int4,w8a8]
 """
 
 import argparse
@@ -36,7 +38,7 @@ def run(args: argparse.Namespace) -> dict:
     model = llm.engine.runner.model
     linears = [p for layer in model.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)] + [model.lm_head]
-    kinds = {"mkl": _Mkl, "int8": quant.Int8Linear, "int4": quant.Int4Linear, "w8a8": quant.W8A8Linear}
+    kinds = {"mkl": _Mkl, "bf16": _Bf16, "int8": quant.Int8Linear, "int4": quant.Int4Linear, "w8a8": quant.W8A8Linear}
     methods = [m for m in args.methods.split(",") if m]
     stacks = {"float32": linears, **{m: [kinds[m](p) for p in linears] for m in methods}}
     rows = []
@@ -72,6 +74,21 @@ class _Mkl:
 
     def __call__(self, x):
         return self.f_linear(x, self.linear.weight, self.linear.bias)
+
+
+class _Bf16:
+    """A projection in bfloat16 through F.linear (oneDNN), returning float32 like the others."""
+
+    def __init__(self, linear):
+        import torch
+        from torch.nn.functional import linear as f_linear
+
+        self.f_linear, self.in_features = f_linear, linear.in_features
+        self.weight = linear.weight.detach().to(torch.bfloat16)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+
+    def __call__(self, x):
+        return self.f_linear(x.to(self.weight.dtype), self.weight, self.bias).float()
 
 
 def _forward(stack: list, x: dict) -> None:

@@ -17,6 +17,12 @@ def random_prompt(length: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB_SIZE, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def looping(length: int, seed: int) -> list[int]:
+    """A prompt that repeats a phrase: a random model copies it on, and prompt lookup finds it."""
+    phrase = random_prompt(7, seed=seed)
+    return (phrase * (length // 7 + 1))[:length]
+
+
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     """Greedy decoding of exactly `max_tokens` tokens (EOS ignored)."""
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)

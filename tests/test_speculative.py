@@ -5,7 +5,7 @@ the target's distribution; no rejected token reaches the prefix cache; bad setti
 
 import pytest
 import torch
-from helpers import assert_engine_idle, greedy, random_prompt, token_ids
+from helpers import assert_engine_idle, greedy, looping, random_prompt, token_ids
 
 from spanserve import LLM, SamplingParams
 from spanserve.engine.request import Request
@@ -16,13 +16,7 @@ from spanserve.speculative.config import SpeculativeConfig, SpeculativeConfigErr
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-def _looping(length: int, seed: int) -> list[int]:
-    """A prompt that repeats a phrase: a random model copies it on, and drafts find it."""
-    phrase = random_prompt(7, seed=seed)
-    return (phrase * (length // 7 + 1))[:length]
-
-
-PROMPTS = [_looping(40, 1), random_prompt(23, seed=2), _looping(75, 3), random_prompt(9, seed=4)]
+PROMPTS = [looping(40, 1), random_prompt(23, seed=2), looping(75, 3), random_prompt(9, seed=4)]
 
 
 def make_llm(path, **kwargs) -> LLM:
@@ -217,7 +211,7 @@ def test_spans_n_and_stop_strings_keep_the_plain_output(plain, drafting):
     from spanserve import Span
 
     tokenizer = plain.get_tokenizer()
-    docs = [tokenizer.decode(_looping(48, seed)) for seed in (7, 8, 9)]
+    docs = [tokenizer.decode(looping(48, seed)) for seed in (7, 8, 9)]
     spanned = [Span(docs[2]), Span(docs[0]), Span(docs[1]), "Again:"]
     for llm in (plain, drafting):
         llm.generate([Span(d) for d in docs] + ["First:"], greedy(2))

@@ -148,7 +148,8 @@ class LLMEngine:
         graph_batch = 0 if config.enforce_eager or self.device.type != "cuda" else config.max_num_seqs
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.kv_dtype, self.device,
                                   graph_batch=graph_batch, max_model_len=self.max_model_len,
-                                  block_generation=self.kv.pool.generation)
+                                  block_generation=self.kv.pool.generation,
+                                  graph_query=1 + (spec.num_speculative_tokens if spec is not None else 0))
         self.comb = find_plugin(model, config.comb_plugin)  # span encoder for link_policy="comb"
         if self.comb:
             self.runner.use_encoder(self.comb)

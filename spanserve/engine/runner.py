@@ -28,11 +28,12 @@ FOCUS_ROWS = 8  # focus_select: the question's last tokens whose attention score
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, device: torch.device, graph_batch: int = 0, max_model_len: int = 0,
-                 block_generation: torch.Tensor | None = None):
+                 block_generation: torch.Tensor | None = None, graph_query: int = 1):
         """kv_dtype: the cache's (the model's, or bf16 under a float32 model). graph_batch > 0:
         replay decode steps of up to that many sequences as CUDA graphs (Triton backend only), for
-        contexts up to max_model_len. block_generation: the pool's per-block rewrite counts, which
-        keep sparse flows' fields fresh."""
+        contexts up to max_model_len, and steps of up to graph_query tokens per sequence (a
+        speculative verify step's drafts and one more). block_generation: the pool's per-block
+        rewrite counts, which keep sparse flows' fields fresh."""
         cfg = model.cfg
         self.model, self.block_size, self.device = model, block_size, device
         self.model_dtype = model.embed_tokens.weight.dtype
@@ -44,7 +45,8 @@ class ModelRunner:
         model.bind_kv_cache(self.kv_cache)
         generation = block_generation if block_generation is not None else torch.zeros(num_blocks + 1, dtype=torch.long)
         self.fields = FieldStore(self.kv_cache, generation)
-        self.graphs = DecodeGraphs(model, graph_batch, max_model_len, block_size, num_blocks) if graphs else None
+        self.graphs = (DecodeGraphs(model, graph_batch, max_model_len, block_size, num_blocks, graph_query)
+                       if graphs else None)
         self.encoder = None  # the span encoder plug-in (spanserve/comb/), see use_encoder
         self.encoder_reads = False  # whether it has reader deltas
         self.voters = ProbeVoters.default(cfg.num_layers, cfg.num_heads)  # of the focus probe (pic/voters.py)
