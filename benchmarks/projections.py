@@ -3,12 +3,12 @@ projections and the LM head, called one after another as a forward pass calls th
 come cold from memory, not from cache), for --rows rows of random activations. Float32 (the
 engine's: the packed C GEMM up to layout.PACKED_MAX_ROWS rows, MKL beyond) against each of --methods
 (`mkl`: float32 in MKL's GEMM at every row count, the input-major weight; `bf16`: bfloat16
-weights and activations in torch's F.linear, oneDNN's path, AMX tiles where the CPU has them),
-taking turns, best of --repeats. Beside
+weights and activations in torch's F.linear, oneDNN's path, AMX tiles where the CPU has them;
+`bf16-gemm`: the same bf16 values in spanserve's C GEMM at every row count), taking turns, best of --repeats. Beside
 each time, the error of its outputs against float32's (mean |difference| over mean |float32|,
 averaged over the projections): accuracy beside speed.
 
-    spanserve bench projections [--model M] [--rows 1,8,26,64,512] [--methods mkl,bf16,int8,int4,w8a8]
+    spanserve bench projections [--model M] [--rows 1,8,26,64,512] [--methods mkl,bf16,bf16-gemm,int8,int4,w8a8]
 """
 
 import argparse
@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> dict:
     model = llm.engine.runner.model
     linears = [p for layer in model.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)] + [model.lm_head]
-    kinds = {"mkl": _Mkl, "bf16": _Bf16, "int8": quant.Int8Linear, "int4": quant.Int4Linear, "w8a8": quant.W8A8Linear}
+    kinds = {"mkl": _Mkl, "bf16": _Bf16, "bf16-gemm": _Bf16Gemm, "int8": quant.Int8Linear,
+             "int4": quant.Int4Linear, "w8a8": quant.W8A8Linear}
     methods = [m for m in args.methods.split(",") if m]
     stacks = {"float32": linears, **{m: [kinds[m](p) for p in linears] for m in methods}}
     rows = []
@@ -89,6 +90,30 @@ class _Bf16:
 
     def __call__(self, x):
         return self.f_linear(x.to(self.weight.dtype), self.weight, self.bias).float()
+
+
+class _Bf16Gemm(_Bf16):
+    """The bf16 projection in spanserve's C GEMM (layout.PackedLinear) whatever the rows."""
+
+    def __init__(self, linear):
+        from spanserve.models.layout import PACKED_MAX_ROWS, PackedLinear
+
+        super().__init__(linear)
+        bf16 = torch_nn_linear(linear.in_features, linear.out_features, self.weight, self.bias)
+        self.packed = PackedLinear(bf16, bf16_rows=PACKED_MAX_ROWS)
+
+    def __call__(self, x):
+        return self.packed(x.to(self.weight.dtype)).float()
+
+
+def torch_nn_linear(in_features: int, out_features: int, weight, bias):
+    import torch
+
+    linear = torch.nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return linear
 
 
 def _forward(stack: list, x: dict) -> None:

@@ -5,7 +5,9 @@
 torch path), the layer's small ops (RMSNorm, silu(gate) * up, rotary and the cache store) and the
 rest (Python, scheduling, sampling, small torch ops). A C kernel called through ctypes counts in
 the Python function that calls it. The profiler slows the Python part, so the parts add up to
-more than the unprofiled step; their ratios are what to read.
+more than the unprofiled step; their ratios are what to read. For a bf16 model the table's title
+says up to how many rows its projections run in spanserve's C GEMM (the calibrated choice,
+kernels/calibration.py; 0: every product in torch's F.linear).
 
     spanserve bench step [--model M] [--batch 1,8] [--context 2048] [--steps 30] [--quantization w8a8]
 """
@@ -44,12 +46,14 @@ def run(args: argparse.Namespace) -> dict:
     dtype = str(llm.engine.dtype).removeprefix("torch.")
     result = {"benchmark": "step", "model": args.model or "SmolLM2-135M-Instruct", "dtype": dtype,
               "quantization": args.quantization, "context": args.context, "steps": args.steps, "threads": threads,
-              "rows": rows, "machine": harness.machine_info()}
+              "bf16_gemm_rows": llm.engine.bf16_gemm_rows, "rows": rows, "machine": harness.machine_info()}
+    choice = "" if result["bf16_gemm_rows"] is None else f", C GEMM up to {result['bf16_gemm_rows']} rows"
     harness.print_table(["batch", "step ms", "tok/s", *[f"{p} ms (profiled)" for p in PARTS]],
                         [[r["batch"], f"{r['step_ms']:.1f}", f"{r['tok_s']:.1f}",
                           *[f"{r['profiled_ms'][p]:.1f}" for p in PARTS]] for r in rows],
                         title=f"decode step of {result['model']} ({result['dtype']}, "
-                              f"{args.quantization or 'not quantized'}) after {args.context} tokens, {threads} threads")
+                              f"{args.quantization or 'not quantized'}{choice}) after {args.context} tokens, "
+                              f"{threads} threads")
     harness.write_json(result, path=args.out or harness.result_path("step"))
     return result
 

@@ -170,6 +170,22 @@ def test_f32_gemm_int8w_is_the_dequantized_matmul(lib, seed, shape, n_threads):
 
 
 @PROPERTY
+@given(seed=seeds, shape=gemm_shapes, n_threads=threads, with_bias=st.booleans())
+def test_f32_gemm_bf16w_is_the_matmul_of_the_bf16_weight(lib, seed, shape, n_threads, with_bias):
+    torch.manual_seed(seed)
+    rows, k, n = shape
+    x, w = torch.randn(rows, k), torch.randn(n, k).bfloat16()
+    bias = torch.randn(n) if with_bias else None
+    packed, out = f32_panels(w), torch.empty(rows, n)
+    with _threads(n_threads):
+        status = lib.f32_gemm_bf16w(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                    out.data_ptr(), rows, n, packed.shape[0] * 16, k)
+    assert status == 0
+    want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    _close(out, want, torch.float32, scale=k ** 0.5)
+
+
+@PROPERTY
 @given(seed=seeds, rows=st.integers(1, 600), blocks=st.integers(1, 5), n=st.integers(1, 200), dtype=dtypes,
        n_threads=threads, with_bias=st.booleans())
 def test_int8_gemm_is_its_torch_twin(lib, seed, rows, blocks, n, dtype, n_threads, with_bias):

@@ -129,3 +129,50 @@ def test_a_weight_edited_in_place_is_packed_again():
     with torch.inference_mode():
         assert not torch.allclose(packed(x), before)
         torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias))
+
+
+@needs_gemm
+@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (50, 64, True)])
+def test_packed_bf16_linear_equals_f_linear(out_features, in_features, bias):
+    """A bf16 weight in the C GEMM: bf16 in and out, the float32 product of the same values
+    rounded once."""
+    gen = torch.Generator().manual_seed(out_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
+    packed = layout.PackedLinear(linear, bf16_rows=64)
+    assert packed.packed.dtype == torch.bfloat16
+    for rows in (1, 2, 7, 8, 9, 64, 65):  # 65: F.linear
+        x = torch.randn(rows, in_features, generator=gen).bfloat16()
+        with torch.inference_mode():
+            got = packed(x)
+            want = F.linear(x.double(), linear.weight.double(), None if bias is False else linear.bias.double())
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * in_features ** 0.5)
+
+
+@needs_gemm
+@pytest.mark.parametrize("model", ["tiny_llama_path", "tiny_qwen2_path"])
+def test_the_bf16_cpu_engine_runs_few_rows_in_the_c_gemm_with_the_outputs_of_f_linear(model, request, monkeypatch):
+    """Up to the calibrated rows (here forced to 4: decode of a batch of 12 takes F.linear, each
+    prompt's last chunk too), against every product in F.linear."""
+    monkeypatch.setattr("spanserve.kernels.calibration.bf16_gemm_rows", lambda i, o: 4)
+    llm = LLM(model=str(request.getfixturevalue(model)), dtype="bfloat16", num_blocks=64, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert llm.engine.bf16_gemm_rows == 4
+    assert all(isinstance(m, layout.PackedLinear) and m.rows == (1, 4)
+               for m in (model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.down_proj, model.lm_head))
+    prompts = [{"prompt_token_ids": random_prompt(20 + i, seed=i)} for i in range(3)]
+    before = llm.generate(prompts, greedy(8, logprobs=3))
+    monkeypatch.setattr(layout, "PACKED_MAX_ROWS", 0)
+    for a, b in zip(before, llm.generate(prompts, greedy(8, logprobs=3))):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for lp_a, lp_b, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
+            assert abs(lp_a[token] - lp_b[token]) < 0.05  # bf16 rounding of differently ordered sums
+
+
+def test_a_bf16_engine_keeps_f_linear_where_the_calibration_finds_nothing_faster(tiny_llama_path, monkeypatch):
+    monkeypatch.setattr("spanserve.kernels.calibration.bf16_gemm_rows", lambda i, o: 0)
+    llm = LLM(model=str(tiny_llama_path), dtype="bfloat16", num_blocks=16)
+    assert llm.engine.bf16_gemm_rows == 0
+    assert not any(isinstance(m, layout.PackedLinear) for m in llm.engine.runner.model.modules())

@@ -137,7 +137,8 @@ class LLMEngine:
             quant.quantize(model, config.quantization)
         if layout.wants_input_major(self.dtype, self.device):
             layout.store_weights(model, input_major=True)  # after quantize, which leaves no float32 Linear
-            layout.pack_projections(model)
+        # bf16 on CPU: the most rows a projection runs in the C GEMM (calibrated), None otherwise
+        self.bf16_gemm_rows = layout.pack_projections(model) if layout.wants_packing(self.dtype, self.device) else None
         num_blocks = config.num_blocks or self._blocks_for_budget(cfg)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,

@@ -85,7 +85,7 @@ def build(csrc: Path = CSRC, target: tuple[str, ...] = NATIVE, extra_link: tuple
         raise RuntimeError("no C compiler found (install gcc or set CC)")
     sources = [csrc / path.name for path in SOURCES]
     compile_flags, link_flags = [*COMPILE_FLAGS, *target], [*LINK_FLAGS, *extra_link]
-    identity = " ".join([compiler, *compile_flags, *link_flags, _cpu_features()])  # -march=native: per CPU
+    identity = " ".join([compiler, *compile_flags, *link_flags, cpu_features_line()])  # -march=native: per CPU
     code = b"".join(path.read_bytes() for path in [*sources, *(csrc / path.name for path in HEADERS)])
     digest = hashlib.sha256(code + identity.encode()).hexdigest()[:16]
     built = cache_dir() / "kernels" / (f"spanserve-{digest}.so" if link else f"spanserve-{digest}-objects")
@@ -127,7 +127,7 @@ def _run_all(compiler: str, steps: list[list[str]]) -> None:
         raise RuntimeError(f"{compiler} failed: {errors[0]}")
 
 
-def _cpu_features() -> str:
+def cpu_features_line() -> str:
     """The CPU's feature flags (Linux)."""
     try:
         with open("/proc/cpuinfo") as info:
@@ -138,7 +138,7 @@ def _cpu_features() -> str:
 
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo names them (avx2, avx512f, avx512_vnni, amx_tile...)."""
-    return frozenset(_cpu_features().partition(":")[2].split())
+    return frozenset(cpu_features_line().partition(":")[2].split())
 
 
 def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -149,12 +149,13 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.int8_gemm.argtypes = [pointer] * 6 + [i64, i64, i64, i64, i32]
     lib.f32_gemm.argtypes = [pointer] * 4 + [i64, i64, i64, i64]
     lib.f32_gemm_int8w.argtypes = [pointer] * 5 + [i64, i64, i64, i64]
+    lib.f32_gemm_bf16w.argtypes = [pointer] * 4 + [i64, i64, i64, i64]
     lib.rms_norm.argtypes = [pointer] * 3 + [i64, i64, f32, i32]
     lib.silu_mul.argtypes = [pointer] * 2 + [i64, i64, i32]
     lib.rope_store.argtypes = ([pointer] * 3 + [i64] * 3 + [pointer] * 3 + [i64] + [pointer] * 5
                                + [i64, i64, i32, i32, i32, i32, i32])
     for entry in (lib.paged_decode, lib.paged_prefill, lib.int8_gemm, lib.f32_gemm, lib.f32_gemm_int8w,
-                  lib.rms_norm, lib.silu_mul, lib.rope_store):
+                  lib.f32_gemm_bf16w, lib.rms_norm, lib.silu_mul, lib.rope_store):
         entry.restype = i32
     lib.centroid_topk.argtypes = [pointer, i32, pointer, i64, pointer, i64, pointer, i32] + [i64] * 8 + [pointer]
     lib.centroid_topk.restype = i64

@@ -61,6 +61,16 @@ def _f32_gemm_int8w(lib, dtype) -> str:
     return f"status {status}" if status else _compare(out, x @ (q.float() * scale[:, None]).t(), 1e-5)
 
 
+def _f32_gemm_bf16w(lib, dtype) -> str:
+    if dtype != torch.float32:
+        return ""
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(5, 70, generator=gen), torch.randn(50, 70, generator=gen).bfloat16()
+    packed, out = f32_panels(w), torch.empty(5, 50)
+    status = lib.f32_gemm_bf16w(_ptr(x), _ptr(packed), None, _ptr(out), 5, 50, packed.shape[0] * 16, 70)
+    return f"status {status}" if status else _compare(out, x @ w.float().t(), 1e-5)
+
+
 def _int8_gemm(lib, dtype) -> str:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(7, 128, generator=gen).to(dtype)
@@ -188,7 +198,8 @@ def _centroid_topk(lib, dtype) -> str:
 
 
 CASES: dict[str, Callable[[ctypes.CDLL, torch.dtype], str]] = {
-    "f32_gemm": _f32_gemm, "f32_gemm_int8w": _f32_gemm_int8w, "int8_gemm": _int8_gemm, "rms_norm": _rms_norm,
+    "f32_gemm": _f32_gemm, "f32_gemm_int8w": _f32_gemm_int8w, "f32_gemm_bf16w": _f32_gemm_bf16w,
+    "int8_gemm": _int8_gemm, "rms_norm": _rms_norm,
     "silu_mul": _silu_mul, "paged_decode": _paged_decode, "paged_prefill": _paged_prefill,
     "rope_store": _rope_store, "centroid_topk": _centroid_topk,
 }

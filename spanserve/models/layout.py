@@ -19,6 +19,11 @@ output channels, streamed once in order for all the rows: 0.64x MKL's time at 8 
 product is compute-bound, MKL's GEMM is faster (1.1-1.5x ours at 512-2048 rows) and keeps them.
 The price is memory: one more float32 copy of the projections (0.54 GB for SmolLM2), up to
 PACKED_MAX_BYTES.
+
+A bf16 model on CPU keeps the checkpoint's layout for torch's F.linear (oneDNN, AMX tiles where
+the CPU has them) and gets a packed bf16 copy too: its few-row products run in the same GEMM
+reading half the bytes (f32_gemm_bf16w), up to the row count kernels/calibration.py measured to be
+faster than oneDNN on this CPU.
 """
 
 import logging
@@ -27,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spanserve.kernels import cpu_kernel
+from spanserve.kernels import calibration, cpu_kernel
 from spanserve.kernels.layouts import f32_panels
 from spanserve.models.layer_ops import records_grad
 
@@ -36,6 +41,10 @@ log = logging.getLogger(__name__)
 
 def wants_input_major(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32 and device.type == "cpu"
+
+
+def wants_packing(dtype: torch.dtype, device: torch.device) -> bool:
+    return dtype in (torch.float32, torch.bfloat16) and device.type == "cpu"
 
 
 @torch.no_grad()
@@ -62,26 +71,33 @@ PACKED_MAX_BYTES = 2_200_000_000
 
 
 class PackedLinear(nn.Linear):
-    """A float32 Linear whose few-row products (decode, a question) run in spanserve's C GEMM
-    (csrc/f32_gemm.c) over a copy of the weight packed in panels of 16 output channels: each
+    """A float32 or bf16 Linear whose few-row products (decode, a question) run in spanserve's C
+    GEMM (csrc/f32_gemm.c) over a copy of the weight packed in panels of 16 output channels: each
     weight is streamed once, in order, for all the rows. Larger products, autograd and a library
     that could not be built take F.linear on `weight`, which stays (shared with a tied embedding):
-    the packed copy is extra memory, one float32 copy of the projections."""
+    the packed copy is extra memory, one copy of the projections in their dtype. `bf16_rows`: the
+    most rows a bf16 weight's products run in the C GEMM (kernels/calibration.py)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, bf16_rows: int = 0):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        self.bf16 = linear.weight.dtype == torch.bfloat16
+        self.rows = (1, bf16_rows) if self.bf16 else (PACKED_MIN_ROWS, None)  # None: PACKED_MAX_ROWS
         self._pack()
 
     @torch.no_grad()
     def _pack(self) -> None:
         self.register_buffer("packed", f32_panels(self.weight.detach().contiguous()), persistent=False)
+        bias = None if self.bias is None else self.bias.detach().float()  # the kernel adds float32
+        self.register_buffer("bias32", bias, persistent=False)
         self._packed_version = self.weight._version  # a weight edited in place is packed again
 
     def _gemm_for(self, rows: int):
         """The C GEMM where `rows` rows run in it, else None."""
-        return cpu_kernel.load("gemm") if PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS else None
+        low, high = self.rows
+        high = PACKED_MAX_ROWS if high is None else min(high, PACKED_MAX_ROWS)
+        return cpu_kernel.load("gemm") if low <= rows <= high else None
 
     def sizes_team(self, rows: int) -> bool:
         """Whether `rows` rows run in the C GEMM, which starts the threads its work pays for (threads.py)."""
@@ -89,36 +105,51 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        kernel = self._gemm_for(rows) if x.dtype == torch.float32 else None
+        kernel = self._gemm_for(rows) if x.dtype == self.weight.dtype else None
         if kernel is None or records_grad(x, self.weight):
             return F.linear(x, self.weight, self.bias)
         if self.weight._version != self._packed_version:
             self._pack()
-        x2 = x.reshape(rows, self.in_features).contiguous()
+        x2 = x.reshape(rows, self.in_features).float().contiguous()  # bf16: a copy of few rows
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
-        status = kernel.f32_gemm(x2.data_ptr(), self.packed.data_ptr(),
-                                 None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows,
-                                 self.out_features, self.packed.shape[0] * 16, self.in_features)
+        gemm = kernel.f32_gemm_bf16w if self.bf16 else kernel.f32_gemm
+        status = gemm(x2.data_ptr(), self.packed.data_ptr(), None if self.bias32 is None else self.bias32.data_ptr(),
+                      out.data_ptr(), rows, self.out_features, self.packed.shape[0] * 16, self.in_features)
         if status != 0:  # -1: shapes (checked here)
             raise RuntimeError(f"f32_gemm failed ({status}) for {tuple(x2.shape)} x {self.out_features}")
-        return out.view(*x.shape[:-1], self.out_features)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
 @torch.no_grad()
-def pack_projections(model: nn.Module) -> None:
-    """Give the decoder's projections and the LM head their packed copies: a float32 model on CPU
-    whose C library is built and allowed (SPANSERVE_CPU_KERNELS names `gemm`) and whose copies fit
-    PACKED_MAX_BYTES. Quantized projections stay as they are."""
+def pack_projections(model: nn.Module) -> int | None:
+    """Give the decoder's projections and the LM head their packed copies: a float32 or bf16 model
+    on CPU whose C library is built and allowed (SPANSERVE_CPU_KERNELS names `gemm`) and whose
+    copies fit PACKED_MAX_BYTES; a bf16 model's only where the calibration finds the C GEMM faster
+    for some rows. Quantized projections stay as they are. Returns the most rows a bf16
+    projection runs in the C GEMM (0: none), None for a model that is not bf16."""
+    dtype = model.embed_tokens.weight.dtype
+    bf16 = dtype == torch.bfloat16
     if cpu_kernel.load("gemm") is None:
-        return
+        return 0 if bf16 else None
     layers = [(layer.self_attn, name) for layer in model.layers for name in ("qkv_proj", "o_proj")]
     layers += [(layer.mlp, name) for layer in model.layers for name in ("gate_up_proj", "down_proj")]
     targets = [(owner, name) for owner, name in [*layers, (model, "lm_head")]
-               if type(getattr(owner, name)) is nn.Linear and getattr(owner, name).weight.dtype == torch.float32]
-    extra = sum(getattr(owner, name).weight.numel() * 4 for owner, name in targets)
-    if extra > PACKED_MAX_BYTES:
-        log.info("float32 projections not packed for the C GEMM: the copies would take %.1f GB", extra / 1e9)
-        return
+               if type(getattr(owner, name)) is nn.Linear and getattr(owner, name).weight.dtype == dtype]
+    extra = sum(getattr(owner, name).weight.nbytes for owner, name in targets)
+    if not targets or extra > PACKED_MAX_BYTES:
+        if targets:
+            log.info("projections not packed for the C GEMM: the copies would take %.1f GB", extra / 1e9)
+        return 0 if bf16 else None
+    rows = calibration.bf16_gemm_rows(*_widest(model)) if bf16 else None
+    if rows == 0:
+        return 0
     for owner, name in targets:
-        setattr(owner, name, PackedLinear(getattr(owner, name)))
-    log.info("float32 projections packed for the C GEMM: %.0f MB more memory", extra / 1e6)
+        setattr(owner, name, PackedLinear(getattr(owner, name), rows or 0))
+    log.info("projections packed for the C GEMM: %.0f MB more memory", extra / 1e6)
+    return rows
+
+
+def _widest(model: nn.Module) -> tuple[int, int]:
+    """(in, out) of a decoder layer's largest projection: the shape the calibration times."""
+    gate_up = model.layers[0].mlp.gate_up_proj
+    return gate_up.in_features, gate_up.out_features

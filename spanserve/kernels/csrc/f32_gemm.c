@@ -11,8 +11,15 @@
  * CPU without bf16 instructions (AVX2) converts in software: 29.9 ms for SmolLM2's 121 projections
  * of one row against 45.7 for float32 (AMD EPYC, `spanserve bench projections`).
  *
- * Layouts: x [M, K] and out [M, N] float32; packed [N_padded / PANEL][K][PANEL] float32 or int8
- * (zeros for the padding channels); scale [N_padded] float32; bias [N] float32 or NULL. N_padded
+ * Its bf16-weight variant (f32_gemm_bf16w) is a bf16 model's few-row product: half float32's bytes,
+ * each weight vector widened in registers as it is loaded (a bf16 is a float32's upper half; a
+ * pass through an L1 buffer, as for int8, took 1.6x float32's time at 2-8 rows on an AMD EPYC). oneDNN's bf16 GEMM reads a bf16 weight
+ * for one row slower than this kernel reads a float32 one (SmolLM2's 121 projections: 39.9 against
+ * 26.5 ms on a 2-core AMX Xeon); past a few dozen rows its AMX tiles win, and keep those rows
+ * (models/layout.py picks by rows).
+ *
+ * Layouts: x [M, K] and out [M, N] float32; packed [N_padded / PANEL][K][PANEL] float32, int8 or
+ * bf16 (zeros for the padding channels); scale [N_padded] float32; bias [N] float32 or NULL. N_padded
  * is a multiple of TILE_PANELS * PANEL.
  */
 #include <omp.h>
@@ -38,14 +45,17 @@
 typedef struct {
     const float *x, *packed, *scale, *bias;
     const int8_t *qpacked; /* the int8 variant's weights (packed is then NULL) */
+    const uint16_t *bpacked; /* the bf16 variant's weights (packed is then NULL) */
     float *out;
     int64_t n, k;
 } Gemm;
 
-/* One tile's weights: TILE_PANELS panels, `stride` floats apart, `k` inputs of x (row stride ldx). */
+/* One tile's weights: TILE_PANELS panels, `stride` weights apart, `k` inputs of x (row stride ldx);
+ * float32 weights at w, or bf16 ones at wb. */
 typedef struct {
     const float *w, *x;
     int64_t stride, k, ldx;
+    const uint16_t *wb;
 } Slice;
 
 static void store_tile(const Gemm *g, int64_t m0, int rows, int64_t p, float sums[MAX_ROWS][TILE_WIDTH]) {
@@ -60,15 +70,22 @@ static void store_tile(const Gemm *g, int64_t m0, int rows, int64_t p, float sum
 
 #ifdef __AVX512F__
 /* One slice of a tile: `rows` rows of x by the slice's weights, added to sums. */
-static inline __attribute__((always_inline)) void tile(const Slice *s, const int rows, float sums[MAX_ROWS][TILE_WIDTH]) {
+static inline __attribute__((always_inline)) __m512 load_weights(const Slice *s, int64_t at, const int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s->wb + at))), 16));
+    return _mm512_loadu_ps(s->w + at);
+}
+
+static inline __attribute__((always_inline)) void tile(const Slice *s, const int rows, float sums[MAX_ROWS][TILE_WIDTH],
+                                                       const int bf16) {
     const int64_t k = s->k, ldx = s->ldx, stride = s->stride;
-    const float *w0 = s->w, *x = s->x;
+    const float *x = s->x;
     __m512 acc[MAX_ROWS][TILE_PANELS];
     for (int r = 0; r < rows; r++)
         for (int t = 0; t < TILE_PANELS; t++) acc[r][t] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i++) {
         __m512 w[TILE_PANELS];
-        for (int t = 0; t < TILE_PANELS; t++) w[t] = _mm512_loadu_ps(w0 + t * stride + i * PANEL);
+        for (int t = 0; t < TILE_PANELS; t++) w[t] = load_weights(s, t * stride + i * PANEL, bf16);
         for (int r = 0; r < rows; r++) {
             __m512 xb = _mm512_set1_ps(x[r * ldx + i]);
             for (int t = 0; t < TILE_PANELS; t++) acc[r][t] = _mm512_fmadd_ps(xb, w[t], acc[r][t]);
@@ -83,9 +100,16 @@ static inline __attribute__((always_inline)) void tile(const Slice *s, const int
  * time (12 sums, the broadcasts and the weights as memory operands), each pair passing over the
  * tile's weights again, from cache. The plain C below kept its sums in memory: 8 rows ran at
  * about 12% of the two cores' FMA peak on an AMD EPYC. */
-static inline __attribute__((always_inline)) void tile(const Slice *s, const int rows, float sums[MAX_ROWS][TILE_WIDTH]) {
+static inline __attribute__((always_inline)) __m256 load_weights(const Slice *s, int64_t at, const int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s->wb + at))), 16));
+    return _mm256_loadu_ps(s->w + at);
+}
+
+static inline __attribute__((always_inline)) void tile(const Slice *s, const int rows, float sums[MAX_ROWS][TILE_WIDTH],
+                                                       const int bf16) {
     const int64_t k = s->k, ldx = s->ldx, stride = s->stride;
-    const float *w0 = s->w, *x = s->x;
+    const float *x = s->x;
 #pragma GCC unroll 4
     for (int r0 = 0; r0 < rows; r0 += 2) {
         const int pair = rows - r0 < 2 ? 1 : 2;
@@ -96,9 +120,9 @@ static inline __attribute__((always_inline)) void tile(const Slice *s, const int
             for (int r = 0; r < pair; r++) {
                 __m256 xb = _mm256_broadcast_ss(x + (r0 + r) * ldx + i);
                 for (int t = 0; t < TILE_PANELS; t++) {
-                    const float *w = w0 + t * stride + i * PANEL;
-                    acc[r][2 * t] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w), acc[r][2 * t]);
-                    acc[r][2 * t + 1] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 8), acc[r][2 * t + 1]);
+                    const int64_t at = t * stride + i * PANEL;
+                    acc[r][2 * t] = _mm256_fmadd_ps(xb, load_weights(s, at, bf16), acc[r][2 * t]);
+                    acc[r][2 * t + 1] = _mm256_fmadd_ps(xb, load_weights(s, at + 8, bf16), acc[r][2 * t + 1]);
                 }
             }
         for (int r = 0; r < pair; r++)
@@ -108,27 +132,38 @@ static inline __attribute__((always_inline)) void tile(const Slice *s, const int
 }
 #else
 /* The same sums in plain C, for CPUs with neither AVX-512 nor AVX2. */
-static inline void tile(const Slice *s, const int rows, float sums[MAX_ROWS][TILE_WIDTH]) {
+static inline void tile(const Slice *s, const int rows, float sums[MAX_ROWS][TILE_WIDTH], const int bf16) {
     for (int64_t i = 0; i < s->k; i++)
         for (int r = 0; r < rows; r++)
             for (int t = 0; t < TILE_PANELS; t++)
-                for (int c = 0; c < PANEL; c++) sums[r][t * PANEL + c] += s->x[r * s->ldx + i] * s->w[t * s->stride + i * PANEL + c];
+                for (int c = 0; c < PANEL; c++) {
+                    const int64_t at = t * s->stride + i * PANEL + c;
+                    sums[r][t * PANEL + c] += s->x[r * s->ldx + i] * (bf16 ? bf16_to_float(s->wb[at]) : s->w[at]);
+                }
 }
 #endif
 
-/* A slice for `rows` rows, each remainder compiled on its own. */
-static void tile_rows(const Slice *s, int rows, float sums[MAX_ROWS][TILE_WIDTH]) {
+/* A slice for `rows` rows, each remainder (and each weight type) compiled on its own. */
+static inline __attribute__((always_inline)) void tile_rows_of(const Slice *s, int rows, float sums[MAX_ROWS][TILE_WIDTH],
+                                                               const int bf16) {
     switch (rows) {
-        case 1: tile(s, 1, sums); break;
-        case 2: tile(s, 2, sums); break;
-        case 3: tile(s, 3, sums); break;
-        case 4: tile(s, 4, sums); break;
-        case 5: tile(s, 5, sums); break;
-        case 6: tile(s, 6, sums); break;
-        case 7: tile(s, 7, sums); break;
-        case 8: tile(s, 8, sums); break;
+        case 1: tile(s, 1, sums, bf16); break;
+        case 2: tile(s, 2, sums, bf16); break;
+        case 3: tile(s, 3, sums, bf16); break;
+        case 4: tile(s, 4, sums, bf16); break;
+        case 5: tile(s, 5, sums, bf16); break;
+        case 6: tile(s, 6, sums, bf16); break;
+        case 7: tile(s, 7, sums, bf16); break;
+        case 8: tile(s, 8, sums, bf16); break;
         default: break;
     }
+}
+
+static void tile_rows(const Slice *s, int rows, float sums[MAX_ROWS][TILE_WIDTH]) {
+    if (s->wb)
+        tile_rows_of(s, rows, sums, 1);
+    else
+        tile_rows_of(s, rows, sums, 0);
 }
 
 /* Inputs i0 .. i0 + count - 1 of the int8 tile from panel p, as float32 [TILE_PANELS][SLICE][PANEL].
@@ -159,9 +194,11 @@ static void panel_rows(const Gemm *g, int64_t m0, int64_t m1, int64_t p) {
     memset(sums, 0, (size_t)(m1 - m0) * sizeof sums[0]);
     for (int64_t i0 = 0; i0 < g->k; i0 += SLICE) {
         const int64_t count = g->k - i0 < SLICE ? g->k - i0 : SLICE;
-        Slice s = {buf, NULL, SLICE * PANEL, count, g->k}; /* int8 weights: widened into buf */
+        Slice s = {buf, NULL, SLICE * PANEL, count, g->k, NULL}; /* int8 weights: widened into buf */
         if (g->packed)
             s.w = g->packed + (p * g->k + i0) * PANEL, s.stride = g->k * PANEL;
+        else if (g->bpacked)
+            s.wb = g->bpacked + (p * g->k + i0) * PANEL, s.stride = g->k * PANEL;
         else
             widen(g, p, i0, count, buf);
         for (int64_t r = m0; r < m1; r += MAX_ROWS) {
@@ -191,13 +228,20 @@ static int run(const Gemm *g, int64_t m, int64_t n_padded) {
 /* out [m, n] = x [m, k] W^T + bias; 0, or -1 for shapes it does not take. */
 int f32_gemm(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n,
              int64_t n_padded, int64_t k) {
-    Gemm g = {x, packed, NULL, bias, NULL, out, n, k};
+    Gemm g = {x, packed, NULL, bias, NULL, NULL, out, n, k};
     return run(&g, m, n_padded);
 }
 
 /* The same with int8 weights: out = (x q^T) * scale + bias. */
 int f32_gemm_int8w(const float *x, const int8_t *qpacked, const float *scale, const float *bias, float *out,
                    int64_t m, int64_t n, int64_t n_padded, int64_t k) {
-    Gemm g = {x, NULL, scale, bias, qpacked, out, n, k};
+    Gemm g = {x, NULL, scale, bias, qpacked, NULL, out, n, k};
+    return run(&g, m, n_padded);
+}
+
+/* The same with bf16 weights (their bits, uint16): out = x W^T + bias in float32. */
+int f32_gemm_bf16w(const float *x, const uint16_t *bpacked, const float *bias, float *out, int64_t m, int64_t n,
+                   int64_t n_padded, int64_t k) {
+    Gemm g = {x, NULL, NULL, bias, NULL, bpacked, out, n, k};
     return run(&g, m, n_padded);
 }

@@ -1,0 +1,130 @@
+"""Which path runs a bf16 model's projections on this CPU, chosen by measurement once per CPU.
+
+A bf16 projection of few rows reads its weight once: spanserve's C GEMM over bf16 panels
+(csrc/f32_gemm.c, f32_gemm_bf16w) streams them at memory speed on any x86-64 CPU, while torch's
+F.linear (oneDNN) is fastest where its rows fill a CPU's matrix units: on a 2-core AMX Xeon,
+SmolLM2's 121 projections took 39.9 ms for one row in oneDNN bf16 and 26.5 in the C GEMM reading
+float32 (twice the bytes), while from 64 rows oneDNN's AMX tiles took half the C GEMM's time.
+Where the two cross depends on the CPU (AMX or not, AVX-512 BF16 or not, memory speed), so it is
+measured: the C GEMM against F.linear on copies of one of the model's projections, enough to come
+from memory as a forward pass's weights do (COLD_BYTES), at 1, 2, 4, ... 512 rows, the C GEMM
+kept for the row counts up to the first where it is slower. The outcome is cached per
+CPU, torch version, thread count, shape and kernel source (a second engine start reads it).
+
+A calibration that cannot run (no C library) or whose C product differs from torch's gives 0
+rows, logged once: every product stays with torch.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from spanserve.kernels import cpu_kernel, native
+from spanserve.kernels.layouts import f32_panels
+from spanserve.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+REPEATS = 5  # best of, per path and row count
+COLD_BYTES = 64 << 20  # weights a timed call reads: past the caches of the CPUs measured
+TOLERANCE = 1e-2  # relative error of the C product, against F.linear in float32 on the same bf16 values
+
+
+def bf16_gemm_rows(in_features: int, out_features: int) -> int:
+    """The most rows of an [out_features, in_features] bf16 projection that the C GEMM runs faster
+    than F.linear here (one of ROWS), or 0 where it is never faster or cannot be used."""
+    key = _key(in_features, out_features)
+    cached = _read().get(key)
+    if cached is not None:
+        return cached
+    rows, why = _measure(in_features, out_features)
+    if why:
+        log.info("bf16 projections stay with torch: %s", why)
+    else:
+        log.info("bf16 projections of up to %d rows run in spanserve's C GEMM (calibrated for %dx%d)",
+                 rows, out_features, in_features)
+    _write(key, rows)
+    return rows
+
+
+def _measure(in_features: int, out_features: int) -> tuple[int, str]:
+    """(rows, why none): the calibration's choice, or 0 and the reason."""
+    kernel = cpu_kernel.load("gemm")
+    if kernel is None:
+        return 0, "the C library is not built or not allowed"
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    copies = min(256, max(1, COLD_BYTES // weight.nbytes))  # a small shape: few calls
+    weights, packs = [weight.clone() for _ in range(copies)], [f32_panels(weight) for _ in range(copies)]
+    out = torch.zeros(ROWS[-1], out_features)
+    chosen = 0
+    with torch.inference_mode():
+        for rows in ROWS:
+            x = torch.randn(rows, in_features, generator=gen).bfloat16()
+
+            def c_gemm(x=x, rows=rows):  # as PackedLinear calls it: float32 in, bf16 out
+                for packed in packs:
+                    x32 = x.float()
+                    kernel.f32_gemm_bf16w(x32.data_ptr(), packed.data_ptr(), None, out.data_ptr(), rows,
+                                          out_features, packed.shape[0] * 16, in_features)
+                    got = out[:rows].bfloat16()
+                return got
+
+            def torch_linear(x=x):
+                for w in weights:
+                    F.linear(x, w)
+
+            want = F.linear(x.float(), weight.float())
+            error = float((c_gemm().float() - want).abs().max() / want.abs().max().clamp_min(1e-6))
+            if error > TOLERANCE:
+                return 0, f"the C GEMM's product is off by {error:.1e} at {rows} rows"
+            if _best(c_gemm) > _best(torch_linear):
+                break
+            chosen = rows
+    return chosen, "" if chosen else "F.linear is faster from one row"
+
+
+def _best(call) -> float:
+    call()  # warm: caches, the thread team
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _key(in_features: int, out_features: int) -> str:
+    source = (native.CSRC / "f32_gemm.c").read_bytes()
+    machine = hashlib.sha256((native.cpu_features_line() + torch.__version__).encode() + source).hexdigest()[:16]
+    return f"bf16_gemm_rows {out_features}x{in_features} threads={torch.get_num_threads()} {machine}"
+
+
+def _path() -> Path:
+    return cache_dir() / "kernels" / "calibration.json"
+
+
+def _read() -> dict:
+    try:
+        return json.loads(_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(key: str, rows: int) -> None:
+    """Best effort: a cache that cannot be written means calibrating again next time."""
+    path = _path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**_read(), key: rows}, indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.info("calibration not cached (%s)", exc)

@@ -1,0 +1,59 @@
+"""The per-CPU choice of a bf16 projection's path (spanserve/kernels/calibration.py): the C GEMM
+keeps the row counts up to the first where F.linear is faster, a wrong product keeps every row
+with torch (with a log line), and the choice is cached per CPU and shape."""
+
+import logging
+
+import pytest
+
+from spanserve.kernels import calibration, cpu_kernel
+
+needs_gemm = pytest.mark.skipif(cpu_kernel.load("gemm") is None, reason="no C compiler: the kernel is not built")
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPANSERVE_CACHE_DIR", str(tmp_path))
+
+
+def _timings(monkeypatch, pairs):
+    """_best returns, call after call, each pair's (C GEMM, F.linear) time."""
+    times = iter(t for pair in pairs for t in pair)
+    monkeypatch.setattr(calibration, "_best", lambda call: next(times))
+
+
+@needs_gemm
+def test_the_c_gemm_keeps_the_rows_up_to_the_first_where_torch_is_faster(monkeypatch):
+    _timings(monkeypatch, [(1, 2)] * 5 + [(3, 2), (1, 2)])  # faster at 1-16 rows, slower at 32, then faster again
+    assert calibration.bf16_gemm_rows(64, 96) == 16
+
+
+@needs_gemm
+def test_the_choice_is_cached_per_shape(monkeypatch):
+    _timings(monkeypatch, [(1, 2)] * 3 + [(2, 1)])
+    assert calibration.bf16_gemm_rows(64, 96) == 4
+    monkeypatch.setattr(calibration, "_measure", lambda *shape: pytest.fail("measured again"))
+    assert calibration.bf16_gemm_rows(64, 96) == 4
+    with pytest.raises(pytest.fail.Exception):
+        calibration.bf16_gemm_rows(64, 48)  # another shape is measured
+
+
+@needs_gemm
+def test_the_real_measurement_gives_one_of_the_row_counts():
+    assert calibration.bf16_gemm_rows(64, 96) in (0, *calibration.ROWS)
+
+
+def test_a_wrong_product_keeps_every_row_with_torch(monkeypatch, caplog):
+    class Broken:
+        def f32_gemm_bf16w(self, *args):  # writes nothing: the output stays zeros
+            return 0
+
+    monkeypatch.setattr(cpu_kernel, "load", lambda name=None: Broken())
+    with caplog.at_level(logging.INFO, logger="spanserve.kernels.calibration"):
+        assert calibration.bf16_gemm_rows(64, 96) == 0
+    assert "stay with torch" in caplog.text and "off by" in caplog.text
+
+
+def test_without_the_library_every_row_stays_with_torch(monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "load", lambda name=None: None)
+    assert calibration.bf16_gemm_rows(64, 96) == 0
