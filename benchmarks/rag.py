@@ -12,8 +12,10 @@ seeded generator, --doc-tokens each, all distinct) and a question about one of t
   vLLM warm-shuffled       (--vllm-url) the plain-text chat, streamed from a real vLLM server after one
                            request in the original order; TTFT measured by the client
 
-Spans are measured for each --link-policies entry (none: reuse the cached span KV as is; gapK: also
+Spans are measured for each --link-policies entry (default, the default: the engine's own policy,
+comb+focus48t where the model has a COMB plug-in; none: reuse the cached span KV as is; gapK: also
 recompute the first K tokens of every span in context; blendR: CacheBlend, recompute a fraction R).
+The table's title names the CPU.
 Every repeat draws a new question and a new shuffle whose first document differs from the original's,
 starts from an empty cache (a fresh cache_salt for vLLM), and runs every condition in turn, so load
 from other processes hits them alike; each figure is the median of --repeats. Afterwards a 16-token
@@ -249,11 +251,14 @@ class VLLMClient:
 
 
 def parse_policy(policy: str) -> dict:
-    """SamplingParams fields of a policy name: none, full, gapK (K tokens) or blend / blendR (a fraction),
-    or any other policy; a suffix +focusK (none, comb) recomputes the K spans the question reads most, +focusKt the
-    blocks it reads most, K tokens at most."""
+    """SamplingParams fields of a policy name: default (none: the engine's default), none, full, gapK
+    (K tokens) or blend / blendR (a fraction), or any other policy; a suffix +focusK (none, comb)
+    recomputes the K spans the question reads most, +focusKt the blocks it reads most, K tokens at
+    most."""
     from spanserve.errors import InvalidRequestError
 
+    if policy == "default":
+        return {}
     if "+focus" in policy:
         policy, _, k = policy.partition("+focus")
         tokens = k.endswith("t")
@@ -366,9 +371,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--docs", default="1,2,4,8,16", help="document counts N, comma-separated")
     parser.add_argument("--doc-tokens", type=int, default=256, help="tokens per document (at most)")
     parser.add_argument("--repeats", type=int, default=3, help="median of this many runs per figure")
-    parser.add_argument("--link-policies", default="none,gap32",
-                        help="span link policies to time: none, gapK (recompute the first K tokens of each span), "
-                        "blendR (CacheBlend, recompute the fraction R of span tokens)")
+    parser.add_argument("--link-policies", default="none,default",
+                        help="span link policies to time: default (the engine's: comb+focus48t where the model has "
+                        "a COMB plug-in), none, gapK (recompute the first K tokens of each span), blendR "
+                        "(CacheBlend, recompute the fraction R of span tokens), comb, ...")
     parser.add_argument("--vllm-url", default=None, help="also time a vLLM server, e.g. http://127.0.0.1:8011/v1")
     parser.add_argument("--vllm-settle", type=float, default=2.0,
                         help="seconds to wait after each vLLM request (its CPU worker keeps running ~1 s)")
@@ -418,7 +424,8 @@ def run(args: argparse.Namespace) -> dict:
             + ", ".join(f"{p} {s[f'spans_warm_shuffled[{p}]'] * 1000:.0f} ms" for p in args.policies))
 
     rows, headers = table(per_n, args.policies, bool(vllm))
-    title = (f"RAG time to first token, ms ({model_name}, {llm.engine.dtype}, {threads} threads, "
+    title = (f"RAG time to first token, ms ({model_name}, {llm.engine.dtype}, {threads} threads on "
+             f"{harness.machine_info().get('cpu_model', 'an unknown CPU')}, "
              f"{args.doc_tokens}-token documents, median of {args.repeats}{', quick' if args.quick else ''})")
     harness.print_table(headers, rows, title=title)
     print("off: spans off (plain text, prefix caching); shuf: warm, the same documents cached in another order; "

@@ -7,7 +7,8 @@ rest (Python, scheduling, sampling, small torch ops). A C kernel called through 
 the Python function that calls it. The profiler slows the Python part, so the parts add up to
 more than the unprofiled step; their ratios are what to read. For a bf16 model the table's title
 says up to how many rows its projections run in spanserve's C GEMM (the calibrated choice,
-kernels/calibration.py; 0: every product in torch's F.linear).
+kernels/calibration.py; 0: every product in torch's F.linear) and, where the CPU has AVX-512
+BF16, which path its decode attention takes.
 
     spanserve bench step [--model M] [--batch 1,8] [--context 2048] [--steps 30] [--quantization w8a8]
 """
@@ -47,7 +48,10 @@ def run(args: argparse.Namespace) -> dict:
     result = {"benchmark": "step", "model": args.model or "SmolLM2-135M-Instruct", "dtype": dtype,
               "quantization": args.quantization, "context": args.context, "steps": args.steps, "threads": threads,
               "bf16_gemm_rows": llm.engine.bf16_gemm_rows, "rows": rows, "machine": harness.machine_info()}
+    result["decode_bf16_dot"] = llm.engine.runner.decode_bf16_dot
     choice = "" if result["bf16_gemm_rows"] is None else f", C GEMM up to {result['bf16_gemm_rows']} rows"
+    if result["decode_bf16_dot"] is not None:
+        choice += ", decode attention " + ("dots bf16" if result["decode_bf16_dot"] else "widens bf16")
     harness.print_table(["batch", "step ms", "tok/s", *[f"{p} ms (profiled)" for p in PARTS]],
                         [[r["batch"], f"{r['step_ms']:.1f}", f"{r['tok_s']:.1f}",
                           *[f"{r['profiled_ms'][p]:.1f}" for p in PARTS]] for r in rows],

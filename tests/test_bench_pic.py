@@ -13,7 +13,8 @@ from benchmarks import rag
 def rag_result(tiny_llama_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("rag") / "rag.json"
     args = bench_args(rag, ["--model", str(tiny_llama_path), "--dtype", "float32", "--docs", "1,3",
-                            "--doc-tokens", "40", "--repeats", "2", "--answer-tokens", "4", "--out", str(out)])
+                            "--doc-tokens", "40", "--repeats", "2", "--answer-tokens", "4",
+                            "--link-policies", "none,gap32,default", "--out", str(out)])
     return rag.run(args), out
 
 
@@ -21,7 +22,7 @@ def test_rag_reports_every_condition_with_positive_times(rag_result):
     data, out = rag_result
     assert set(data["summary"]) == {1, 3}
     conditions = ["spans_off_cold", "spans_off_warm_shuffled", "spans_cold[none]", "spans_warm_shuffled[none]",
-                  "spans_cold[gap32]", "spans_warm_shuffled[gap32]"]
+                  "spans_cold[gap32]", "spans_warm_shuffled[gap32]", "spans_warm_shuffled[default]"]
     for n, summary in data["summary"].items():
         for condition in conditions:
             assert summary[condition] > 0, (n, condition)

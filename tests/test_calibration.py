@@ -57,3 +57,38 @@ def test_a_wrong_product_keeps_every_row_with_torch(monkeypatch, caplog):
 def test_without_the_library_every_row_stays_with_torch(monkeypatch):
     monkeypatch.setattr(cpu_kernel, "load", lambda name=None: None)
     assert calibration.bf16_gemm_rows(64, 96) == 0
+
+
+def _bf16_dot_kernel():
+    kernel = cpu_kernel.load("decode")
+    if kernel is None or not kernel.set_bf16_dot(1):
+        pytest.skip("no bf16 dot-product path here (no AVX-512 BF16, or no C compiler)")
+    return kernel
+
+
+def test_both_bf16_decode_paths_give_the_attention_of_the_reference():
+    import torch
+
+    kernel = _bf16_dot_kernel()
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = (torch.randn(40, 16, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn(3, 6, 64, generator=gen).bfloat16()
+    tables, lens = torch.randperm(40, generator=gen)[:30].view(3, 10), torch.tensor([160, 37, 1])
+    keys = [k_cache[tables[b]].flatten(0, 1)[: lens[b]].double() for b in range(3)]
+    values = [v_cache[tables[b]].flatten(0, 1)[: lens[b]].double() for b in range(3)]
+    want = torch.stack([torch.einsum("hk,khd->hd", torch.softmax(torch.einsum(
+        "hd,khd->hk", q[b].double(), keys[b].repeat_interleave(3, 1)) / 8, -1), values[b].repeat_interleave(3, 1))
+        for b in range(3)])
+    for dot in (1, 0):
+        kernel.set_bf16_dot(dot)
+        got = cpu_kernel.paged_decode(q, k_cache, v_cache, tables, lens, 1 / 8)
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=0)
+
+
+def test_the_decode_path_is_measured_once_and_set(monkeypatch):
+    kernel = _bf16_dot_kernel()
+    monkeypatch.setattr(calibration, "_dot_is_faster", lambda *args: False)
+    assert calibration.use_decode_bf16_dot(6, 2, 64) is False
+    monkeypatch.setattr(calibration, "_dot_is_faster", lambda *args: pytest.fail("measured again"))
+    assert calibration.use_decode_bf16_dot(6, 2, 64) is False
+    assert kernel.set_bf16_dot(1)  # it was set off; back on for the tests after

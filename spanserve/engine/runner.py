@@ -14,7 +14,7 @@ from spanserve.engine.cuda_graphs import DecodeGraphs
 from spanserve.engine.sampler import Sample, sample, verify
 from spanserve.engine.scheduler import ScheduledRequest
 from spanserve.heap import keep_freed_memory
-from spanserve.kernels import cpu_kernel
+from spanserve.kernels import calibration, cpu_kernel
 from spanserve.kernels.threads import step_threads, use_pool_for_matmuls
 from spanserve.models.llama import ForwardStopped, LlamaModel
 from spanserve.pic.focus import focus_blocks, span_blocks
@@ -51,10 +51,13 @@ class ModelRunner:
         self.encoder_reads = False  # whether it has reader deltas
         self.voters = ProbeVoters.default(cfg.num_layers, cfg.num_heads)  # of the focus probe (pic/voters.py)
         self.encoder_voters = self.voters  # the plug-in's own, for requests it encodes
+        self.decode_bf16_dot = None  # bf16 decode attention's measured path on CPU (kernels/calibration.py)
         if device.type == "cpu":
             use_pool_for_matmuls(model)
             keep_freed_memory()
             cpu_kernel.load()  # built now (seconds, once per machine) rather than in the first request
+            if self.model_dtype == kv_dtype == torch.bfloat16:
+                self.decode_bf16_dot = calibration.use_decode_bf16_dot(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest],

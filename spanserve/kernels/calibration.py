@@ -1,4 +1,5 @@
-"""Which path runs a bf16 model's projections on this CPU, chosen by measurement once per CPU.
+"""Which paths run a bf16 model's projections and decode attention on this CPU, chosen by
+measurement once per CPU.
 
 A bf16 projection of few rows reads its weight once: spanserve's C GEMM over bf16 panels
 (csrc/f32_gemm.c, f32_gemm_bf16w) streams them at memory speed on any x86-64 CPU, while torch's
@@ -13,6 +14,11 @@ CPU, torch version, thread count, shape and kernel source (a second engine start
 
 A calibration that cannot run (no C library) or whose C product differs from torch's gives 0
 rows, logged once: every product stays with torch.
+
+Decode attention over a bf16 cache has two C paths where the CPU has AVX-512 BF16: bf16 keys
+dotted as stored (vdpbf16ps) or each block widened to float32 for the lanes path (csrc/
+paged_decode.c). Which is faster depends on the CPU too (the lanes path on an AMD EPYC Zen 4), so
+decode_bf16_dot times both on the model's head shapes and sets the library's choice.
 """
 
 import hashlib
@@ -91,6 +97,48 @@ def _measure(in_features: int, out_features: int) -> tuple[int, str]:
     return chosen, "" if chosen else "F.linear is faster from one row"
 
 
+def use_decode_bf16_dot(heads: int, kv_heads: int, dim: int) -> bool | None:
+    """Set whether decode attention over a bf16 cache dots bf16 keys as stored, as measured here
+    for these head shapes (cached like the projections' choice); None where the library has no
+    such path (the CPU has no AVX-512 BF16, or there is no library)."""
+    kernel = cpu_kernel.load("decode")
+    if kernel is None or not kernel.set_bf16_dot(1):
+        return None
+    key = f"decode_bf16_dot {heads}/{kv_heads}x{dim} {_machine('paged_decode.c')}"
+    dot = _read().get(key)
+    if dot is None:
+        dot = _dot_is_faster(kernel, heads, kv_heads, dim)
+        log.info("bf16 decode attention: %s", "bf16 dot products" if dot else "keys widened to float32")
+        _write(key, dot)
+    kernel.set_bf16_dot(int(dot))
+    return dot
+
+
+def _dot_is_faster(kernel, heads: int, kv_heads: int, dim: int) -> bool:
+    """Decode attention of 8 sequences over 1,024 keys in each of enough caches to come from memory,
+    with the bf16 dot products and without."""
+    block, seqs, keys = 16, 8, 1024
+    blocks = seqs * keys // block
+    shape = (blocks, block, kv_heads, dim)
+    layers = max(1, COLD_BYTES // (2 * torch.Size(shape).numel() * 2))
+    gen = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16())
+              for _ in range(layers)]
+    q = torch.randn(seqs, heads, dim, generator=gen).bfloat16()
+    tables = torch.randperm(blocks, generator=gen).view(seqs, -1)
+    lens = torch.full((seqs,), keys, dtype=torch.long)
+
+    def attend():
+        for k, v in caches:
+            cpu_kernel.paged_decode(q, k, v, tables, lens, dim ** -0.5)
+
+    times = {}
+    for dot in (1, 0):
+        kernel.set_bf16_dot(dot)
+        times[dot] = _best(attend)
+    return times[1] < times[0]
+
+
 def _best(call) -> float:
     call()  # warm: caches, the thread team
     times = []
@@ -102,9 +150,14 @@ def _best(call) -> float:
 
 
 def _key(in_features: int, out_features: int) -> str:
-    source = (native.CSRC / "f32_gemm.c").read_bytes()
-    machine = hashlib.sha256((native.cpu_features_line() + torch.__version__).encode() + source).hexdigest()[:16]
-    return f"bf16_gemm_rows {out_features}x{in_features} threads={torch.get_num_threads()} {machine}"
+    return f"bf16_gemm_rows {out_features}x{in_features} {_machine('f32_gemm.c')}"
+
+
+def _machine(source: str) -> str:
+    """What a choice depends on beside the shapes: the CPU, torch, the threads and the kernel's source."""
+    code = (native.CSRC / source).read_bytes()
+    digest = hashlib.sha256((native.cpu_features_line() + torch.__version__).encode() + code).hexdigest()[:16]
+    return f"threads={torch.get_num_threads()} {digest}"
 
 
 def _path() -> Path:

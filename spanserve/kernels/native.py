@@ -142,21 +142,25 @@ def cpu_flags() -> frozenset[str]:
 
 
 def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """`lib` with every entry point's argument and result types set."""
+    """`lib` with every entry point's argument and result types set. An earlier revision's build
+    (library_at) may lack the newer ones: those are left out."""
     pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.paged_decode.argtypes = [pointer] * 6 + [i64, i64, i32, i32, i32, i32, f32, i32, i32]
-    lib.paged_prefill.argtypes = [pointer] * 11 + [i64, i64, i64, i32, i32, i32, i32, f32, i32, i32]
-    lib.int8_gemm.argtypes = [pointer] * 6 + [i64, i64, i64, i64, i32]
-    lib.f32_gemm.argtypes = [pointer] * 4 + [i64, i64, i64, i64]
-    lib.f32_gemm_int8w.argtypes = [pointer] * 5 + [i64, i64, i64, i64]
-    lib.f32_gemm_bf16w.argtypes = [pointer] * 4 + [i64, i64, i64, i64]
-    lib.rms_norm.argtypes = [pointer] * 3 + [i64, i64, f32, i32]
-    lib.silu_mul.argtypes = [pointer] * 2 + [i64, i64, i32]
-    lib.rope_store.argtypes = ([pointer] * 3 + [i64] * 3 + [pointer] * 3 + [i64] + [pointer] * 5
-                               + [i64, i64, i32, i32, i32, i32, i32])
-    for entry in (lib.paged_decode, lib.paged_prefill, lib.int8_gemm, lib.f32_gemm, lib.f32_gemm_int8w,
-                  lib.f32_gemm_bf16w, lib.rms_norm, lib.silu_mul, lib.rope_store):
-        entry.restype = i32
-    lib.centroid_topk.argtypes = [pointer, i32, pointer, i64, pointer, i64, pointer, i32] + [i64] * 8 + [pointer]
-    lib.centroid_topk.restype = i64
+    entries = {
+        "paged_decode": ([pointer] * 6 + [i64, i64, i32, i32, i32, i32, f32, i32, i32], i32),
+        "paged_prefill": ([pointer] * 11 + [i64, i64, i64, i32, i32, i32, i32, f32, i32, i32], i32),
+        "int8_gemm": ([pointer] * 6 + [i64, i64, i64, i64, i32], i32),
+        "f32_gemm": ([pointer] * 4 + [i64, i64, i64, i64], i32),
+        "f32_gemm_int8w": ([pointer] * 5 + [i64, i64, i64, i64], i32),
+        "f32_gemm_bf16w": ([pointer] * 4 + [i64, i64, i64, i64], i32),
+        "rms_norm": ([pointer] * 3 + [i64, i64, f32, i32], i32),
+        "silu_mul": ([pointer] * 2 + [i64, i64, i32], i32),
+        "rope_store": ([pointer] * 3 + [i64] * 3 + [pointer] * 3 + [i64] + [pointer] * 5
+                       + [i64, i64, i32, i32, i32, i32, i32], i32),
+        "set_bf16_dot": ([i32], i32),
+        "centroid_topk": ([pointer, i32, pointer, i64, pointer, i64, pointer, i32] + [i64] * 8 + [pointer], i64),
+    }
+    for name, (argtypes, restype) in entries.items():
+        entry = getattr(lib, name, None)
+        if entry is not None:
+            entry.argtypes, entry.restype = argtypes, restype
     return lib
