@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spanserve.kernels import cpu_kernel, native, selfcheck, variants
-from spanserve.kernels.layouts import W8A8_BLOCK, f32_panels, int8w_panels, w8a8_panels, w8a8_twin
+from spanserve.kernels.layouts import W8A8_BLOCK, f32_panels, int8w_panels, pair_panels, w8a8_panels, w8a8_twin
 
 needs_compiler = pytest.mark.skipif(native.compiler_path() is None, reason="no C compiler")
 SANITIZED_RUN = os.environ.get("SPANSERVE_KERNEL_VARIANTS") == "sanitized"
@@ -290,3 +290,23 @@ def test_centroid_topk_picks_sinks_recent_and_the_best_scores(lib, seed, data, d
     if take and others.any():  # every pick scores at least every block left out (to rounding)
         slack = 1e-3 * (scores.abs().max().item() + 1)
         assert scores[chosen].min() >= scores[others].max() - slack
+
+
+@PROPERTY
+@given(seed=seeds, rows=st.integers(1, 600), half_k=st.integers(1, 150), n=st.integers(1, 200), n_threads=threads,
+       with_bias=st.booleans())
+def test_bf16_pairs_gemm_is_the_matmul_where_the_build_has_bf16_dot_products(lib, seed, rows, half_k, n, n_threads,
+                                                                            with_bias):
+    torch.manual_seed(seed)
+    k = 2 * half_k
+    x, w = torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16()
+    bias = torch.randn(n) if with_bias else None
+    packed, out = pair_panels(w), torch.empty(rows, n)
+    with _threads(n_threads):
+        status = lib.bf16_pairs_gemm(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                     out.data_ptr(), rows, n, packed.shape[0] * 16, k)
+    if status == -2:  # a build without AVX-512 BF16: the widening GEMM's
+        return
+    assert status == 0
+    want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    _close(out, want, torch.float32, scale=k ** 0.5)

@@ -31,8 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from spanserve.kernels import cpu_kernel, native
-from spanserve.kernels.layouts import f32_panels
+from spanserve.kernels import bf16_gemm, cpu_kernel, native
 from spanserve.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -68,19 +67,16 @@ def _measure(in_features: int, out_features: int) -> tuple[int, str]:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     copies = min(256, max(1, COLD_BYTES // weight.nbytes))  # a small shape: few calls
-    weights, packs = [weight.clone() for _ in range(copies)], [f32_panels(weight) for _ in range(copies)]
-    out = torch.zeros(ROWS[-1], out_features)
+    weights = [weight.clone() for _ in range(copies)]
+    packs = [bf16_gemm.pack(weight, kernel) for _ in range(copies)]
     chosen = 0
     with torch.inference_mode():
         for rows in ROWS:
             x = torch.randn(rows, in_features, generator=gen).bfloat16()
 
-            def c_gemm(x=x, rows=rows):  # as PackedLinear calls it: float32 in, bf16 out
-                for packed in packs:
-                    x32 = x.float()
-                    kernel.f32_gemm_bf16w(x32.data_ptr(), packed.data_ptr(), None, out.data_ptr(), rows,
-                                          out_features, packed.shape[0] * 16, in_features)
-                    got = out[:rows].bfloat16()
+            def c_gemm(x=x):  # as PackedLinear calls it: bf16 in and out
+                for panels in packs:
+                    got = bf16_gemm.matmul(kernel, x, panels, None).bfloat16()
                 return got
 
             def torch_linear(x=x):
@@ -150,7 +146,7 @@ def _best(call) -> float:
 
 
 def _key(in_features: int, out_features: int) -> str:
-    return f"bf16_gemm_rows {out_features}x{in_features} {_machine('f32_gemm.c')}"
+    return f"bf16_gemm_rows {out_features}x{in_features} {_machine('f32_gemm.c')}"  # its source: both paths
 
 
 def _machine(source: str) -> str:

@@ -1,8 +1,9 @@
 """What the C kernels read: their dtype codes, the weight layouts of their GEMMs, and the w8a8
 product's torch twin.
 
-f32_gemm.c (float32 and int8 weights) reads panels of 16 output channels, [padded out / 16][in][16],
-padded to a tile of 48; int8_gemm.c (w8a8) reads panels of 16 output channels with 4 input
+f32_gemm.c (float32, int8 and bf16 weights) reads panels of 16 output channels, [padded out /
+16][in][16], padded to a tile of 48, and its bf16 dot products pairs of inputs in them, [padded out
+/ 16][in / 2][16][2]; int8_gemm.c (w8a8) reads panels of 16 output channels with 4 input
 channels per int32 lane, [padded out / 16][in / 4][16][4], padded to a tile of 64, beside each
 block's share of the activations' +128 offset. The twin computes what int8_gemm computes, in
 torch: the reference its tests and self-check hold it to, and w8a8's path where the C library
@@ -30,6 +31,15 @@ def f32_panels(weight: torch.Tensor) -> torch.Tensor:
 def f32_unpacked(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """The weight [out_features, in] back from its f32_gemm.c panels."""
     return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
+
+
+def pair_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] (in even) as bf16_pairs_gemm reads it: [padded out / 16][in / 2][16][2], output
+    channels zero-padded to F32_TILE."""
+    out_features, in_features = weight.shape
+    rows = -(-out_features // F32_TILE) * F32_TILE
+    padded = F.pad(weight, (0, 0, 0, rows - out_features))
+    return padded.view(rows // 16, 16, in_features // 2, 2).transpose(1, 2).contiguous()
 
 
 def int8w_panels(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

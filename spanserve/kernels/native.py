@@ -152,6 +152,7 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
         "f32_gemm": ([pointer] * 4 + [i64, i64, i64, i64], i32),
         "f32_gemm_int8w": ([pointer] * 5 + [i64, i64, i64, i64], i32),
         "f32_gemm_bf16w": ([pointer] * 4 + [i64, i64, i64, i64], i32),
+        "bf16_pairs_gemm": ([pointer] * 4 + [i64, i64, i64, i64], i32),
         "rms_norm": ([pointer] * 3 + [i64, i64, f32, i32], i32),
         "silu_mul": ([pointer] * 2 + [i64, i64, i32], i32),
         "rope_store": ([pointer] * 3 + [i64] * 3 + [pointer] * 3 + [i64] + [pointer] * 5

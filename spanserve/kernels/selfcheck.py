@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from spanserve.kernels.layouts import DTYPES, f32_panels, int8w_panels, w8a8_panels, w8a8_twin
+from spanserve.kernels.layouts import DTYPES, f32_panels, int8w_panels, pair_panels, w8a8_panels, w8a8_twin
 
 
 def check(lib: ctypes.CDLL) -> str:
@@ -69,6 +69,18 @@ def _f32_gemm_bf16w(lib, dtype) -> str:
     packed, out = f32_panels(w), torch.empty(5, 50)
     status = lib.f32_gemm_bf16w(_ptr(x), _ptr(packed), None, _ptr(out), 5, 50, packed.shape[0] * 16, 70)
     return f"status {status}" if status else _compare(out, x @ w.float().t(), 1e-5)
+
+
+def _bf16_pairs_gemm(lib, dtype) -> str:
+    if dtype != torch.bfloat16:
+        return ""
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(9, 70, generator=gen).bfloat16(), torch.randn(50, 70, generator=gen).bfloat16()
+    packed, out = pair_panels(w), torch.empty(9, 50)
+    status = lib.bf16_pairs_gemm(_ptr(x), _ptr(packed), None, _ptr(out), 9, 50, packed.shape[0] * 16, 70)
+    if status == -2:
+        return ""  # no bf16 dot products in this build
+    return f"status {status}" if status else _compare(out, x.float() @ w.float().t(), 1e-5)
 
 
 def _int8_gemm(lib, dtype) -> str:
@@ -199,7 +211,7 @@ def _centroid_topk(lib, dtype) -> str:
 
 CASES: dict[str, Callable[[ctypes.CDLL, torch.dtype], str]] = {
     "f32_gemm": _f32_gemm, "f32_gemm_int8w": _f32_gemm_int8w, "f32_gemm_bf16w": _f32_gemm_bf16w,
-    "int8_gemm": _int8_gemm, "rms_norm": _rms_norm,
+    "bf16_pairs_gemm": _bf16_pairs_gemm, "int8_gemm": _int8_gemm, "rms_norm": _rms_norm,
     "silu_mul": _silu_mul, "paged_decode": _paged_decode, "paged_prefill": _paged_prefill,
     "rope_store": _rope_store, "centroid_topk": _centroid_topk,
 }

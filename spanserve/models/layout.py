@@ -22,8 +22,8 @@ PACKED_MAX_BYTES.
 
 A bf16 model on CPU keeps the checkpoint's layout for torch's F.linear (oneDNN, AMX tiles where
 the CPU has them) and gets a packed bf16 copy too: its few-row products run in the same GEMM
-reading half the bytes (f32_gemm_bf16w), up to the row count kernels/calibration.py measured to be
-faster than oneDNN on this CPU.
+reading half the bytes (kernels/bf16_gemm.py: bf16 dot products where the CPU has them), up to
+the row count kernels/calibration.py measured to be faster than oneDNN on this CPU.
 """
 
 import logging
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spanserve.kernels import calibration, cpu_kernel
+from spanserve.kernels import bf16_gemm, calibration, cpu_kernel
 from spanserve.kernels.layouts import f32_panels
 from spanserve.models.layer_ops import records_grad
 
@@ -88,7 +88,9 @@ class PackedLinear(nn.Linear):
 
     @torch.no_grad()
     def _pack(self) -> None:
-        self.register_buffer("packed", f32_panels(self.weight.detach().contiguous()), persistent=False)
+        weight, kernel = self.weight.detach().contiguous(), cpu_kernel.load("gemm")
+        self.panels = bf16_gemm.pack(weight, kernel) if self.bf16 and kernel is not None else None
+        self.register_buffer("packed", self.panels.packed if self.panels else f32_panels(weight), persistent=False)
         bias = None if self.bias is None else self.bias.detach().float()  # the kernel adds float32
         self.register_buffer("bias32", bias, persistent=False)
         self._packed_version = self.weight._version  # a weight edited in place is packed again
@@ -110,14 +112,17 @@ class PackedLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if self.weight._version != self._packed_version:
             self._pack()
-        x2 = x.reshape(rows, self.in_features).float().contiguous()  # bf16: a copy of few rows
+        x2 = x.reshape(rows, self.in_features)
+        if self.bf16:
+            return bf16_gemm.matmul(kernel, x2, self.panels, self.bias32).to(x.dtype).view(*x.shape[:-1], -1)
+        x2 = x2.contiguous()
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
-        gemm = kernel.f32_gemm_bf16w if self.bf16 else kernel.f32_gemm
-        status = gemm(x2.data_ptr(), self.packed.data_ptr(), None if self.bias32 is None else self.bias32.data_ptr(),
-                      out.data_ptr(), rows, self.out_features, self.packed.shape[0] * 16, self.in_features)
+        status = kernel.f32_gemm(x2.data_ptr(), self.packed.data_ptr(), None if self.bias32 is None else
+                                 self.bias32.data_ptr(), out.data_ptr(), rows, self.out_features,
+                                 self.packed.shape[0] * 16, self.in_features)
         if status != 0:  # -1: shapes (checked here)
             raise RuntimeError(f"f32_gemm failed ({status}) for {tuple(x2.shape)} x {self.out_features}")
-        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 @torch.no_grad()

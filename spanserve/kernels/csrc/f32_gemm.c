@@ -46,6 +46,8 @@ typedef struct {
     const float *x, *packed, *scale, *bias;
     const int8_t *qpacked; /* the int8 variant's weights (packed is then NULL) */
     const uint16_t *bpacked; /* the bf16 variant's weights (packed is then NULL) */
+    const uint32_t *pairs;   /* bf16_pairs_gemm's weights: bf16 pairs along K (packed is then NULL) */
+    const uint16_t *xb;      /* and its bf16 rows of x */
     float *out;
     int64_t n, k;
 } Gemm;
@@ -188,7 +190,73 @@ static void widen(const Gemm *g, int64_t p, int64_t i0, int64_t count, float *bu
  * of the tile's weights (TILE_WIDTH x SLICE floats, 24 KB) stays in L1 while every group of
  * MAX_ROWS rows passes over it. Without the slices each group read the whole tile (up to 295 KB for
  * a down projection) from L2 again: 26 rows of SmolLM2 ran at 60% of the FMA peak (AMD EPYC). */
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && LANES == 16
+#define BF16_PAIRS 1
+/* bf16 weights and rows dotted as they are (vdpbf16ps: two products per lane and instruction,
+ * float32 sums): each 32-bit lane of a weight vector holds one output channel's weights for two
+ * consecutive inputs, and each row's matching pair of inputs is broadcast. Twice float32's
+ * multiply-adds per instruction, and no widening: the few-row products of a bf16 model, where
+ * the widening GEMM is bound by its arithmetic past a few rows. */
+static inline __attribute__((always_inline)) void pair_tile(const uint16_t *x, int64_t ldx, const uint32_t *w,
+                                                            int64_t stride, int64_t count, const int rows,
+                                                            float sums[MAX_ROWS][TILE_WIDTH]) {
+    __m512 acc[MAX_ROWS][TILE_PANELS];
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < TILE_PANELS; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < count; i++) {
+        __m512i wv[TILE_PANELS];
+        for (int t = 0; t < TILE_PANELS; t++) wv[t] = _mm512_loadu_si512(w + t * stride + i * PANEL);
+        for (int r = 0; r < rows; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * ldx + 2 * i, sizeof pair);
+            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            for (int t = 0; t < TILE_PANELS; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xb, (__m512bh)wv[t]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < TILE_PANELS; t++)
+            _mm512_storeu_ps(sums[r] + t * PANEL, _mm512_add_ps(_mm512_loadu_ps(sums[r] + t * PANEL), acc[r][t]));
+}
+
+static void pair_tile_rows(const uint16_t *x, int64_t ldx, const uint32_t *w, int64_t stride, int64_t count, int rows,
+                           float sums[MAX_ROWS][TILE_WIDTH]) {
+    switch (rows) {
+        case 1: pair_tile(x, ldx, w, stride, count, 1, sums); break;
+        case 2: pair_tile(x, ldx, w, stride, count, 2, sums); break;
+        case 3: pair_tile(x, ldx, w, stride, count, 3, sums); break;
+        case 4: pair_tile(x, ldx, w, stride, count, 4, sums); break;
+        case 5: pair_tile(x, ldx, w, stride, count, 5, sums); break;
+        case 6: pair_tile(x, ldx, w, stride, count, 6, sums); break;
+        case 7: pair_tile(x, ldx, w, stride, count, 7, sums); break;
+        case 8: pair_tile(x, ldx, w, stride, count, 8, sums); break;
+        default: break;
+    }
+}
+
+/* panel_rows for bf16 pairs: SLICE pairs of inputs at a time (the tile's 12 KB of weights stay in L1). */
+static void pair_panel_rows(const Gemm *g, int64_t m0, int64_t m1, int64_t p) {
+    float sums[ROW_CHUNK][TILE_WIDTH];
+    memset(sums, 0, (size_t)(m1 - m0) * sizeof sums[0]);
+    const int64_t half = g->k / 2;
+    for (int64_t i0 = 0; i0 < half; i0 += SLICE) {
+        const int64_t count = half - i0 < SLICE ? half - i0 : SLICE;
+        const uint32_t *w = g->pairs + (p * half + i0) * PANEL;
+        for (int64_t r = m0; r < m1; r += MAX_ROWS)
+            pair_tile_rows(g->xb + r * g->k + 2 * i0, g->k, w, half * PANEL, count,
+                           m1 - r < MAX_ROWS ? (int)(m1 - r) : MAX_ROWS, sums + (r - m0));
+    }
+    for (int64_t r = m0; r < m1; r += MAX_ROWS)
+        store_tile(g, r, m1 - r < MAX_ROWS ? (int)(m1 - r) : MAX_ROWS, p, sums + (r - m0));
+}
+#endif
+
 static void panel_rows(const Gemm *g, int64_t m0, int64_t m1, int64_t p) {
+#if defined(BF16_PAIRS)
+    if (g->pairs) {
+        pair_panel_rows(g, m0, m1, p);
+        return;
+    }
+#endif
     float buf[TILE_PANELS * SLICE * PANEL] __attribute__((aligned(64)));
     float sums[ROW_CHUNK][TILE_WIDTH];
     memset(sums, 0, (size_t)(m1 - m0) * sizeof sums[0]);
@@ -228,20 +296,35 @@ static int run(const Gemm *g, int64_t m, int64_t n_padded) {
 /* out [m, n] = x [m, k] W^T + bias; 0, or -1 for shapes it does not take. */
 int f32_gemm(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n,
              int64_t n_padded, int64_t k) {
-    Gemm g = {x, packed, NULL, bias, NULL, NULL, out, n, k};
+    Gemm g = {.x = x, .packed = packed, .bias = bias, .out = out, .n = n, .k = k};
     return run(&g, m, n_padded);
 }
 
 /* The same with int8 weights: out = (x q^T) * scale + bias. */
 int f32_gemm_int8w(const float *x, const int8_t *qpacked, const float *scale, const float *bias, float *out,
                    int64_t m, int64_t n, int64_t n_padded, int64_t k) {
-    Gemm g = {x, NULL, scale, bias, qpacked, NULL, out, n, k};
+    Gemm g = {.x = x, .scale = scale, .bias = bias, .qpacked = qpacked, .out = out, .n = n, .k = k};
     return run(&g, m, n_padded);
 }
 
 /* The same with bf16 weights (their bits, uint16): out = x W^T + bias in float32. */
 int f32_gemm_bf16w(const float *x, const uint16_t *bpacked, const float *bias, float *out, int64_t m, int64_t n,
                    int64_t n_padded, int64_t k) {
-    Gemm g = {x, NULL, NULL, bias, NULL, bpacked, out, n, k};
+    Gemm g = {.x = x, .bias = bias, .bpacked = bpacked, .out = out, .n = n, .k = k};
     return run(&g, m, n_padded);
+}
+
+/* out [m, n] = x W^T + bias in float32 from bf16 x [m, k] and W packed in pairs along K,
+ * [N_padded / PANEL][k / 2][PANEL] pairs; k even. 0, -1 for shapes it does not take, -2 where
+ * this build has no bf16 dot products (then nothing is computed). */
+int bf16_pairs_gemm(const uint16_t *x, const uint32_t *pairs, const float *bias, float *out, int64_t m, int64_t n,
+                    int64_t n_padded, int64_t k) {
+#if defined(BF16_PAIRS)
+    if (k % 2) return -1;
+    Gemm g = {.bias = bias, .pairs = pairs, .xb = x, .out = out, .n = n, .k = k};
+    return run(&g, m, n_padded);
+#else
+    (void)x, (void)pairs, (void)bias, (void)out, (void)m, (void)n, (void)n_padded, (void)k;
+    return -2;
+#endif
 }
