@@ -6,7 +6,8 @@ as dot products where the CPU has AVX-512 BF16: the engine before the calibratio
 "chosen" runs what the calibration measured fastest here. Speed: decode tok/s of --batch
 sequences after --context random tokens (--tokens each, best of --repeats). Drift, over the chat
 prompts of `bench quant`: greedy answers identical, mean common prefix, mean |logprob
-difference| of the first answer token.
+difference| of the first answer token, between the two, and of each against the same model in
+float32 (which of the two bf16 roundings stays closer to it).
 
     spanserve bench cpu_paths [--model M] [--batch 1,8] [--context 1024]
 """
@@ -58,16 +59,21 @@ def run(args: argparse.Namespace) -> dict:
     for mode, paths in modes.items():
         with paths(engine):
             answers[mode] = llm.chat(chat, SamplingParams(temperature=0, max_tokens=args.answer, logprobs=20))
+    reference = LLM(model=args.model, dtype="float32", kv_cache_memory_gb=1.0).chat(
+        chat, SamplingParams(temperature=0, max_tokens=args.answer, logprobs=20))
     best = {m: {k: max(v) for k, v in runs.items()} for m, runs in speed.items()}
     result = {"benchmark": "cpu_paths", "model": args.model or "SmolLM2-135M-Instruct", "threads": threads,
               "context": args.context, "bf16_gemm_rows": engine.bf16_gemm_rows,
               "decode_bf16_dot": engine.runner.decode_bf16_dot, "speed_runs": speed, "best": best,
-              "drift": _drift(answers["torch"], answers["chosen"]), "machine": harness.machine_info()}
+              "drift": _drift(answers["torch"], answers["chosen"]),
+              "drift_vs_float32": {m: _drift(reference, answers[m]) for m in modes}, "machine": harness.machine_info()}
     rows = [[f"decode tok/s, {key}, after {args.context}", f"{best['torch'][key]:.1f}",
              f"{best['chosen'][key]:.1f} ({best['chosen'][key] / best['torch'][key]:.2f}x)"] for key in best["torch"]]
-    rows += [[label, "", _fmt(result["drift"][key])] for key, label in [
-        ("identical", f"greedy answers identical of {len(PROMPTS)}"), ("mean_common_prefix", "mean common prefix"),
-        ("first_token_dlogprob", "first-token |dlogprob|")]]
+    for key, label in [("identical", f"greedy answers identical of {len(PROMPTS)}"),
+                       ("mean_common_prefix", "mean common prefix"),
+                       ("first_token_dlogprob", "first-token |dlogprob|")]:
+        rows.append([f"{label}: torch vs chosen", "", _fmt(result["drift"][key])])
+        rows.append([f"{label}: against float32", *(_fmt(result["drift_vs_float32"][m][key]) for m in modes)])
     harness.print_table(["measure", "torch", "chosen"], rows,
                         title=f"{result['model']} bf16, {threads} threads: C GEMM up to {engine.bf16_gemm_rows} rows, "
                               f"bf16 decode dot products {engine.runner.decode_bf16_dot}")

@@ -17,6 +17,7 @@ def test_cpu_paths_bench_times_both_modes_and_measures_drift(tiny_llama_path, tm
     result = json.loads(out.read_text())
     assert set(result["best"]) == {"torch", "chosen"} and set(result["best"]["torch"]) == {"batch 1", "batch 2"}
     assert result["drift"]["prompts"] == len(cpu_paths.PROMPTS)
+    assert set(result["drift_vs_float32"]) == {"torch", "chosen"}
 
 
 def test_the_torch_mode_runs_no_c_gemm(tiny_llama_path, monkeypatch):
