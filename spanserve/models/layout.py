@@ -88,7 +88,7 @@ class PackedLinear(nn.Linear):
 
     @torch.no_grad()
     def _pack(self) -> None:
-        weight, kernel = self.weight.detach().contiguous(), cpu_kernel.load("gemm")
+        weight, kernel = self.weight.detach().contiguous(), cpu_kernel.load()  # the build's paths, allowed or not
         self.panels = bf16_gemm.pack(weight, kernel) if self.bf16 and kernel is not None else None
         self.register_buffer("packed", self.panels.packed if self.panels else f32_panels(weight), persistent=False)
         bias = None if self.bias is None else self.bias.detach().float()  # the kernel adds float32
@@ -108,7 +108,7 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         kernel = self._gemm_for(rows) if x.dtype == self.weight.dtype else None
-        if kernel is None or records_grad(x, self.weight):
+        if kernel is None or records_grad(x, self.weight) or (self.bf16 and self.panels is None):
             return F.linear(x, self.weight, self.bias)
         if self.weight._version != self._packed_version:
             self._pack()
