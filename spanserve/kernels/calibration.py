@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 REPEATS = 5  # best of, per path and row count
 COLD_BYTES = 64 << 20  # weights a timed call reads: past the caches of the CPUs measured
+# ... but at most this many multiply-adds a call: past a few dozen rows the product is bound by its
+# arithmetic, not by where the weights come from, and a CPU whose oneDNN emulates bf16 (AVX2)
+# would otherwise spend a minute calibrating
+CALL_MACS = 500_000_000
 TOLERANCE = 1e-2  # relative error of the C product, against F.linear in float32 on the same bf16 values
 
 
@@ -74,13 +78,15 @@ def _measure(in_features: int, out_features: int) -> tuple[int, str]:
         for rows in ROWS:
             x = torch.randn(rows, in_features, generator=gen).bfloat16()
 
-            def c_gemm(x=x):  # as PackedLinear calls it: bf16 in and out
-                for panels in packs:
+            count = max(1, min(copies, CALL_MACS // (rows * weight.numel())))
+
+            def c_gemm(x=x, count=count):  # as PackedLinear calls it: bf16 in and out
+                for panels in packs[:count]:
                     got = bf16_gemm.matmul(kernel, x, panels, None).bfloat16()
                 return got
 
-            def torch_linear(x=x):
-                for w in weights:
+            def torch_linear(x=x, count=count):
+                for w in weights[:count]:
                     F.linear(x, w)
 
             want = F.linear(x.float(), weight.float())
