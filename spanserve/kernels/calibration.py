@@ -2,7 +2,7 @@
 measurement once per CPU.
 
 A bf16 projection of few rows reads its weight once: spanserve's C GEMM over bf16 panels
-(csrc/f32_gemm.c, f32_gemm_bf16w) streams them at memory speed on any x86-64 CPU, while torch's
+(kernels/bf16_gemm.py: bf16 dot products where the CPU has them) streams them at memory speed, while torch's
 F.linear (oneDNN) is fastest where its rows fill a CPU's matrix units: on a 2-core AMX Xeon,
 SmolLM2's 121 projections took 39.9 ms for one row in oneDNN bf16 and 26.5 in the C GEMM reading
 float32 (twice the bytes), while from 64 rows oneDNN's AMX tiles took half the C GEMM's time.
@@ -12,13 +12,13 @@ from memory as a forward pass's weights do (COLD_BYTES), at 1, 2, 4, ... 512 row
 kept for the row counts up to the first where it is slower. The outcome is cached per
 CPU, torch version, thread count, shape and kernel source (a second engine start reads it).
 
-A calibration that cannot run (no C library) or whose C product differs from torch's gives 0
-rows, logged once: every product stays with torch.
+A calibration that cannot run (no C library: not cached, so a later start with it measures) or
+whose C product differs from torch's gives 0 rows, logged once: every product stays with torch.
 
 Decode attention over a bf16 cache has two C paths where the CPU has AVX-512 BF16: bf16 keys
 dotted as stored (vdpbf16ps) or each block widened to float32 for the lanes path (csrc/
 paged_decode.c). Which is faster depends on the CPU too (the lanes path on an AMD EPYC Zen 4), so
-decode_bf16_dot times both on the model's head shapes and sets the library's choice.
+use_decode_bf16_dot times both on the model's head shapes and sets the library's choice.
 """
 
 import hashlib
@@ -53,6 +53,9 @@ def bf16_gemm_rows(in_features: int, out_features: int) -> int:
     cached = _read().get(key)
     if cached is not None:
         return cached
+    if cpu_kernel.load("gemm") is None:
+        log.info("bf16 projections stay with torch: the C library is not built or not allowed")
+        return 0
     rows, why = _measure(in_features, out_features)
     if why:
         log.info("bf16 projections stay with torch: %s", why)
@@ -66,8 +69,6 @@ def bf16_gemm_rows(in_features: int, out_features: int) -> int:
 def _measure(in_features: int, out_features: int) -> tuple[int, str]:
     """(rows, why none): the calibration's choice, or 0 and the reason."""
     kernel = cpu_kernel.load("gemm")
-    if kernel is None:
-        return 0, "the C library is not built or not allowed"
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     copies = min(256, max(1, COLD_BYTES // weight.nbytes))  # a small shape: few calls
