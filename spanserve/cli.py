@@ -300,9 +300,11 @@ def cmd_serve(args) -> None:
                      max_body_bytes=int(args.max_body_mb * (1 << 20)), query_limits=limits,
                      metrics_public=args.metrics_public, session_dir=args.session_dir)
     # the grammar library's view of the vocabulary, built now rather than in the first structured request
-    threading.Thread(target=llm.engine.grammars.warm, name="grammar-warmup", daemon=True).start()
+    warm = threading.Thread(target=llm.engine.grammars.warm, name="grammar-warmup", daemon=True)
+    warm.start()
     print(f"spanserve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
+    warm.join()  # a server stopped during the warm-up: the interpreter must not exit under the grammar library
     llm.shutdown()
 
 
