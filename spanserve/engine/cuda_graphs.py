@@ -44,8 +44,8 @@ class DecodeGraphs:
         """A step the graphs can replay: as many queries in every sequence (up to max_query),
         few enough sequences, and attention the kernel computes (the reference's fallback reads
         host-side lengths)."""
-        q = meta.query_lens[0]
-        return (meta.sparse is None and q <= self.max_query and all(n == q for n in meta.query_lens)
+        q = meta.query_lens[0] if meta.query_lens else 0
+        return (q > 0 and meta.sparse is None and q <= self.max_query and all(n == q for n in meta.query_lens)
                 and len(meta.query_lens) <= self.sizes[-1] and kernel_handles(meta, self.model.cfg.head_dim))
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -77,7 +77,9 @@ class DecodeGraphs:
 
     def _pad(self, start: int, end: int, q: int) -> None:
         """Sequences start..end become padding: tokens 0 at positions 0..q-1 of the scratch block."""
-        offsets = torch.arange(q, device=self.slots.device).repeat(end - start)
+        if end <= start:
+            return
+        offsets = 0 if q == 1 else torch.arange(q, device=self.slots.device).repeat(end - start)
         self.input_ids[start * q:end * q] = 0
         self.positions[start * q:end * q] = offsets
         self.slots[start * q:end * q] = self.scratch_block * self.block_size + offsets
