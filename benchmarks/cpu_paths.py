@@ -15,7 +15,7 @@ float32 (which of the two bf16 roundings stays closer to it).
 import argparse
 import random
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from benchmarks import harness
 from benchmarks.quant import PROMPTS, _drift, _fmt
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> dict:
 
     llm = LLM(model=args.model, dtype="bfloat16", kv_cache_memory_gb=1.0)
     engine = llm.engine
-    modes = {"torch": _torch_paths, "chosen": _chosen}
+    modes = {"torch": _torch_paths, "chosen": nullcontext}
     rng = random.Random(0)
     batches = [int(b) for b in args.batch.split(",") if b]
     decode = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
@@ -94,11 +94,6 @@ def _torch_paths(engine):
         finally:
             if kernel is not None and engine.runner.decode_bf16_dot is not None:
                 kernel.set_bf16_dot(int(engine.runner.decode_bf16_dot))
-
-
-@contextmanager
-def _chosen(engine):
-    yield
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,14 +99,15 @@ class _Bf16Gemm(_Bf16):
         from spanserve.models.layout import PACKED_MAX_ROWS, PackedLinear
 
         super().__init__(linear)
-        bf16 = torch_nn_linear(linear.in_features, linear.out_features, self.weight, self.bias)
+        bf16 = _bf16_linear(linear.in_features, linear.out_features, self.weight, self.bias)
         self.packed = PackedLinear(bf16, bf16_rows=PACKED_MAX_ROWS)
 
     def __call__(self, x):
         return self.packed(x.to(self.weight.dtype)).float()
 
 
-def torch_nn_linear(in_features: int, out_features: int, weight, bias):
+def _bf16_linear(in_features: int, out_features: int, weight, bias):
+    """An nn.Linear holding these bf16 tensors (built on the meta device: no weights allocated)."""
     import torch
 
     linear = torch.nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
