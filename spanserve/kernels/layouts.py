@@ -22,10 +22,8 @@ W8A8_TILE = 64  # output channels its kernel computes together (TILE_PANELS x PA
 
 def f32_panels(weight: torch.Tensor) -> torch.Tensor:
     """weight [out, in], float32 or int8, in f32_gemm.c's layout, output channels zero-padded to F32_TILE."""
-    out_features, in_features = weight.shape
-    rows = -(-out_features // F32_TILE) * F32_TILE
-    padded = F.pad(weight, (0, 0, 0, rows - out_features))
-    return padded.view(rows // 16, 16, in_features).transpose(1, 2).contiguous()
+    padded = _tile_padded(weight)
+    return padded.view(-1, 16, weight.shape[1]).transpose(1, 2).contiguous()
 
 
 def f32_unpacked(packed: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -36,10 +34,14 @@ def f32_unpacked(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 def pair_panels(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] (in even) as bf16_pairs_gemm reads it: [padded out / 16][in / 2][16][2], output
     channels zero-padded to F32_TILE."""
-    out_features, in_features = weight.shape
-    rows = -(-out_features // F32_TILE) * F32_TILE
-    padded = F.pad(weight, (0, 0, 0, rows - out_features))
-    return padded.view(rows // 16, 16, in_features // 2, 2).transpose(1, 2).contiguous()
+    padded = _tile_padded(weight)
+    return padded.view(-1, 16, weight.shape[1] // 2, 2).transpose(1, 2).contiguous()
+
+
+def _tile_padded(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] with zero output channels up to a multiple of F32_TILE."""
+    out_features = weight.shape[0]
+    return F.pad(weight, (0, 0, 0, -(-out_features // F32_TILE) * F32_TILE - out_features))
 
 
 def int8w_panels(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
