@@ -27,8 +27,8 @@
 
 #define CHUNK_BLOCKS 16 /* blocks per task */
 /* Whether bf16 queries over a bf16 cache take BF16_DOT (else the lanes path, converting each block):
- * set_bf16_dot, from a measurement per CPU (kernels/calibration.py). On an AMD EPYC Zen 4 the lanes
- * path took 22 ms against 28 for SmolLM2's 30 layers of 8 sequences x 1,024 keys (2 threads). */
+ * set_bf16_dot, from a measurement per CPU (kernels/calibration.py; on an AMD EPYC Zen 4 it chose
+ * the lanes path, `spanserve bench step --dtype bfloat16` prints the choice). */
 static int bf16_dot_on = 1;
 #if defined(BF16_DOT)
 #define BF16_PATH(a) (bf16_dot_on && (a)->dtype == 1 && (a)->kv_dtype == 1 && (a)->dim % 32 == 0)
