@@ -17,6 +17,7 @@ from spanserve.errors import InvalidRequestError, SpanserveError
 from spanserve.pic.link import APE_SCALE, APE_TEMPERATURE, BLEND_LAYERS, POLICIES
 from spanserve.sampling import SamplingParams
 from spanserve.sessions import feed as session_feed
+from spanserve.sessions.disk import SAVE_POLICIES, SessionDisk
 from spanserve.tools import Tools
 from spanserve.tools.conversation import chat_request
 from spanserve.tools.stream import ToolStream
@@ -271,12 +272,26 @@ def cmd_demo(args) -> None:
     demo.main(engine_config(args))
 
 
+def session_disk(args, replicated: bool = False) -> SessionDisk | None:
+    """Where `spanserve serve` keeps sessions. A cluster's replicas save each session once its data
+    is computed, and restore one only when its replica has died (cluster/ingress.py)."""
+    if not args.session_dir:
+        if args.session_save:
+            raise InvalidRequestError("--session-save needs --session-dir")
+        return None
+    try:
+        return SessionDisk(Path(args.session_dir), args.session_save or ("ingest" if replicated else "stop"),
+                           args.session_save_interval, restore_at_start=not replicated)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from None
+
+
 def cmd_serve(args) -> None:
     if args.replicas is not None:  # Ray Serve (spanserve/cluster/): imported only here
         from spanserve.cluster.launch import serve_cluster
 
         config = dataclasses.replace(engine_config(args), admission_timeout_s=args.queue_timeout or None)
-        return serve_cluster(args, config)
+        return serve_cluster(args, config, session_disk(args, replicated=True))
     import uvicorn
 
     from spanserve.engine.async_engine import AsyncLLM
@@ -298,7 +313,7 @@ def cmd_serve(args) -> None:
     limits = QueryLimits(args.max_query_depth, args.max_query_fanout, args.max_query_calls)
     app = create_app(llm, name, max_queued=args.max_queued, retriever=retriever, tenants=tenants,
                      max_body_bytes=int(args.max_body_mb * (1 << 20)), query_limits=limits,
-                     metrics_public=args.metrics_public, session_dir=args.session_dir)
+                     metrics_public=args.metrics_public, session_dir=session_disk(args))
     # the grammar library's view of the vocabulary, built now rather than in the first structured request
     warm = threading.Thread(target=llm.engine.grammars.warm, name="grammar-warmup", daemon=True)
     warm.start()
@@ -448,7 +463,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keys by tenant, one `KEY TENANT` per line: tenants never share cached KV")
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
     p.add_argument("--session-dir", default=None,
-                   help="where sessions are saved (POST /v1/sessions/{id}/save) and kept across a restart")
+                   help="where sessions are saved (POST /v1/sessions/{id}/save) and kept across a restart; "
+                        "with --replicas, storage every replica reads: a dead replica's sessions are restored "
+                        "on another")
+    p.add_argument("--session-save", choices=list(SAVE_POLICIES), default=None,
+                   help="with --session-dir, what else saves a session: " + "; ".join(
+                       f"{k}: {v}" for k, v in SAVE_POLICIES.items()) + " (default: stop; with --replicas, ingest)")
+    p.add_argument("--session-save-interval", type=float, default=1.0, metavar="S",
+                   help="the save policy saves one session at most this often")
     p.add_argument("--served-model-name", default=None, help="the model name clients pass")
     p.add_argument("--max-queued", type=int, default=None,
                    help="answer 429 beyond this many waiting sequences (n of each prompt, each call of a span query)")

@@ -1,5 +1,6 @@
 """`spanserve serve --replicas`: two replicas of the tiny model on Ray Serve behind one address, the
-span-aware router, sessions pinned to their replica, and a replica killed mid-service."""
+span-aware router, sessions pinned to their replica, /metrics over both, and a replica killed
+mid-service: its requests fail fast, its sessions come back on the other from their last save."""
 
 import json
 import socket
@@ -21,6 +22,7 @@ from spanserve.cluster.keys import HashContext, RequestKeys  # noqa: E402
 from spanserve.cluster.launch import ClusterError  # noqa: E402
 from spanserve.cluster.replica import ServerOptions, routing_stats  # noqa: E402
 from spanserve.config import EngineConfig  # noqa: E402
+from spanserve.sessions.disk import SessionDisk  # noqa: E402
 
 MODEL = "tiny"
 TIMEOUT = 60  # no request may take longer: a failure is an answer, never a hang
@@ -38,12 +40,18 @@ def offline(tiny_llama_path):
 
 
 @pytest.fixture(scope="module")
-def url(tiny_llama_path):
+def session_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("sessions")
+
+
+@pytest.fixture(scope="module")
+def url(tiny_llama_path, session_dir):
     began = time.monotonic()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     ray_s = time.monotonic() - began
     config = EngineConfig(model=str(tiny_llama_path), dtype="float32", num_blocks=256)
-    address = launch.start(config, ServerOptions(MODEL), replicas=2, port=_free_port())
+    sessions = SessionDisk(session_dir, "ingest", interval_s=0.2, restore_at_start=False)  # what --replicas sets
+    address = launch.start(config, ServerOptions(MODEL, sessions=sessions), replicas=2, port=_free_port())
     print(f"\nray.init {ray_s:.1f} s; Serve, 2 replicas and the ingress running {time.monotonic() - began:.1f} s "
           "after start")
     yield address
@@ -140,6 +148,23 @@ def test_a_sessions_calls_all_reach_the_replica_that_holds_it(url):
         assert httpx.get(f"{url}/v1/sessions/{sid}", timeout=TIMEOUT).status_code == 404
 
 
+def test_metrics_gather_every_replica_under_its_label_and_count_routing(url):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert _post(url, "/v1/completions", {"model": MODEL, "prompt": "Count:", "max_tokens": 2}).status_code == 200
+    r = httpx.get(url + "/metrics", timeout=TIMEOUT)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    assert r.text.count("# TYPE spanserve_kv_blocks_free gauge") == 1  # one family, a series per replica
+    free = {s.labels["replica"]: s.value for s in families["spanserve_kv_blocks_free"].samples}
+    assert set(free) == _replica_actors() and all(v > 0 for v in free.values())
+    assert families["spanserve_replicas_reporting"].samples[0].value == 2
+    assert {s.labels["replica"] for s in families["spanserve_prefix_cache_hit_rate"].samples} == set(free)
+    routed = [s for s in families["spanserve_routed_requests"].samples if s.name.endswith("_total")]
+    assert routed and {s.labels["reason"] for s in routed} <= {"pinned", "cache", "load"}
+    assert {s.labels["replica"] for s in routed} <= set(free)
+
+
 def test_more_replicas_than_free_cpus_is_an_error_at_start(url, tiny_llama_path):
     config = EngineConfig(model=str(tiny_llama_path), dtype="float32", num_blocks=256)
     with pytest.raises(ClusterError, match="need 1 CPUs; Ray sees 0 free"):  # both CPUs hold a replica
@@ -196,3 +221,66 @@ def test_killing_a_replica_fails_at_most_its_requests_and_a_replacement_comes(ur
         served.append(r.headers[REPLICA_HEADER])
     print(f"\nreplacement serving {time.monotonic() - killed:.1f} s after the kill; statuses after it {statuses}; "
           f"the stream in flight ended with {tail[-80:]!r}")
+
+
+def _saved_state(path) -> dict | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return json.loads(f.metadata()["session"])["state"]
+    except Exception:  # noqa: BLE001 - not there yet, or being replaced
+        return None
+
+
+def _until(check, what: str):
+    deadline = time.monotonic() + TIMEOUT
+    while not (result := check()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+    return result
+
+
+def test_a_dead_replicas_sessions_come_back_from_their_last_save(url, session_dir):
+    question = {"question": "Which pump reads highest?", "max_tokens": 6, "temperature": 0}
+    opened = []  # (id, replica): sessions until both replicas hold one
+    while len({home for _, home in opened}) < 2:
+        assert len(opened) < 12, opened
+        r = _post(url, "/v1/sessions", {"model": MODEL, "system": "You watch pumps."})
+        opened.append((r.json()["id"], r.headers[REPLICA_HEADER]))
+    sid, home = opened[0]
+    unsaved = next(s for s, h in opened[1:] if h == home)  # its file goes: as if it died before its first save
+    survivor = next(s for s, h in opened if h != home)
+    for row in ("pump 1 pressure 4.2 bar\n", "pump 2 pressure 5.1 bar\n"):
+        assert _post(url, f"/v1/sessions/{sid}/data", {"text": row}).json()["version"] in (1, 2)
+    _until(lambda: httpx.get(f"{url}/v1/sessions/{sid}").json()["visible_version"] == 2, "data not computed")
+    before = _post(url, f"/v1/sessions/{sid}/query", question).json()["text"]
+    other_before = _post(url, f"/v1/sessions/{survivor}/query", question).json()
+    path = session_dir / f"{sid}.safetensors"
+    _until(lambda: (_saved_state(path) or {}).get("visible_version") == 2, "version 2 not saved")
+    kept = path.read_bytes()
+    assert _post(url, f"/v1/sessions/{sid}/data", {"text": "pump 3 pressure 9.9 bar\n"}).json()["version"] == 3
+    _until(lambda: (_saved_state(path) or {}).get("visible_version") == 3, "version 3 not saved")
+
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{launch.APP}#{launch.REPLICA_DEPLOYMENT}#{home}", namespace="serve"),
+             no_restart=True)
+    _until(lambda: home not in _replica_actors(), "the replica did not die")
+    path.write_bytes(kept)  # the save of version 3 had not happened when it died
+    (session_dir / f"{unsaved}.safetensors").unlink()
+
+    lost = _post(url, f"/v1/sessions/{sid}/query", question)
+    assert lost.status_code == 409 and lost.json()["error"]["code"] == "session_data_lost", lost.text
+    assert lost.json()["error"]["version"] == 2 and "versions 3 to 3 were lost" in lost.json()["error"]["message"]
+    again = _post(url, f"/v1/sessions/{sid}/query", question)
+    assert again.status_code == 200 and again.headers[REPLICA_HEADER] != home, again.text
+    assert again.json()["text"] == before and again.json()["version"] == 2  # greedily the same as before the kill
+    info = httpx.get(f"{url}/v1/sessions/{sid}", timeout=TIMEOUT)
+    assert info.status_code == 200 and info.headers[REPLICA_HEADER] == again.headers[REPLICA_HEADER]
+    appended = _post(url, f"/v1/sessions/{sid}/data", {"text": "pump 3 pressure 9.9 bar\n"})
+    assert appended.status_code == 200 and appended.json()["version"] == 3  # the client sends what was lost
+
+    gone = httpx.get(f"{url}/v1/sessions/{unsaved}", timeout=TIMEOUT)
+    assert gone.status_code == 410 and gone.json()["error"]["code"] == "session_gone", gone.text
+    other = _post(url, f"/v1/sessions/{survivor}/query", question)  # the other replica's session: untouched
+    assert other.status_code == 200 and other.json() | {"id": None} == other_before | {"id": None}
+    assert httpx.get(f"{url}/v1/sessions/not-a-session", timeout=TIMEOUT).status_code == 404

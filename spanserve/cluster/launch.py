@@ -13,6 +13,7 @@ from spanserve.cluster.replica import EngineReplica, ServerOptions
 from spanserve.cluster.router import SpanAwareRouter
 from spanserve.config import EngineConfig
 from spanserve.errors import SpanserveError
+from spanserve.sessions.disk import SessionDisk
 
 log = logging.getLogger("spanserve.cluster")
 APP = "spanserve"
@@ -70,12 +71,9 @@ def stop() -> None:
         ray.shutdown()
 
 
-def serve_cluster(args, config: EngineConfig) -> None:
+def serve_cluster(args, config: EngineConfig, sessions: SessionDisk | None) -> None:
     """`spanserve serve --replicas N`: start, print the URL, serve until Ctrl-C, stop."""
-    if args.session_dir:
-        raise ClusterError("--session-dir is not supported with --replicas yet: each replica would restore "
-                           "every saved session")
-    options = ServerOptions.from_args(args)
+    options = ServerOptions.from_args(args, sessions)
     url = start(config, options, args.replicas, args.host, args.port, args.ray_address, args.replica_cpus)
     print(f"spanserve serving {options.model_name} on {url}/v1 ({args.replicas} replicas)", flush=True)
     try:

@@ -23,6 +23,7 @@ from spanserve.engine.llm_engine import LLMEngine
 from spanserve.models.loader import DEFAULT_MODEL
 from spanserve.server.app import create_app
 from spanserve.server.tenants import Tenants
+from spanserve.sessions.disk import SessionDisk
 from spanserve.spans.limits import QueryLimits
 
 MAX_KEYS = 4096  # keys a replica publishes: ~70 kB of routing stats at most, every period
@@ -40,13 +41,14 @@ class ServerOptions:
     max_body_bytes: int = 32 << 20
     query_limits: QueryLimits = QueryLimits()
     metrics_public: bool = False
+    sessions: SessionDisk | None = None  # storage every replica reads; restore_at_start False
 
     @classmethod
-    def from_args(cls, args) -> "ServerOptions":
+    def from_args(cls, args, sessions: SessionDisk | None = None) -> "ServerOptions":
         return cls(args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL),
                    args.api_key, args.api_keys, args.max_queued, args.corpus, int(args.max_body_mb * (1 << 20)),
                    QueryLimits(args.max_query_depth, args.max_query_fanout, args.max_query_calls),
-                   args.metrics_public)
+                   args.metrics_public, sessions)
 
     def tenants(self) -> Tenants | None:
         return Tenants.load(self.api_key, self.api_keys)
@@ -73,16 +75,22 @@ class EngineReplica:
             retriever = Retriever(options.corpus, confine=True)
         self.app = create_app(self.llm, options.model_name, max_queued=options.max_queued, retriever=retriever,
                               tenants=options.tenants(), max_body_bytes=options.max_body_bytes,
-                              query_limits=options.query_limits, metrics_public=options.metrics_public)
+                              query_limits=options.query_limits, metrics_public=options.metrics_public,
+                              session_dir=options.sessions)
         self._lifespan = AsyncExitStack()
         await self._lifespan.enter_async_context(self.app.router.lifespan_context(self.app))
         threading.Thread(target=self.llm.engine.grammars.warm, name="grammar-warmup", daemon=True).start()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     async def forward(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
-                      keys: list[str] | None = None, pin: str | None = None):
-        """The app's response: its head (with this replica's id), then its body in chunks. `keys`
-        and `pin` are for the router (it reads them from the call's arguments)."""
+                      keys: list[str] | None = None, pin: str | None = None, avoid: list[str] | None = None):
+        """The app's response: its head (with this replica's id), then its body in chunks. `keys`,
+        `pin` and `avoid` are for the router (it reads them from the call's arguments). A call
+        pinned to another replica reached this one because that one is gone: the head says so, and
+        the ingress restores the session here first (ingress.py)."""
+        if pin is not None and pin != self.replica_id:
+            yield {"status": 0, "headers": [], "replica": self.replica_id, "not_owner": True}
+            return
         first = True
         async for item in run_asgi(self.app, method, path, query, headers, body):
             yield {**item, "replica": self.replica_id} if first else item
@@ -95,5 +103,9 @@ class EngineReplica:
         return await self.llm.call(lambda: routing_stats(self.llm.engine))
 
     async def __del__(self):
-        await self._lifespan.aclose()
-        self.llm.shutdown()
+        """Serve's stop: saves the open sessions (the app's lifespan), then stops the engine. A
+        replica stopped while it was still starting has neither yet."""
+        if hasattr(self, "_lifespan"):
+            await self._lifespan.aclose()
+        if hasattr(self, "llm"):
+            self.llm.shutdown()

@@ -5,11 +5,14 @@ carries its own keys (keys.py, the `keys` argument of the replica call). A repli
 number of the request's keys it holds, less `load_weight` per request it is running or queueing;
 the best comes first, alone, then the others by score (Serve takes the first group with room).
 A request no replica holds anything of goes by power of two choices, as Serve's default router.
-A session's calls name their replica (`pin`) and go nowhere else while it lives.
+A session's calls name their replica (`pin`) and go nowhere else while it lives. Replicas the
+ingress saw die (`avoid`) get nothing until Serve drops them.
 
 Published keys lag by up to a stats period, so the router also remembers, for `memory_s`, the
 keys of the requests it sent each replica: the second of two requests sharing documents sent
 back to back follows the first. Nothing here waits on Ray: the scores read what is at hand.
+
+Each routed request is counted by replica and reason (routing_state.py, in the ingress's /metrics).
 """
 
 import random
@@ -17,6 +20,10 @@ import time
 from collections import deque
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from spanserve.cluster import routing_state
+
+MAX_PENDING_REASONS = 10_000
 
 
 def score(hits: int, load: int, load_weight: float) -> float:
@@ -33,26 +40,38 @@ class SpanAwareRouter(RequestRouter):
         self.load_weight, self.memory_s = load_weight, memory_s
         self._sent: dict[str, deque[tuple[float, list[str]]]] = {}  # replica -> (when, keys) routed to it
         self._published: dict[str, tuple[list[str], frozenset[str]]] = {}  # replica -> its keys, as a set
+        self._reasons: dict[str, str] = {}  # request id -> why it goes where choose_replicas said
+        routing_state.ROUTERS.add(self)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if pending_request is None:
             return [candidate_replicas]
         pending_request.routing_context.should_backoff = True  # the groups below are all there is
-        pin = pending_request.kwargs.get("pin")
+        kwargs, request_id = pending_request.kwargs, pending_request.metadata.request_id
+        if len(self._reasons) > MAX_PENDING_REASONS:  # requests cancelled before routing leave theirs
+            self._reasons.clear()
+        avoid = kwargs.get("avoid") or ()
+        candidates = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid] or candidate_replicas
+        pin = kwargs.get("pin")
         if pin is not None:
-            pinned = [r for r in candidate_replicas if r.replica_id.unique_id == pin]
+            pinned = [r for r in candidates if r.replica_id.unique_id == pin]
+            self._reasons[request_id] = "pinned"
             if pinned:
                 return [pinned]  # waits for room there rather than going elsewhere
-            # its replica is gone: any other answers (a session it does not know is a 404)
-        keys = pending_request.kwargs.get("keys") or []
-        hits = {r.replica_id: len(self._held(r).intersection(keys)) for r in candidate_replicas} if keys else {}
+            # its replica is gone: another tells the ingress so, which restores the session there
+        keys = kwargs.get("keys") or []
+        hits = {r.replica_id: len(self._held(r).intersection(keys)) for r in candidates} if keys else {}
         if any(hits.values()):
-            ranked = sorted(candidate_replicas, key=lambda r: -score(hits[r.replica_id], _load(r), self.load_weight))
+            self._reasons.setdefault(request_id, "cache")
+            ranked = sorted(candidates, key=lambda r: -score(hits[r.replica_id], _load(r), self.load_weight))
             return [ranked[:1], ranked[1:]] if len(ranked) > 1 else [ranked]
-        return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        self._reasons.setdefault(request_id, "load")
+        return [random.sample(candidates, min(2, len(candidates)))]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        reason = self._reasons.pop(pending_request.metadata.request_id, "load")
+        routing_state.ROUTED.labels(replica_id.unique_id, reason).inc()
         keys = pending_request.kwargs.get("keys")
         if keys:
             self._sent.setdefault(replica_id.unique_id, deque()).append((time.monotonic(), keys))

@@ -45,6 +45,7 @@ from spanserve.server.protocol import (
 )
 from spanserve.server.sessions import add_session_routes, session_lifespan
 from spanserve.server.tenants import Tenants, cache_salt, tenant_of
+from spanserve.sessions.disk import SessionDisk
 from spanserve.spans.api import prepare, run_async
 from spanserve.spans.ir import Generate, QueryError, generate_nodes
 from spanserve.spans.limits import QueryLimits
@@ -366,12 +367,12 @@ _SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
 def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
                max_queued: int | None = None, retriever=None, max_body_bytes: int = 32 << 20,
                query_limits: QueryLimits | None = None, tenants: Tenants | None = None,
-               metrics_public: bool = False, session_dir: str | Path | None = None) -> FastAPI:
+               metrics_public: bool = False, session_dir: str | Path | SessionDisk | None = None) -> FastAPI:
     """api_key: one key (tenant "default"); tenants: keys by tenant (server/tenants.py), whose caches
     never mix. With neither, the server is open and /metrics too. session_dir: where sessions are
-    saved, and kept across a restart."""
-    session_dir = Path(session_dir) if session_dir is not None else None
-    app = FastAPI(title="spanserve", version=__version__, lifespan=session_lifespan(llm, session_dir),
+    saved, and kept across a restart (a directory, or a SessionDisk with a save policy)."""
+    disk = session_dir if isinstance(session_dir, SessionDisk | None) else SessionDisk(Path(session_dir))
+    app = FastAPI(title="spanserve", version=__version__, lifespan=session_lifespan(llm, disk),
                   description="OpenAI-compatible LLM server with span-aware KV caching")
     server = Server(llm, model_name, max_queued, query_limits or QueryLimits())
     app.state.server = server
@@ -418,7 +419,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         app.add_middleware(AuthMiddleware, tenants=tenants, metrics_public=metrics_public)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # outermost: before the key is read
 
-    add_session_routes(app, server, llm, session_dir, errors=_ERRORS, sse=sse, final_output=final_output)
+    add_session_routes(app, server, llm, disk, errors=_ERRORS, sse=sse, final_output=final_output)
     add_embedding_routes(app, errors=_ERRORS)
 
     @app.get("/health")

@@ -31,26 +31,24 @@ from spanserve.server.protocol import (
 )
 from spanserve.server.tenants import tenant_of
 from spanserve.sessions import persist
+from spanserve.sessions.disk import SessionDisk
 from spanserve.sessions.session import SESSION_ID, Answer
 
 log = logging.getLogger("spanserve.server")
-SAVE_INTERVAL_S = 5.0  # a session is saved at most this often: a save copies all of its KV
-
-
-def _file(session_dir: Path | None, session_id: str) -> Path:
-    if session_dir is None:
+SAVE_INTERVAL_S = 5.0  # POST .../save at most this often per session: a save copies all of its KV
+def _file(disk: SessionDisk | None, session_id: str) -> Path:
+    if disk is None:
         raise InvalidRequestError("this server keeps no sessions on disk (start it with --session-dir)")
-    if not SESSION_ID.fullmatch(session_id):
-        raise SessionNotFoundError(f"no session {session_id!r}")
-    return session_dir / f"{session_id}.safetensors"
+    return disk.file(session_id)
 
 
-def session_lifespan(llm: AsyncLLM, session_dir: Path | None):
-    """Open the sessions saved in `session_dir` at start; save every open one at stop."""
+def session_lifespan(llm: AsyncLLM, disk: SessionDisk | None):
+    """Open the sessions saved on `disk` at start (unless it says not to), save them by its policy
+    while serving, and save every open one at stop."""
     store = llm.engine.sessions
 
     def restore_all() -> None:
-        for path in sorted(session_dir.glob("sess-*.safetensors")):
+        for path in sorted(disk.directory.glob("sess-*.safetensors")):
             try:
                 session = store.restore(path, tenant=persist.tenant_of(path))
                 log.info("restored session %s (%d tokens)", session.id, len(session.state.tokens))
@@ -59,21 +57,60 @@ def session_lifespan(llm: AsyncLLM, session_dir: Path | None):
 
     def save_all() -> None:
         for session in list(store.sessions.values()):
-            persist.save(session, session_dir / f"{session.id}.safetensors")
+            persist.save(session, disk.file(session.id))
 
     @asynccontextmanager
     async def lifespan(_app):
-        if session_dir is not None:
-            session_dir.mkdir(parents=True, exist_ok=True)
-            await llm.call(restore_all)
+        saver = None
+        if disk is not None:
+            disk.directory.mkdir(parents=True, exist_ok=True)
+            if disk.restore_at_start:
+                await llm.call(restore_all)
+            if disk.save != "stop":
+                saver = asyncio.create_task(_save_by_policy(llm, disk))
         yield
-        if session_dir is not None:
+        if saver is not None:
+            saver.cancel()
+        if disk is not None:
             await llm.call(save_all)
 
     return lifespan
 
 
-def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | None, *, errors: dict, sse,
+async def _save_by_policy(llm: AsyncLLM, disk: SessionDisk) -> None:
+    """Every `interval_s`: snapshot, on the engine's thread, each session whose data moved since its
+    last save (SAVE_POLICIES), then write the files off it."""
+    store, saved = llm.engine.sessions, {}  # session id -> the version its file holds
+
+    def due() -> list[tuple[str, persist.Snapshot]]:
+        for gone in saved.keys() - store.sessions.keys():
+            del saved[gone]
+        snaps = []
+        for session in store.sessions.values():
+            st = session.state
+            version = st.version if disk.save == "append" else st.visible_version
+            if saved.get(session.id) != version and session.failure is None:
+                saved[session.id] = version
+                snaps.append((session.id, persist.snapshot(session)))
+        return snaps
+
+    while True:
+        await asyncio.sleep(disk.interval_s)
+        try:
+            snaps = await llm.call(due)
+            for session_id, snap in snaps:
+                await asyncio.to_thread(persist.write, snap, disk.file(session_id))
+            closed = await llm.call(lambda written=snaps: [sid for sid, _ in written if sid not in store.sessions])
+            for session_id in closed:  # closed while its file was written: it must not come back
+                disk.file(session_id).unlink(missing_ok=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a failed save (a full disk) is logged and tried again
+            log.exception("saving sessions failed")
+            saved.clear()
+
+
+def add_session_routes(app: FastAPI, server, llm: AsyncLLM, disk: SessionDisk | None, *, errors: dict, sse,
                        final_output) -> None:
     """The routes, on `app`; `sse` and `final_output` are the server's (app.py)."""
     store = llm.engine.sessions
@@ -95,8 +132,8 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
         if http.method == "GET":
             return await llm.call(lambda: store.get(session_id, tenant).info())
         await llm.call(lambda: store.close(session_id, tenant))
-        if session_dir is not None and SESSION_ID.fullmatch(session_id):
-            _file(session_dir, session_id).unlink(missing_ok=True)  # it must not come back at restart
+        if disk is not None and SESSION_ID.fullmatch(session_id):
+            disk.file(session_id).unlink(missing_ok=True)  # it must not come back at restart
         return {"id": session_id, "object": "session", "deleted": True}
 
     @app.post("/v1/sessions/{session_id}/data", responses=errors)
@@ -187,7 +224,7 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
     @app.post("/v1/sessions/{session_id}/save", responses=errors)
     async def save_session(session_id: str, http: Request) -> dict:
         """The session copied on the engine's thread between two steps, its file written off it."""
-        tenant, path = tenant_of(http), _file(session_dir, session_id)
+        tenant, path = tenant_of(http), _file(disk, session_id)
 
         def take():
             session = store.get(session_id, tenant)  # another tenant's id: the 404 of none
@@ -208,7 +245,7 @@ def add_session_routes(app: FastAPI, server, llm: AsyncLLM, session_dir: Path | 
     @app.post("/v1/sessions/{session_id}/restore", responses=errors)
     async def restore_session(session_id: str, http: Request) -> SessionInfo:
         """Open a session saved with .../save (by the same API key)."""
-        tenant, path = tenant_of(http), _file(session_dir, session_id)
+        tenant, path = tenant_of(http), _file(disk, session_id)
         if not path.exists():
             raise SessionNotFoundError(f"no saved session {session_id!r}")
         return await llm.call(lambda: store.restore(path, tenant).info())
