@@ -220,3 +220,48 @@ def test_one_tenants_session_at_its_limits_never_fails_another_tenant(tiny_llama
         bob_is_served(srv)
     finally:
         srv.stop()
+
+
+def _saved_visible_version(path) -> int | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return json.loads(f.metadata()["session"])["state"]["visible_version"]
+    except Exception:  # noqa: BLE001 - not written yet
+        return None
+
+
+def test_the_ingest_save_policy_keeps_a_session_through_a_crash(tiny_llama_path, tmp_path):
+    """--session-save ingest: each session is saved once its data is computed, so a server killed
+    without its stop (no save at stop) comes back with every version it had computed."""
+    sessions = tmp_path / "sessions"
+    args = ["--model", str(tiny_llama_path), "--dtype", "float32", "--num-blocks", "256",
+            "--session-dir", str(sessions), "--session-save", "ingest", "--session-save-interval", "0.2"]
+    srv = ServerProcess(args, tmp_path / "server.log")
+    try:
+        sid = httpx.post(f"{srv.url}/v1/sessions", json={"system": "Kept."}, timeout=60).json()["id"]
+        assert httpx.post(f"{srv.url}/v1/sessions/{sid}/data", json={"text": ROWS}, timeout=60).json()["version"] == 1
+        for _ in range(600):  # computed, then saved within the interval
+            if _saved_visible_version(sessions / f"{sid}.safetensors") == 1:
+                break
+            time.sleep(0.05)
+        before = httpx.post(f"{srv.url}/v1/sessions/{sid}/query", json=QUESTION, timeout=60).json()
+    finally:
+        srv.proc.kill()  # no stop: only what the policy saved survives
+        srv.proc.wait(timeout=15)
+    again = ServerProcess(args, tmp_path / "again.log")
+    try:
+        after = httpx.post(f"{again.url}/v1/sessions/{sid}/query", json=QUESTION, timeout=60).json()
+        assert after["text"] == before["text"] and after["version"] == before["version"] == 1, (before, after)
+    finally:
+        again.stop()
+
+
+def test_a_save_policy_without_a_session_dir_is_refused(tiny_llama_path, tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "spanserve.cli", "serve", "--model", str(tiny_llama_path),
+                           "--session-save", "ingest"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--session-save needs --session-dir" in done.stderr + done.stdout
