@@ -325,7 +325,7 @@ def cmd_serve(args) -> None:
 
 BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu", "soak", "span_decode", "quant",
            "session", "session_server", "sparse", "sparse_pick", "prefill_attention", "linear_layout", "projections",
-           "step", "structured", "speculative", "cpu_paths"]
+           "step", "structured", "speculative", "cpu_paths", "cluster"]
 
 
 def cmd_query(args) -> None:
@@ -488,6 +488,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-address", default=None, help="with --replicas: join this Ray cluster (default: start "
                    "Ray in this process)")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="with --replicas: CPUs Ray reserves for each")
+    p.add_argument("--replica-gpus", type=float, default=0.0, help="with --replicas: GPUs Ray reserves for each "
+                   "(its engine then runs on the GPU Ray gives it)")
+    p.add_argument("--router", default="span", choices=["span", "round-robin", "pow2", "prefix"],
+                   help="with --replicas: how a request's replica is chosen: span (where most of its KV blocks "
+                        "are, in any order), or to compare: round-robin, pow2 (Ray Serve's default), prefix "
+                        "(Ray's PrefixCacheAffinityRouter, by text prefix); sessions stay with their replica "
+                        "under each")
     add_engine_args(p)
 
     p = sub.add_parser("session", help="stream a CSV file into a session and answer questions as rows arrive")

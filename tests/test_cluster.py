@@ -169,6 +169,10 @@ def test_more_replicas_than_free_cpus_is_an_error_at_start(url, tiny_llama_path)
     config = EngineConfig(model=str(tiny_llama_path), dtype="float32", num_blocks=256)
     with pytest.raises(ClusterError, match="need 1 CPUs; Ray sees 0 free"):  # both CPUs hold a replica
         launch.start(config, ServerOptions(MODEL), replicas=1, port=_free_port())
+    with pytest.raises(ClusterError, match="need 2 GPUs; Ray sees 0 free"):
+        launch.start(config, ServerOptions(MODEL), replicas=2, port=_free_port(), replica_cpus=0.01, replica_gpus=1)
+    with pytest.raises(ClusterError, match="--router must be span or one of round-robin, pow2, prefix"):
+        launch.start(config, ServerOptions(MODEL, router="nearest"), replicas=1, port=_free_port())
 
 
 def test_serve_without_replicas_never_imports_ray(tiny_llama_path):

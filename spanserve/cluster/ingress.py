@@ -96,6 +96,25 @@ def _streamed(status: int, headers: list, chunks, sse: bool) -> _Relay:
     return response
 
 
+@dataclass(frozen=True)
+class RequestText:
+    """What Ray's prefix router (--router prefix, baselines.py) matches: it reads a call argument
+    with a `prompt` attribute. A completions `prompt` (a string, or parts whose `text` it joins) or
+    a chat's `messages`, as the body holds them; other routes: their path."""
+
+    prompt: object
+
+
+def _text_of(call: tuple):
+    """The prompt (or messages) of a call's JSON body, for Ray's prefix router; else its path."""
+    try:
+        body = json.loads(call[4]) if call[4] else {}
+    except ValueError:
+        body = {}
+    text = body.get("prompt", body.get("messages")) if isinstance(body, dict) else None
+    return text if text else call[1]
+
+
 async def _once(body: bytes):
     yield body
 
@@ -164,7 +183,8 @@ class Ingress:
         """(head, stream) of a replica's answer; a 503 or 500 response; or OWNER_GONE when `pin`'s
         replica is dead or gone. A call whose replica dies before answering goes once more elsewhere."""
         for attempt in (1, 2):
-            stream = self.replicas.remote(*call, keys=keys, pin=pin, avoid=sorted(self.dead))
+            for_router = (RequestText(_text_of(call)),) if self.options.router == "prefix" else ()
+            stream = self.replicas.remote(*call, *for_router, keys=keys, pin=pin, avoid=sorted(self.dead))
             try:
                 head = await anext(stream)
             except asyncio.CancelledError:  # the client left before the answer began (Serve cancels us)
@@ -246,13 +266,16 @@ class Ingress:
         return self.tenants.tenant_of(auth) if self.tenants else None
 
     async def _request_keys(self, path: str, body: bytes, tenant: str | None) -> list[str]:
-        if path not in ("/v1/completions", "/v1/chat/completions") or len(body) > self.options.max_body_bytes:
+        if self.options.router != "span" or len(body) > self.options.max_body_bytes:
+            return []  # (only ours reads them)
+        if path not in ("/v1/completions", "/v1/chat/completions"):
             return []
         keys = await self._keys_of_engine()
         if keys is None:
             return []
         # tokenizing a long prompt takes a while: off the event loop
-        return await asyncio.to_thread(keys, path, body, lambda client_salt: cache_salt(tenant, client_salt))
+        with routing_state.KEYS_SECONDS.time():
+            return await asyncio.to_thread(keys, path, body, lambda client_salt: cache_salt(tenant, client_salt))
 
     async def _keys_of_engine(self) -> RequestKeys | None:
         """The hasher, made at the first request that needs it: the tokenizer, and the hash context

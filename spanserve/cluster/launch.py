@@ -23,40 +23,54 @@ MAX_ONGOING = 256  # HTTP requests one replica takes at once (its engine batches
 
 
 class ClusterError(SpanserveError):
-    """The cluster cannot start as asked (too few CPUs, an unsupported flag)."""
+    """The cluster cannot start as asked (too few CPUs or GPUs, an unknown router)."""
 
 
 def start(config: EngineConfig, options: ServerOptions, replicas: int, host: str = "127.0.0.1", port: int = 8000,
-          ray_address: str | None = None, replica_cpus: float = 1.0) -> str:
+          ray_address: str | None = None, replica_cpus: float = 1.0, replica_gpus: float = 0.0) -> str:
     """Start Ray (in this process, unless `ray_address` names a cluster), Serve's HTTP proxy on
     host:port, `replicas` engine replicas and the ingress; return the URL once all are running."""
-    if replicas < 1 or replica_cpus <= 0:
-        raise ClusterError("--replicas must be at least 1 and --replica-cpus above 0")
+    if replicas < 1 or replica_cpus <= 0 or replica_gpus < 0:
+        raise ClusterError("--replicas must be at least 1, --replica-cpus above 0 and --replica-gpus at least 0")
+    router_class = _router_class(options.router)
     options.tenants()  # a bad keys file fails now, not in every replica
     began, started = time.monotonic(), not ray.is_initialized()
     if started and ray_address:
         ray.init(address=ray_address, logging_level=logging.WARNING)
     elif started:
         ray.init(num_cpus=_cpus(), include_dashboard=False, logging_level=logging.WARNING)
-    free = ray.available_resources().get("CPU", 0)
-    if replicas * replica_cpus > free:
-        if started:
-            ray.shutdown()
-        raise ClusterError(f"{replicas} replicas of {replica_cpus:g} CPUs need {replicas * replica_cpus:g} CPUs; "
-                           f"Ray sees {free:g} free: ask for fewer --replicas, or a smaller --replica-cpus to "
-                           "let them share cores")
+    free = ray.available_resources()
+    for name, each in (("GPU", replica_gpus), ("CPU", replica_cpus)):
+        if replicas * each > free.get(name, 0):
+            if started:
+                ray.shutdown()
+            flag = f"--replica-{name.lower()}s"
+            raise ClusterError(f"{replicas} replicas of {each:g} {name}s need {replicas * each:g} {name}s; Ray sees "
+                               f"{free.get(name, 0):g} free: ask for fewer --replicas, or a smaller {flag} to let "
+                               "them share")
     log.info("Ray started in %.1f s", time.monotonic() - began)
     serve.start(http_options={"host": host, "port": port})
-    router = RequestRouterConfig(request_router_class=SpanAwareRouter, request_routing_stats_period_s=STATS_PERIOD_S,
-                                 request_routing_stats_timeout_s=2)
+    router = RequestRouterConfig(request_router_class=router_class,
+                                 request_routing_stats_period_s=STATS_PERIOD_S, request_routing_stats_timeout_s=2)
     replica = serve.deployment(EngineReplica, name=REPLICA_DEPLOYMENT).options(
-        num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus}, max_ongoing_requests=MAX_ONGOING,
+        num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
+        max_ongoing_requests=MAX_ONGOING,
         request_router_config=router, health_check_period_s=1, health_check_timeout_s=10)
     ingress = serve.deployment(Ingress, name="Ingress").options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING * replicas)
     serve.run(ingress.bind(replica.bind(config, options), options, config.model), name=APP, route_prefix="/")
     log.info("cluster of %d replicas running %.1f s after start", replicas, time.monotonic() - began)
     return f"http://{host}:{port}"
+
+
+def _router_class(name: str):
+    if name == "span":
+        return SpanAwareRouter
+    from spanserve.cluster.baselines import ROUTERS  # Ray's prefix router takes a while to import
+
+    if name not in ROUTERS:
+        raise ClusterError(f"--router must be span or one of {', '.join(ROUTERS)}, not {name!r}")
+    return ROUTERS[name]
 
 
 def _cpus() -> int:
@@ -74,7 +88,8 @@ def stop() -> None:
 def serve_cluster(args, config: EngineConfig, sessions: SessionDisk | None) -> None:
     """`spanserve serve --replicas N`: start, print the URL, serve until Ctrl-C, stop."""
     options = ServerOptions.from_args(args, sessions)
-    url = start(config, options, args.replicas, args.host, args.port, args.ray_address, args.replica_cpus)
+    url = start(config, options, args.replicas, args.host, args.port, args.ray_address, args.replica_cpus,
+                args.replica_gpus)
     print(f"spanserve serving {options.model_name} on {url}/v1 ({args.replicas} replicas)", flush=True)
     try:
         while True:

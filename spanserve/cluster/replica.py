@@ -42,13 +42,14 @@ class ServerOptions:
     query_limits: QueryLimits = QueryLimits()
     metrics_public: bool = False
     sessions: SessionDisk | None = None  # storage every replica reads; restore_at_start False
+    router: str = "span"  # or a key of baselines.ROUTERS
 
     @classmethod
     def from_args(cls, args, sessions: SessionDisk | None = None) -> "ServerOptions":
         return cls(args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL),
                    args.api_key, args.api_keys, args.max_queued, args.corpus, int(args.max_body_mb * (1 << 20)),
                    QueryLimits(args.max_query_depth, args.max_query_fanout, args.max_query_calls),
-                   args.metrics_public, sessions)
+                   args.metrics_public, sessions, args.router)
 
     def tenants(self) -> Tenants | None:
         return Tenants.load(self.api_key, self.api_keys)
@@ -83,9 +84,11 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     async def forward(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
-                      keys: list[str] | None = None, pin: str | None = None, avoid: list[str] | None = None):
+                      *for_router, keys: list[str] | None = None, pin: str | None = None,
+                      avoid: list[str] | None = None):
         """The app's response: its head (with this replica's id), then its body in chunks. `keys`,
-        `pin` and `avoid` are for the router (it reads them from the call's arguments). A call
+        `pin`, `avoid` and `for_router` (the prompt's text, for Ray's prefix router) are for the
+        router (it reads them from the call's arguments). A call
         pinned to another replica reached this one because that one is gone: the head says so, and
         the ingress restores the session here first (ingress.py)."""
         if pin is not None and pin != self.replica_id:
