@@ -23,10 +23,13 @@ would do with each request:
   `capacity` <= 4,096 blocks is then published whole).
 
 Load skew is the busiest replica's time-averaged queue over the mean one's. Prefill tokens
-computed and the cache-hit rate do not depend on the machine; times are the model's.
+computed and the cache-hit rate do not depend on the machine; times are the model's, except
+`choice_p99_ms`: the span router's own time per request here (counting the keys each replica
+holds and ranking them), on this machine.
 """
 
 import random
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -76,6 +79,7 @@ class Cluster:
         self.replicas = [_Replica(config.capacity) for _ in range(config.replicas)]
         self.holders: dict[str, set[int]] = {}  # key -> replicas whose cache holds it
         self.turn = 0
+        self.choice_s: list[float] = []  # the span router's time per request (this machine's)
         if router == "prefix":
             from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
@@ -96,6 +100,7 @@ class Cluster:
             chosen = self._shorter([int(t) for t in owners], queues)
             self.tree.insert(req.text, str(chosen), now)
             return chosen
+        began = time.perf_counter()
         hits: dict[int, int] = {}
         for key in req.all_keys:
             for i in self.holders.get(key, ()):
@@ -110,6 +115,7 @@ class Cluster:
         held = [hits.get(i, 0) for i in range(len(self.replicas))]
         chosen = ranked(held, queues, recent, self.config.load_weight, self.config.load_bound, self.rng)[0]
         self.replicas[chosen].routed.append(now)
+        self.choice_s.append(time.perf_counter() - began)
         return chosen
 
     def _shorter(self, group: list[int], queues: list[int]) -> int:
@@ -175,4 +181,6 @@ def simulate(trace: list[SimRequest], config: SimConfig, router: str) -> dict:
     return {"router": router, "replicas": config.replicas, "requests": len(trace), "prompt_tokens": prompt,
             "prefill_tokens": computed, "hit_rate": round(1 - computed / prompt, 4),
             "ttft_p50_s": round(ttfts[len(ttfts) // 2], 4), "ttft_p99_s": round(ttfts[int(len(ttfts) * 0.99)], 4),
-            "load_skew": round(max(areas) / mean_area, 3) if mean_area else 1.0}
+            "load_skew": round(max(areas) / mean_area, 3) if mean_area else 1.0,
+            "choice_p99_ms": round(sorted(cluster.choice_s)[int(len(cluster.choice_s) * 0.99)] * 1000, 3)
+            if cluster.choice_s else None}

@@ -98,6 +98,21 @@ def test_routing_keys_are_the_engines_own_block_hashes(offline):
     assert not set(other) & set(keys)
 
 
+def test_a_span_querys_keys_are_its_documents_blocks_wherever_its_calls_put_them(offline):
+    docs = _docs("meadow")
+    query = {"g": {"input": {"cross": [{"system": "Answer from the documents."},
+                                       {"plus": [{"fragment": d} for d in docs]}, {"user": "Which?"}]},
+                   "max_tokens": 1}}
+    offline.run_query(query)
+    engine = offline.engine
+    hasher = RequestKeys(engine.tokenizer, HashContext.of(engine))
+    keys = hasher("/v1/spans", json.dumps({"query": query}).encode(), lambda salt: salt)
+    assert len(keys) >= 3 and set(keys) <= set(routing_stats(engine)["keys"])
+    plus = {"plus": [{"fragment": d} for d in docs[::-1]]}
+    reordered = {"g": {"input": {"cross": [{"user": "Which comes last?"}, plus]}, "max_tokens": 1}}
+    assert set(hasher("/v1/spans", json.dumps({"query": reordered}).encode(), lambda salt: salt)) == set(keys)
+
+
 def _span(text: str):
     from spanserve import Span
 
@@ -247,9 +262,9 @@ def _until(check, what: str):
 
 def test_a_dead_replicas_sessions_come_back_from_their_last_save(url, session_dir):
     question = {"question": "Which pump reads highest?", "max_tokens": 6, "temperature": 0}
-    opened = []  # (id, replica): sessions until both replicas hold one
-    while len({home for _, home in opened}) < 2:
-        assert len(opened) < 12, opened
+    opened = []  # (id, replica): sessions until the first one's replica holds two and the other one
+    while not opened or [h for _, h in opened].count(opened[0][1]) < 2 or len({h for _, h in opened}) < 2:
+        assert len(opened) < 16, opened  # (each goes to either replica by a coin toss)
         r = _post(url, "/v1/sessions", {"model": MODEL, "system": "You watch pumps."})
         opened.append((r.json()["id"], r.headers[REPLICA_HEADER]))
     sid, home = opened[0]
@@ -288,3 +303,14 @@ def test_a_dead_replicas_sessions_come_back_from_their_last_save(url, session_di
     other = _post(url, f"/v1/sessions/{survivor}/query", question)  # the other replica's session: untouched
     assert other.status_code == 200 and other.json() | {"id": None} == other_before | {"id": None}
     assert httpx.get(f"{url}/v1/sessions/not-a-session", timeout=TIMEOUT).status_code == 404
+
+
+def test_replicas_that_cannot_load_their_model_fail_the_start_with_the_reason(url):
+    """(Last: it takes the CPUs of the cluster above.)"""
+    serve.delete(launch.APP)
+    _until(lambda: ray.available_resources().get("CPU", 0) >= 1, "the replicas' CPUs were not freed")
+    began = time.monotonic()
+    with pytest.raises(ClusterError, match="replicas could not start: .*model '/nonexistent/model' not found"):
+        launch.start(EngineConfig(model="/nonexistent/model"), ServerOptions(MODEL), replicas=1, port=_free_port(),
+                     replica_cpus=0.01)
+    assert time.monotonic() - began < TIMEOUT

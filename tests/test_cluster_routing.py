@@ -58,4 +58,5 @@ def test_the_simulated_span_router_computes_the_least_prefill_and_stays_balanced
     for router, other in results.items():
         assert ours["prefill_tokens"] < 0.7 * other["prefill_tokens"], (router, ours, other)
     assert ours["load_skew"] < 2.0 and results["prefix"]["load_skew"] > ours["load_skew"]
-    assert simulate(small_trace, config, "span") == ours  # seeded: the same replay gives the same figures
+    again = simulate(small_trace, config, "span")  # seeded: the same replay gives the same figures
+    assert again | {"choice_p99_ms": None} == ours | {"choice_p99_ms": None}  # (but for this machine's time)

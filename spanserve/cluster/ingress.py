@@ -268,7 +268,7 @@ class Ingress:
     async def _request_keys(self, path: str, body: bytes, tenant: str | None) -> list[str]:
         if self.options.router != "span" or len(body) > self.options.max_body_bytes:
             return []  # (only ours reads them)
-        if path not in ("/v1/completions", "/v1/chat/completions"):
+        if path not in ("/v1/completions", "/v1/chat/completions", "/v1/spans"):
             return []
         keys = await self._keys_of_engine()
         if keys is None:

@@ -6,10 +6,11 @@ can count how many of them each replica holds. Two kinds are reproduced exactly:
   history): their keys carry no span geometry;
 - each span's span-local chain (a document, wherever it stands): PromptLayout.local_hashes under
   the engine's default link policy.
-Blocks after the first span chain through span geometry and link-policy signatures: left out. A
-request naming its own link policy may get span keys no replica has (it is then routed by load),
-and so may a chat with tools. A key is a hash's first KEY_CHARS hex digits: enough to tell blocks
-apart for a score, a quarter of the bytes to publish.
+A span query's keys are its static spans' (spans/tokenize.py, static_spans): the documents it
+reads, whatever call reads them. Blocks after the first span chain through span geometry and
+link-policy signatures: left out. A request naming its own link policy may get span keys no
+replica has (it is then routed by load), and so may a chat with tools. A key is a hash's first
+KEY_CHARS hex digits: enough to tell blocks apart for a score, a quarter of the bytes to publish.
 """
 
 from dataclasses import dataclass
@@ -19,7 +20,9 @@ from spanserve.kv.hashing import ROOT_HASH, BlockHash, extend_block_hashes, hash
 from spanserve.pic.prompt import chat_parts, tokenize_parts
 from spanserve.sampling import SamplingParams
 from spanserve.server import openai_format as fmt
-from spanserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from spanserve.server.protocol import ChatCompletionRequest, CompletionRequest, SpanQueryRequest
+from spanserve.spans.ir import parse
+from spanserve.spans.tokenize import ChatFormat, QueryTokenizer
 from spanserve.tools.conversation import for_template
 
 KEY_CHARS = 16
@@ -48,16 +51,22 @@ class HashContext:
 
 def prompt_keys(ids: list[int], spans: list[tuple[int, int]], salt: str | None, ctx: HashContext) -> list[str]:
     """Keys of a token prompt with [start, end) spans, as the engine would hash it."""
-    bs = ctx.block_size
     spans = sorted(tuple(s) for s in spans) if ctx.uses_spans else []
     hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, ids[:spans[0][0] if spans else len(ids)], bs, salt)
-    first_key = ((salt,) if salt else ()) + ctx.span_key
+    extend_block_hashes(hashes, ids[:spans[0][0] if spans else len(ids)], ctx.block_size, salt)
+    keys = [key(h) for h in hashes]
     for start, end in spans:
         end = min(end, len(ids) - 1)  # the engine cuts a span before the prompt's last token
-        parent = ctx.anchor_hash if start > 0 and ctx.anchor_hash is not None else ROOT_HASH
-        hashes += hash_chain(parent, ids[start:end // bs * bs], bs, lambda j: () if j else first_key)
-    return [key(h) for h in hashes]
+        keys += span_keys(ids[start:end // ctx.block_size * ctx.block_size], salt, ctx, starts_prompt=start == 0)
+    return keys
+
+
+def span_keys(tokens: list[int], salt: str | None, ctx: HashContext, starts_prompt: bool = False) -> list[str]:
+    """Keys of a span's whole blocks: its span-local chain, the same wherever it stands (after
+    the engine's anchor, unless it starts the prompt)."""
+    bs, first_key = ctx.block_size, ((salt,) if salt else ()) + ctx.span_key
+    parent = ctx.anchor_hash if not starts_prompt and ctx.anchor_hash is not None else ROOT_HASH
+    return [key(h) for h in hash_chain(parent, tokens[:len(tokens) // bs * bs], bs, lambda j: () if j else first_key)]
 
 
 class RequestKeys:
@@ -66,13 +75,21 @@ class RequestKeys:
 
     def __init__(self, tokenizer, ctx: HashContext):
         self.tokenizer, self.ctx = tokenizer, ctx
+        self._query_tokenizer: QueryTokenizer | None = None  # for span queries, made at the first
 
     def __call__(self, path: str, body: bytes, salt_of) -> list[str]:
-        """`salt_of(client_salt)`: the engine's cache salt of this request (its tenant's and the client's)."""
+        """`salt_of(client_salt)`: the engine's cache salt of this request (its tenant's and the
+        client's). A span query (/v1/spans) routes as a whole, by the spans it holds from the
+        start (its documents), not those its calls will generate."""
         try:
             if path == "/v1/completions":
                 req = CompletionRequest.model_validate_json(body)
                 prompts = [p for _, p in fmt.completion_prompts(req.prompt, req.spans, self)]
+            elif path == "/v1/spans":
+                req = SpanQueryRequest.model_validate_json(body)
+                spans = self._queries().static_spans(parse(req.query)) if self.ctx.uses_spans else []
+                salt = salt_of(req.cache_salt)
+                return list(dict.fromkeys(k for tokens in spans for k in span_keys(tokens, salt, self.ctx)))
             elif path == "/v1/chat/completions":
                 req = ChatCompletionRequest.model_validate_json(body)
                 messages, shown = for_template(req.chat_messages(), req.tools_of(), self.tokenizer.chat_template)
@@ -87,6 +104,11 @@ class RequestKeys:
         for prompt in prompts:
             keys += prompt_keys(prompt["prompt_token_ids"], prompt.get("spans") or [], salt, self.ctx)
         return list(dict.fromkeys(keys))
+
+    def _queries(self) -> QueryTokenizer:
+        if self._query_tokenizer is None:
+            self._query_tokenizer = QueryTokenizer(ChatFormat(self.tokenizer), self.ctx.block_size, self.ctx.pad_id)
+        return self._query_tokenizer
 
     def tokenize(self, prompt):
         """The engine's tokenize, for the prompt forms openai_format.completion_prompts hands it."""

@@ -20,6 +20,7 @@ APP = "spanserve"
 REPLICA_DEPLOYMENT = "EngineReplica"
 STATS_PERIOD_S = 0.5  # how often each replica publishes its load and keys
 MAX_ONGOING = 256  # HTTP requests one replica takes at once (its engine batches and queues them)
+CONSTRUCTOR_RETRIES = 3  # a replica whose engine fails to build this often fails the start
 
 
 class ClusterError(SpanserveError):
@@ -55,10 +56,16 @@ def start(config: EngineConfig, options: ServerOptions, replicas: int, host: str
     replica = serve.deployment(EngineReplica, name=REPLICA_DEPLOYMENT).options(
         num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
         max_ongoing_requests=MAX_ONGOING,
-        request_router_config=router, health_check_period_s=1, health_check_timeout_s=10)
+        request_router_config=router, health_check_period_s=1, health_check_timeout_s=10,
+        max_constructor_retry_count=CONSTRUCTOR_RETRIES)
     ingress = serve.deployment(Ingress, name="Ingress").options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING * replicas)
-    serve.run(ingress.bind(replica.bind(config, options), options, config.model), name=APP, route_prefix="/")
+    try:
+        serve.run(ingress.bind(replica.bind(config, options), options, config.model), name=APP, route_prefix="/")
+    except RuntimeError:  # every try at building a replica failed (a model that does not load)
+        cause = _replica_failure()
+        stop(started)
+        raise ClusterError(f"the replicas could not start: {cause}") from None
     log.info("cluster of %d replicas running %.1f s after start", replicas, time.monotonic() - began)
     return f"http://{host}:{port}"
 
@@ -78,11 +85,22 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def stop() -> None:
+def stop(ray_too: bool = True) -> None:
     """Stop Serve, and Ray if this process started it."""
     if ray.is_initialized():
         serve.shutdown()
-        ray.shutdown()
+        if ray_too:
+            ray.shutdown()
+
+
+def _replica_failure() -> str:
+    """Why the replicas failed to start, from Serve's status: the last line of their error."""
+    try:
+        message = serve.status().applications[APP].deployments[REPLICA_DEPLOYMENT].message
+    except Exception:  # noqa: BLE001 - the status itself is gone: say what we know
+        return "see Ray Serve's logs"
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return lines[-1] if lines else "see Ray Serve's logs"
 
 
 def serve_cluster(args, config: EngineConfig, sessions: SessionDisk | None) -> None:

@@ -108,6 +108,20 @@ class QueryTokenizer:
             out.append(self.anchor + seq + [self.pad_id] * (-len(seq) % self.block_size))
         return out
 
+    def static_spans(self, node: Node) -> list[list[int]]:
+        """The tokens of every span in a query that no call's output changes (a plus child with no
+        g inside), each as a prompt holds it, padded to whole blocks: what can be looked up in a
+        cache before anything runs (a cluster's router does)."""
+        found = []
+        if isinstance(node, Plus):
+            for child in node.items:
+                if not _has_call(child):
+                    tokens = self._flat(child, {})
+                    found.append(tokens + [self.pad_id] * (-len(tokens) % self.block_size))
+        for child in node.children:
+            found += self.static_spans(child)
+        return found
+
     def _pieces(self, node: Node, outputs) -> list[tuple[list[int], bool]]:
         """(token ids, is_span) in order: a plus child is a span (one per output of an n > 1
         call), everything else runs on in context."""
