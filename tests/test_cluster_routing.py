@@ -60,3 +60,25 @@ def test_the_simulated_span_router_computes_the_least_prefill_and_stays_balanced
     assert ours["load_skew"] < 2.0 and results["prefix"]["load_skew"] > ours["load_skew"]
     again = simulate(small_trace, config, "span")  # seeded: the same replay gives the same figures
     assert again | {"choice_p99_ms": None} == ours | {"choice_p99_ms": None}  # (but for this machine's time)
+
+
+def test_without_a_session_dir_a_session_lost_with_its_replica_is_410_gone():
+    """The ingress's answer when no saves exist to restore from (the cluster tests run with them)."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from spanserve.cluster.ingress import Ingress, SessionPlace
+    from spanserve.cluster.replica import ServerOptions
+
+    class Handle:  # no replica is ever called on this path
+        def options(self, **kwargs):
+            return self
+
+    written = Ingress.__mro__[1]  # the class as written, under Serve's ASGI wrapper
+    ingress = written.__new__(written)
+    written.__init__(ingress, Handle(), ServerOptions("m"), None)
+    answer = asyncio.run(ingress._take_over("sess-1", SessionPlace("gone", None, 3),
+                                            SimpleNamespace(headers=SimpleNamespace(raw=[]))))
+    error = json.loads(answer.body)["error"]
+    assert answer.status_code == 410 and error["code"] == "session_gone" and "--session-dir" in error["message"]
