@@ -13,6 +13,7 @@ replica has (it is then routed by load), and so may a chat with tools. A key is 
 KEY_CHARS hex digits: enough to tell blocks apart for a score, a quarter of the bytes to publish.
 """
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -69,12 +70,32 @@ def span_keys(tokens: list[int], salt: str | None, ctx: HashContext, starts_prom
     return [key(h) for h in hash_chain(parent, tokens[:len(tokens) // bs * bs], bs, lambda j: () if j else first_key)]
 
 
+class _RememberedEncode:
+    """The tokenizer, whose encode of a text it has seen lately costs a lookup: the documents a
+    router is for come again and again, and tokenizing them is most of a request's key work."""
+
+    def __init__(self, tokenizer, size: int = 4096):
+        self.tokenizer, self.size, self.seen = tokenizer, size, OrderedDict()
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        key = (text, *sorted(kwargs.items()))
+        ids = self.seen.get(key)
+        if ids is None:
+            ids = self.seen[key] = self.tokenizer.encode(text, **kwargs)
+            if len(self.seen) > self.size:
+                self.seen.popitem(last=False)
+        else:
+            self.seen.move_to_end(key)
+        return list(ids)  # (a caller may extend it)
+
+
 class RequestKeys:
     """Keys of the prompt(s) of a completions or chat request body; [] for anything else, or for
     a body the replica will refuse (it answers that; routing is only advice)."""
 
     def __init__(self, tokenizer, ctx: HashContext):
         self.tokenizer, self.ctx = tokenizer, ctx
+        self._encoder = _RememberedEncode(tokenizer)
         self._query_tokenizer: QueryTokenizer | None = None  # for span queries, made at the first
 
     def __call__(self, path: str, body: bytes, salt_of) -> list[str]:
@@ -113,9 +134,9 @@ class RequestKeys:
     def tokenize(self, prompt):
         """The engine's tokenize, for the prompt forms openai_format.completion_prompts hands it."""
         if isinstance(prompt, str):
-            return SimpleNamespace(token_ids=self.tokenizer.encode(prompt), spans=[])
+            return SimpleNamespace(token_ids=self._encoder.encode(prompt), spans=[])
         ids, spans = self._parts(prompt)
         return SimpleNamespace(token_ids=ids, spans=spans)
 
     def _parts(self, parts, add_special_tokens: bool = True):
-        return tokenize_parts(self.tokenizer, parts, self.ctx.block_size, self.ctx.pad_id, add_special_tokens)
+        return tokenize_parts(self._encoder, parts, self.ctx.block_size, self.ctx.pad_id, add_special_tokens)
