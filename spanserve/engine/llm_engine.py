@@ -168,6 +168,9 @@ class LLMEngine:
         self.derived: dict = {}  # what front ends build once from the tokenizer (a chat format)
         self.sessions = SessionStore(self)  # streaming sessions (sessions/), served between steps
         self.groups: dict[str, RequestGroup] = {}
+        # Told of each request as it ends, its blocks still held (on the engine's thread): an
+        # observer such as the server's cache inspector. One that raises is logged, never fatal.
+        self.end_watchers: list[Callable[[Request], None]] = []
         self._ids = itertools.count()
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, span link policy %s",
                  path.name, self.dtype, self.device, num_blocks, config.block_size, self.max_model_len,
@@ -557,6 +560,11 @@ class LLMEngine:
     def _release(self, req: Request) -> None:
         """Free a request that ended, telling its owner first (it may keep some of its blocks);
         its blocks are freed even if the owner's hook raises."""
+        for watch in self.end_watchers:
+            try:
+                watch(req)
+            except Exception:  # noqa: BLE001 - an observer's failure is not the request's
+                log.exception("an end watcher failed on request %s", req.request_id)
         try:
             if req.owner is not None:
                 req.owner.request_finished(req)

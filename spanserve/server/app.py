@@ -24,6 +24,7 @@ from spanserve.kernels.threads import helper_thread
 from spanserve.outputs import RequestOutput
 from spanserve.server import openai_format as fmt
 from spanserve.server.embeddings import add_embedding_routes
+from spanserve.server.inspector import add_inspector_routes
 from spanserve.server.metrics import ServerMetrics
 from spanserve.server.protocol import (
     ChatCompletionRequest,
@@ -74,7 +75,8 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 
 
 class AuthMiddleware:
-    """Requires `Authorization: Bearer KEY` of a known key on /v1/* (and /metrics unless public), and
+    """Requires `Authorization: Bearer KEY` of a known key on /v1/* and /inspect (and /metrics unless
+    public; the inspector's page also takes the key as a Basic password, with a prompt), and
     records the key's tenant in the request's state. Plain ASGI, not @app.middleware("http"):
     Starlette's BaseHTTPMiddleware hides client disconnects from Request.is_disconnected(), and a
     non-streamed request whose client went away would then run to the end."""
@@ -84,16 +86,22 @@ class AuthMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self._guarded(scope["path"]):
-            tenant = self.tenants.tenant_of(dict(scope["headers"]).get(b"authorization", b""))
+            page = _is_inspector(scope["path"])  # a browser's page: its Basic prompt carries the key
+            tenant = self.tenants.tenant_of(dict(scope["headers"]).get(b"authorization", b""), basic=page)
             if tenant is None:
-                response = error_response(401, "missing or invalid API key", "authentication_error", "invalid_api_key")
+                response = error_response(401, "missing or invalid API key", "authentication_error", "invalid_api_key",
+                                          headers={"WWW-Authenticate": 'Basic realm="spanserve"'} if page else None)
                 return await response(scope, receive, send)
             scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
     def _guarded(self, path: str) -> bool:
-        return path.startswith("/v1/") or path in ("/tokenize", "/detokenize") or \
+        return path.startswith("/v1/") or path in ("/tokenize", "/detokenize") or _is_inspector(path) or \
             (path == "/metrics" and not self.metrics_public)
+
+
+def _is_inspector(path: str) -> bool:
+    return path == "/inspect" or path.startswith("/inspect/")
 
 
 def _salt(http: Request, client_salt: str | None) -> str | None:
@@ -421,6 +429,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
 
     add_session_routes(app, server, llm, disk, errors=_ERRORS, sse=sse, final_output=final_output)
     add_embedding_routes(app, errors=_ERRORS)
+    add_inspector_routes(app, llm, sse)
 
     @app.get("/health")
     async def health() -> Health:

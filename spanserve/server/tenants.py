@@ -5,6 +5,7 @@ client's own cache_salt): prefix blocks, span blocks and everything hashed from 
 never shared across tenants, so cached_tokens, timings and span hits say nothing about another
 tenant's prompts."""
 
+import base64
 import hmac
 import json
 from dataclasses import dataclass
@@ -33,9 +34,16 @@ class Tenants:
             seen.add(key)
         return cls(tuple((f"Bearer {k}".encode(), t) for k, t in pairs)) if pairs else None
 
-    def tenant_of(self, authorization: bytes) -> str | None:
+    def tenant_of(self, authorization: bytes, basic: bool = False) -> str | None:
         """The tenant of an Authorization header, or None. Every key is compared, in constant
-        time, so the time taken says nothing about which key came close."""
+        time, so the time taken says nothing about which key came close. With `basic`, HTTP Basic
+        credentials whose password is a key count too (what a browser sends after its prompt)."""
+        if basic and authorization[:6].lower() == b"basic ":
+            try:
+                _, _, password = base64.b64decode(authorization[6:].strip(), validate=True).partition(b":")
+            except ValueError:
+                return None
+            authorization = b"Bearer " + password
         found = None
         for expected, tenant in self.keys:
             if hmac.compare_digest(authorization, expected):
