@@ -33,7 +33,8 @@ def server_doc() -> str:
 def _routes() -> list[tuple[str, str]]:
     """(method, path) of every API route, from an app built over a stand-in engine (no model loads:
     create_app only reads these attributes while it assembles the routes)."""
-    engine = SimpleNamespace(model_config=SimpleNamespace(vocab_size=2), sessions=None, max_model_len=2)
+    engine = SimpleNamespace(model_config=SimpleNamespace(vocab_size=2), sessions=None, max_model_len=2,
+                             end_watchers=[])
     app = create_app(SimpleNamespace(tokenizer=None, engine=engine), "model")
     return sorted((method, route.path) for route in app.routes if isinstance(route, APIRoute)
                   for method in route.methods)
