@@ -112,6 +112,8 @@ def _text_of(call: tuple):
     except ValueError:
         body = {}
     text = body.get("prompt", body.get("messages")) if isinstance(body, dict) else None
+    if isinstance(text, list) and text and not isinstance(text[0], str | dict):
+        text = json.dumps(text)  # token ids: the router would read no text in them (and divide by it)
     return text if text else call[1]
 
 
