@@ -36,6 +36,8 @@ from spanserve.sessions.session import SESSION_ID, Answer
 
 log = logging.getLogger("spanserve.server")
 SAVE_INTERVAL_S = 5.0  # POST .../save at most this often per session: a save copies all of its KV
+
+
 def _file(disk: SessionDisk | None, session_id: str) -> Path:
     if disk is None:
         raise InvalidRequestError("this server keeps no sessions on disk (start it with --session-dir)")
@@ -79,7 +81,7 @@ def session_lifespan(llm: AsyncLLM, disk: SessionDisk | None):
 
 async def _save_by_policy(llm: AsyncLLM, disk: SessionDisk) -> None:
     """Every `interval_s`: snapshot, on the engine's thread, each session whose data moved since its
-    last save (SAVE_POLICIES), then write the files off it."""
+    last save (sessions/disk.py, SAVE_POLICIES), then write the files off it."""
     store, saved = llm.engine.sessions, {}  # session id -> the version its file holds
 
     def due() -> list[tuple[str, persist.Snapshot]]:
