@@ -80,8 +80,9 @@ def test_the_inspector_needs_a_key_and_takes_one_as_basic_credentials(server):
 def test_a_tenant_sees_its_span_blocks_and_requests_and_nothing_of_anothers(server, activity):
     alice, bob = _state(server, "alice"), _state(server, "bob")
     for state in (alice, bob):
-        pool = state["pool"]
-        assert len(state["blocks"]) == pool["blocks"] == 256 == pool["free"] + pool["cached"] + pool["in_use"]
+        pool, codes = state["pool"], [code for code, _, _ in state["blocks"]]
+        assert len(codes) == pool["blocks"] == 256 == pool["free"] + pool["cached"] + pool["in_use"]
+        assert (codes.count("f"), codes.count("c"), codes.count("u")) == (pool["free"], pool["cached"], pool["in_use"])
     kinds = [kind for _, kind, _ in alice["blocks"]]
     assert kinds.count("span") >= 8  # both documents' blocks
     owners = {owner for _, kind, owner in alice["blocks"] if kind == "span"}

@@ -30,6 +30,7 @@ from spanserve.server.tenants import tenant_of
 RECENT = 200  # requests kept (all tenants); a page shows its tenant's newest 50
 SHOWN = 50
 EVERY_S = 1.0  # the page's refresh over SSE
+_STATE_CODES = {"free": "f", "cached": "c", "in_use": "u"}  # one letter per block: a pool has thousands
 
 
 class CacheInspector:
@@ -56,7 +57,7 @@ class CacheInspector:
             counts[state] += 1
             owner = marks.get(block.block_id)
             mine = owner is not None and owner[0] == tenant and state != "free"
-            blocks.append([state[0], owner[1] if mine else None, owner[2] if mine else None])
+            blocks.append([_STATE_CODES[state], owner[1] if mine else None, owner[2] if mine else None])
         sched = engine.scheduler
         running = [_request_info(r) for r in (*sched.running, *sched.waiting) if r.tenant == tenant]
         ended = [r for r in reversed(self.recent) if r["tenant"] == tenant][:SHOWN]
