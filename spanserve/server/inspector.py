@@ -143,7 +143,7 @@ def add_inspector_routes(app: FastAPI, llm: AsyncLLM, sse) -> CacheInspector:
         tenant = tenant_of(http)
         return await llm.call(lambda: inspector.snapshot(tenant))
 
-    @app.get("/inspect/events")
+    @app.get("/inspect/events", include_in_schema=False)  # the page's feed, endless: /inspect/state for scripts
     async def inspect_events(http: Request):
         """The same snapshot every second, as server-sent events, until the client leaves."""
         tenant = tenant_of(http)
