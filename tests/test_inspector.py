@@ -42,11 +42,12 @@ def activity(server):
         r = httpx.post(f"{server.url}/v1/completions", headers=_auth("alice"), timeout=60,
                        json={"prompt": parts, "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200, r.text
-        ids[name] = _state(server, "alice")["recent"][0]["id"]  # (the engine's id, newest first)
+        ids[name] = r.json()["id"]
+        assert _state(server, "alice")["recent"][0]["id"] == ids[name]  # listed under the response's id
     r = httpx.post(f"{server.url}/v1/completions", headers=_auth("bob"), timeout=60,
                    json={"prompt": "Bob asks something plain.", "max_tokens": 2})
     assert r.status_code == 200, r.text
-    ids["bob"] = _state(server, "bob")["recent"][0]["id"]
+    ids["bob"] = r.json()["id"]
     session = httpx.post(f"{server.url}/v1/sessions", headers=_auth("bob"), timeout=60,
                          json={"system": "Bob's log of the pumps. " * 8, "flash": ["Anything new?"]}).json()
     ids["session"] = session["id"]

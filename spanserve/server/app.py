@@ -223,10 +223,11 @@ class Server:
                            f"{max_tokens or 1} for the completion).", code="context_length_exceeded")
         return max_tokens if max_tokens is not None else room
 
-    def start(self, prompt, params, tenant: str | None) -> AsyncIterator[RequestOutput]:
+    def start(self, prompt, params, tenant: str | None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Validate one engine request now (an invalid one raises InvalidRequestError, a 400, before any
-        response starts) and return its cumulative outputs, which keep the metrics and the log line."""
-        request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+        response starts) and return its cumulative outputs, which keep the metrics and the log line.
+        `request_id`: the engine's id of it (the response's id, which the inspector lists)."""
+        request_id = request_id or f"cmpl-{uuid.uuid4().hex[:24]}"
         return self.track(request_id, self.llm.submit(prompt, params, request_id, tenant))
 
     def track(self, request_id: str, outputs: AsyncIterator) -> AsyncIterator:
@@ -491,20 +492,21 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         prompts = await asyncio.to_thread(fmt.completion_prompts, body.prompt, body.spans, llm.engine)
         await compile_grammar(body.structured())
         salt = _salt(http, body.cache_salt)
-        runs = []
-        for text, prompt in prompts:  # validate every prompt before any starts
+        runs, response_id = [], f"cmpl-{uuid.uuid4().hex[:24]}"  # the engine's id of its (first) prompt
+        for i, (text, prompt) in enumerate(prompts):  # validate every prompt before any starts
             prompt["cache_salt"] = salt
             ids = prompt["prompt_token_ids"]
             max_tokens = server.check_length(ids, body.max_tokens)
             params = body.sampling_params(max_tokens, body.logprobs, vocab_size)
-            runs.append((text, ids, server.start(prompt, params, tenant_of(http))))
+            request_id = f"{response_id}-p{i}" if i else response_id  # (-{k}: the k-th of n samples)
+            runs.append((text, ids, server.start(prompt, params, tenant_of(http), request_id)))
         server.admit([run for _, _, run in runs], len(runs) * body.n)
         if body.stream:
             started = await asyncio.gather(*(primed(run) for _, _, run in runs))
             runs = [(text, ids, run) for (text, ids, _), run in zip(runs, started)]
-            return sse(fmt.stream_completion(runs, body, model_name, tokenizer))
+            return sse(fmt.stream_completion(runs, body, model_name, tokenizer, response_id))
         finals = await asyncio.gather(*(final_output(r, http) for _, _, r in runs))
-        return fmt.completion_response(list(zip(runs, finals)), body, model_name, tokenizer)
+        return fmt.completion_response(list(zip(runs, finals)), body, model_name, tokenizer, response_id)
 
     @app.post("/v1/chat/completions",
               responses={200: {"model": ChatCompletionResponse, "content": _SSE}, **_ERRORS})
@@ -523,11 +525,12 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         if tools is not None:
             params = tools.sampling_params(params, markers_are_tokens(tokenizer))
         await compile_grammar(params.structured_outputs)
-        run = server.start(prompt, params, tenant_of(http))
+        response_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"  # the engine's id of it too
+        run = server.start(prompt, params, tenant_of(http), response_id)
         server.admit([run], body.n)
         if body.stream:
-            return sse(fmt.stream_chat(await primed(run), body, model_name, tokenizer, tools))
-        return fmt.chat_response(await final_output(run, http), body, model_name, tokenizer, tools)
+            return sse(fmt.stream_chat(await primed(run), body, model_name, tokenizer, tools, response_id))
+        return fmt.chat_response(await final_output(run, http), body, model_name, tokenizer, tools, response_id)
 
     @app.post("/v1/spans", responses={200: {"model": SpanQueryResponse, "content": _SSE}, **_ERRORS})
     async def span_query(body: SpanQueryRequest, http: Request):

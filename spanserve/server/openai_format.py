@@ -76,7 +76,7 @@ def _prompt_text(text: str | None, ids: list[int], tokenizer) -> str:
     return text if text is not None else tokenizer.decode(ids)
 
 
-def completion_response(results, body, model: str, tokenizer) -> dict:
+def completion_response(results, body, model: str, tokenizer, response_id: str | None = None) -> dict:
     choices, finals = [], []
     for p_idx, ((text, ids, _), final) in enumerate(results):
         finals.append(final)
@@ -88,11 +88,12 @@ def completion_response(results, body, model: str, tokenizer) -> dict:
                 "logprobs": completion_logprobs(tokenizer, c.token_ids, c.logprobs, len(prefix))
                 if body.logprobs is not None else None,
             })
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(finals)}
+    return {"id": response_id or f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices, "usage": usage(finals)}
 
 
-def chat_response(final: RequestOutput, body, model: str, tokenizer, tools: Tools | None = None) -> dict:
+def chat_response(final: RequestOutput, body, model: str, tokenizer, tools: Tools | None = None,
+                  response_id: str | None = None) -> dict:
     choices = []
     for c in final.outputs:
         message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
@@ -106,8 +107,8 @@ def chat_response(final: RequestOutput, body, model: str, tokenizer, tools: Tool
             "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
             if body.logprobs else None,
         })
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage([final])}
+    return {"id": response_id or f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": model, "choices": choices, "usage": usage([final])}
 
 
 class _Deltas:
@@ -137,8 +138,8 @@ class _Deltas:
             yield c, t0, text[t0:], c.token_ids[k0:], (c.logprobs or [])[k0:]
 
 
-async def stream_completion(runs, body, model: str, tokenizer) -> AsyncIterator[dict]:
-    created, chunk_id = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+async def stream_completion(runs, body, model: str, tokenizer, response_id: str | None = None) -> AsyncIterator[dict]:
+    created, chunk_id = int(time.time()), response_id or f"cmpl-{uuid.uuid4().hex}"
     finals = []
     for p_idx, (text, ids, run) in enumerate(runs):  # prompts are streamed one after another
         deltas, final = _Deltas(body.stop), None
@@ -181,8 +182,9 @@ class _Replies:
         return pieces + rest, finish_reason
 
 
-async def stream_chat(run, body, model: str, tokenizer, tools: Tools | None = None) -> AsyncIterator[dict]:
-    created, chunk_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+async def stream_chat(run, body, model: str, tokenizer, tools: Tools | None = None,
+                      response_id: str | None = None) -> AsyncIterator[dict]:
+    created, chunk_id = int(time.time()), response_id or f"chatcmpl-{uuid.uuid4().hex}"
 
     def chunk(choices, **extra):
         return {"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model,
