@@ -88,9 +88,9 @@ class EngineReplica:
                       avoid: list[str] | None = None):
         """The app's response: its head (with this replica's id), then its body in chunks. `keys`,
         `pin`, `avoid` and `for_router` (the prompt's text, for Ray's prefix router) are for the
-        router (it reads them from the call's arguments). A call
-        pinned to another replica reached this one because that one is gone: the head says so, and
-        the ingress restores the session here first (ingress.py)."""
+        router (it reads them from the call's arguments). A call pinned to another replica reached
+        this one because that one is gone: the head says so, and the ingress restores the session
+        here first (ingress.py)."""
         if pin is not None and pin != self.replica_id:
             yield {"status": 0, "headers": [], "replica": self.replica_id, "not_owner": True}
             return

@@ -26,11 +26,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from spanserve.cluster import routing_state
 
-MAX_PENDING_REASONS = 10_000
-
-
 LOAD_WEIGHT = 4.0  # blocks of cached prompt that one queued request outweighs
-LOAD_BOUND = 1.5  # no replica takes a request past this times the mean load (rounded up)
+LOAD_BOUND = 1.5  # a replica sent more than this times the mean of the recent requests comes last
+MAX_PENDING_REASONS = 10_000  # why-routed notes of requests not routed yet (cancelled ones never are)
 
 
 def score(hits: int, load: int, load_weight: float = LOAD_WEIGHT) -> float:
