@@ -31,18 +31,19 @@ class _Pinned:
         return await super().choose_replicas(alive, pending_request)
 
 
-class RoundRobinRouter(RequestRouter):
+class _RoundRobin(RequestRouter):
     def initialize_state(self, **kwargs):
         self._turn = itertools.count()
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         if pending_request is None:
             return [candidate_replicas]
-        alive, pinned = pinned_or_alive(candidate_replicas, pending_request.kwargs)
-        if pinned:
-            return [pinned]
-        ordered = sorted(alive, key=lambda r: r.replica_id.unique_id)
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         return [[ordered[next(self._turn) % len(ordered)]]]
+
+
+class RoundRobinRouter(_Pinned, _RoundRobin):
+    pass
 
 
 class PowerOfTwoRouter(_Pinned, PowerOfTwoChoicesRequestRouter):

@@ -121,6 +121,19 @@ async def _once(body: bytes):
     yield body
 
 
+async def _body(stream) -> bytes | None:
+    """A small answer's whole body (None: its replica died while sending it)."""
+    try:
+        return b"".join([chunk async for chunk in stream])
+    except RayActorError:
+        return None
+
+
+def _auth(request: Request) -> list[tuple[bytes, bytes]]:
+    """The client's Authorization header alone: what a call the ingress makes on its behalf carries."""
+    return [(k, v) for k, v in request.headers.raw if k.lower() == b"authorization"]
+
+
 @serve.ingress(app)
 class Ingress:
     def __init__(self, replicas: DeploymentHandle, options: ServerOptions, model: str | None):
@@ -135,7 +148,7 @@ class Ingress:
     @app.get("/metrics", include_in_schema=False)
     async def metrics(self, request: Request):
         """Every running replica's /metrics, labelled by replica, and the router's counts."""
-        auth = [(k, v) for k, v in request.headers.raw if k.lower() == b"authorization"]
+        auth = _auth(request)
         ids = routing_state.replica_ids() or [None]  # (no router yet, before the first request: any one)
         texts = {}
         for rid in ids:  # one at a time: Serve routes a request's calls by its id, which they share
@@ -143,9 +156,8 @@ class Ingress:
             if answer is OWNER_GONE or isinstance(answer, JSONResponse):
                 continue  # a replica gone since the router listed it: left out of this scrape
             head, stream = answer
-            try:
-                body = b"".join([chunk async for chunk in stream])
-            except RayActorError:
+            body = await _body(stream)
+            if body is None:
                 continue
             if head["status"] != 200:  # a missing or wrong key: the replica's own 401
                 return _streamed(head["status"], head["headers"], _once(body), sse=False)
@@ -184,8 +196,8 @@ class Ingress:
     async def _send(self, call: tuple, keys: list[str], pin: str | None):
         """(head, stream) of a replica's answer; a 503 or 500 response; or OWNER_GONE when `pin`'s
         replica is dead or gone. A call whose replica dies before answering goes once more elsewhere."""
+        for_router = (RequestText(_text_of(call)),) if self.options.router == "prefix" else ()
         for attempt in (1, 2):
-            for_router = (RequestText(_text_of(call)),) if self.options.router == "prefix" else ()
             stream = self.replicas.remote(*call, *for_router, keys=keys, pin=pin, avoid=sorted(self.dead))
             try:
                 head = await anext(stream)
@@ -215,14 +227,12 @@ class Ingress:
         if self.options.sessions is None:
             return error(410, f"session {session_id} was lost with its replica, and this server keeps no saved "
                          "sessions (--session-dir): create a new session", "invalid_request_error", "session_gone")
-        auth = [(k, v) for k, v in request.headers.raw if k.lower() == b"authorization"]
-        sent = await self._send(("POST", f"/v1/sessions/{session_id}/restore", b"", auth, b""), [], None)
+        sent = await self._send(("POST", f"/v1/sessions/{session_id}/restore", b"", _auth(request), b""), [], None)
         if sent is OWNER_GONE or isinstance(sent, JSONResponse):
             return sent
         head, stream = sent
-        try:
-            body = b"".join([chunk async for chunk in stream])
-        except RayActorError:
+        body = await _body(stream)
+        if body is None:
             return error(503, *FAILED)
         if head["status"] == 404:
             return error(410, f"session {session_id} was lost with its replica before it was first saved: create "
@@ -245,9 +255,8 @@ class Ingress:
         content_type = next((v for k, v in headers if k.lower() == "content-type"), "")
         if not content_type.startswith("application/json"):
             return _streamed(head["status"], headers, stream, sse=content_type.startswith("text/event-stream"))
-        try:
-            body = b"".join([chunk async for chunk in stream])
-        except RayActorError:
+        body = await _body(stream)
+        if body is None:
             return error(503, *FAILED)
         try:
             answer = json.loads(body)

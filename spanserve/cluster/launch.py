@@ -86,7 +86,7 @@ def _cpus() -> int:
 
 
 def stop(ray_too: bool = True) -> None:
-    """Stop Serve, and Ray if this process started it."""
+    """Stop Serve, and Ray too unless `ray_too` is False (Ray this process did not start)."""
     if ray.is_initialized():
         serve.shutdown()
         if ray_too:

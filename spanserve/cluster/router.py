@@ -4,8 +4,8 @@ Each replica publishes the keys of the blocks it holds (replica.py, `routing_sta
 carries its own keys (keys.py, the `keys` argument of the replica call). A replica's score is the
 number of the request's keys it holds, less `load_weight` per request it is running or queueing;
 the best comes first, alone, then the others by score (Serve takes the first group with room),
-except that a replica whose load would pass `load_bound` times the mean comes after all the
-others (`ranked`: bounded-load balancing).
+except that a replica sent more than `load_bound` times the mean of the requests routed lately
+comes after all the others (`ranked`: bounded-load balancing).
 A request no replica holds anything of goes by power of two choices, as Serve's default router.
 A session's calls name their replica (`pin`) and go nowhere else while it lives. Replicas the
 ingress saw die (`avoid`) get nothing until Serve drops them.
@@ -95,7 +95,7 @@ class SpanAwareRouter(RequestRouter):
         hits = {r.replica_id: len(self._held(r).intersection(keys)) for r in candidates} if keys else {}
         if any(hits.values()):
             self._reasons.setdefault(request_id, "cache")
-            loads, recent = [_load(r) for r in candidates], [self._recent(r) for r in candidates]
+            loads, recent = [_load(r) for r in candidates], [len(self._recent(r)) for r in candidates]
             order = [candidates[i] for i in ranked([hits[r.replica_id] for r in candidates], loads, recent,
                                                    self.load_weight, self.load_bound)]
             return [order[:1], order[1:]] if len(order) > 1 else [order]
@@ -109,12 +109,12 @@ class SpanAwareRouter(RequestRouter):
         if keys:
             self._sent.setdefault(replica_id.unique_id, deque()).append((time.monotonic(), keys))
 
-    def _recent(self, replica: RunningReplica) -> int:
-        """Requests with keys routed to the replica in the last `memory_s`."""
-        sent = self._sent.get(replica.replica_id.unique_id)
+    def _recent(self, replica: RunningReplica) -> deque[tuple[float, list[str]]]:
+        """(when, keys) of the requests routed to the replica in the last `memory_s`."""
+        sent = self._sent.setdefault(replica.replica_id.unique_id, deque())
         while sent and sent[0][0] < time.monotonic() - self.memory_s:
             sent.popleft()
-        return len(sent) if sent else 0
+        return sent
 
     def _held(self, replica: RunningReplica) -> set[str]:
         """The keys the replica published, and those of the requests sent to it lately."""
@@ -122,9 +122,5 @@ class SpanAwareRouter(RequestRouter):
         cached = self._published.get(rid)
         if cached is None or cached[0] is not published:  # a new stats dict arrived: build its set once
             cached = self._published[rid] = (published, frozenset(published))
-        sent = self._sent.get(rid)
-        if not sent:
-            return cached[1]
-        while sent and sent[0][0] < time.monotonic() - self.memory_s:
-            sent.popleft()
-        return cached[1].union(*(keys for _, keys in sent))
+        sent = self._recent(replica)
+        return cached[1].union(*(keys for _, keys in sent)) if sent else cached[1]

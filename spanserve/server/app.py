@@ -529,8 +529,8 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         run = server.start(prompt, params, tenant_of(http), response_id)
         server.admit([run], body.n)
         if body.stream:
-            return sse(fmt.stream_chat(await primed(run), body, model_name, tokenizer, tools, response_id))
-        return fmt.chat_response(await final_output(run, http), body, model_name, tokenizer, tools, response_id)
+            return sse(fmt.stream_chat(await primed(run), body, model_name, tokenizer, response_id, tools))
+        return fmt.chat_response(await final_output(run, http), body, model_name, tokenizer, response_id, tools)
 
     @app.post("/v1/spans", responses={200: {"model": SpanQueryResponse, "content": _SSE}, **_ERRORS})
     async def span_query(body: SpanQueryRequest, http: Request):

@@ -1,7 +1,6 @@
 """RequestOutputs -> OpenAI response bodies and stream chunks."""
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from spanserve.errors import InvalidRequestError, InvalidSpanError
@@ -76,7 +75,7 @@ def _prompt_text(text: str | None, ids: list[int], tokenizer) -> str:
     return text if text is not None else tokenizer.decode(ids)
 
 
-def completion_response(results, body, model: str, tokenizer, response_id: str | None = None) -> dict:
+def completion_response(results, body, model: str, tokenizer, response_id: str) -> dict:
     choices, finals = [], []
     for p_idx, ((text, ids, _), final) in enumerate(results):
         finals.append(final)
@@ -88,12 +87,12 @@ def completion_response(results, body, model: str, tokenizer, response_id: str |
                 "logprobs": completion_logprobs(tokenizer, c.token_ids, c.logprobs, len(prefix))
                 if body.logprobs is not None else None,
             })
-    return {"id": response_id or f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+    return {"id": response_id, "object": "text_completion",
             "created": int(time.time()), "model": model, "choices": choices, "usage": usage(finals)}
 
 
-def chat_response(final: RequestOutput, body, model: str, tokenizer, tools: Tools | None = None,
-                  response_id: str | None = None) -> dict:
+def chat_response(final: RequestOutput, body, model: str, tokenizer, response_id: str,
+                  tools: Tools | None = None) -> dict:
     choices = []
     for c in final.outputs:
         message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
@@ -107,7 +106,7 @@ def chat_response(final: RequestOutput, body, model: str, tokenizer, tools: Tool
             "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
             if body.logprobs else None,
         })
-    return {"id": response_id or f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+    return {"id": response_id, "object": "chat.completion",
             "created": int(time.time()), "model": model, "choices": choices, "usage": usage([final])}
 
 
@@ -138,8 +137,8 @@ class _Deltas:
             yield c, t0, text[t0:], c.token_ids[k0:], (c.logprobs or [])[k0:]
 
 
-async def stream_completion(runs, body, model: str, tokenizer, response_id: str | None = None) -> AsyncIterator[dict]:
-    created, chunk_id = int(time.time()), response_id or f"cmpl-{uuid.uuid4().hex}"
+async def stream_completion(runs, body, model: str, tokenizer, chunk_id: str) -> AsyncIterator[dict]:
+    created = int(time.time())
     finals = []
     for p_idx, (text, ids, run) in enumerate(runs):  # prompts are streamed one after another
         deltas, final = _Deltas(body.stop), None
@@ -182,9 +181,9 @@ class _Replies:
         return pieces + rest, finish_reason
 
 
-async def stream_chat(run, body, model: str, tokenizer, tools: Tools | None = None,
-                      response_id: str | None = None) -> AsyncIterator[dict]:
-    created, chunk_id = int(time.time()), response_id or f"chatcmpl-{uuid.uuid4().hex}"
+async def stream_chat(run, body, model: str, tokenizer, chunk_id: str,
+                      tools: Tools | None = None) -> AsyncIterator[dict]:
+    created = int(time.time())
 
     def chunk(choices, **extra):
         return {"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model,

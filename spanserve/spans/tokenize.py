@@ -113,13 +113,12 @@ class QueryTokenizer:
         g inside), each as a prompt holds it, padded to whole blocks: what can be looked up in a
         cache before anything runs (a cluster's router does)."""
         found = []
-        if isinstance(node, Plus):
-            for child in node.items:
-                if not _has_call(child):
-                    tokens = self._flat(child, {})
-                    found.append(tokens + [self.pad_id] * (-len(tokens) % self.block_size))
         for child in node.children:
-            found += self.static_spans(child)
+            if isinstance(node, Plus) and not _has_call(child):  # a span: nothing inside it is one
+                tokens = self._flat(child, {})
+                found.append(tokens + [self.pad_id] * (-len(tokens) % self.block_size))
+            else:
+                found += self.static_spans(child)
         return found
 
     def _pieces(self, node: Node, outputs) -> list[tuple[list[int], bool]]:
