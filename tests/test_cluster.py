@@ -89,13 +89,17 @@ def test_routing_keys_are_the_engines_own_block_hashes(offline):
     parts = ["Answer from the documents.\n", *({"text": d, "span": True} for d in docs), "Who?"]
     offline.generate([parts[0], *(_span(d) for d in docs), parts[-1]], SamplingParams(temperature=0, max_tokens=1))
     engine = offline.engine
-    keys = RequestKeys(engine.tokenizer, HashContext.of(engine))(
+    routing = RequestKeys(engine.tokenizer, HashContext.of(engine))(
         "/v1/completions", json.dumps({"prompt": parts}).encode(), lambda salt: salt)
+    keys = routing.keys
     assert len(keys) >= 6  # every span block (and the intro's, if a whole block)
     assert set(keys) <= set(routing_stats(engine)["keys"])
     other = RequestKeys(engine.tokenizer, HashContext.of(engine))(
         "/v1/completions", json.dumps({"prompt": parts}).encode(), lambda salt: "another tenant")
-    assert not set(other) & set(keys)
+    assert not set(other.keys) & set(keys)
+    # the span ids the ingress hands the replica are the engine's own tokens of each document
+    assert [(text, ids) for text, _, ids in routing.span_tokens] == [
+        (d, engine.tokenizer.encode(d, add_special_tokens=False)) for d in docs]
 
 
 def test_a_span_querys_keys_are_its_documents_blocks_wherever_its_calls_put_them(offline):
@@ -106,11 +110,11 @@ def test_a_span_querys_keys_are_its_documents_blocks_wherever_its_calls_put_them
     offline.run_query(query)
     engine = offline.engine
     hasher = RequestKeys(engine.tokenizer, HashContext.of(engine))
-    keys = hasher("/v1/spans", json.dumps({"query": query}).encode(), lambda salt: salt)
+    keys = hasher("/v1/spans", json.dumps({"query": query}).encode(), lambda salt: salt).keys
     assert len(keys) >= 3 and set(keys) <= set(routing_stats(engine)["keys"])
     plus = {"plus": [{"fragment": d} for d in docs[::-1]]}
     reordered = {"g": {"input": {"cross": [{"user": "Which comes last?"}, plus]}, "max_tokens": 1}}
-    assert set(hasher("/v1/spans", json.dumps({"query": reordered}).encode(), lambda salt: salt)) == set(keys)
+    assert set(hasher("/v1/spans", json.dumps({"query": reordered}).encode(), lambda salt: salt).keys) == set(keys)
 
 
 def _span(text: str):

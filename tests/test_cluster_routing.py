@@ -82,3 +82,35 @@ def test_without_a_session_dir_a_session_lost_with_its_replica_is_410_gone():
                                             SimpleNamespace(headers=SimpleNamespace(raw=[]))))
     error = json.loads(answer.body)["error"]
     assert answer.status_code == 410 and error["code"] == "session_gone" and "--session-dir" in error["message"]
+
+
+def test_a_replica_takes_the_ingress_span_ids_before_it_answers():
+    import asyncio
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+
+    from spanserve.cluster.replica import EngineReplica
+    from spanserve.pic.span_tokens import SpanTokens
+
+    app, seen = FastAPI(), []
+    memo = SpanTokens(tokenizer=None)  # a replica whose engine would fail to tokenize anything itself
+
+    @app.post("/v1/completions")
+    def complete():
+        seen.append(memo.encode("doc"))
+        return {}
+
+    class Bare(EngineReplica):
+        def __del__(self):  # (Serve awaits the real one at a stop; this one never started)
+            pass
+
+    replica = object.__new__(Bare)
+    replica.llm, replica.app, replica.replica_id = SimpleNamespace(engine=SimpleNamespace(span_tokens=memo)), app, "r1"
+
+    async def answer():
+        return [item async for item in replica.forward("POST", "/v1/completions", b"", [], b"{}",
+                                                        span_tokens=[("doc", False, [5, 6])])]
+
+    head = asyncio.run(answer())[0]
+    assert head["status"] == 200 and head["replica"] == "r1" and seen == [[5, 6]]

@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from spanserve.cluster import routing_state
-from spanserve.cluster.keys import RequestKeys
+from spanserve.cluster.keys import RequestKeys, Routing
 from spanserve.cluster.metrics import cluster_metrics
 from spanserve.cluster.replica import ServerOptions
 from spanserve.models.loader import load_tokenizer, resolve_model
@@ -152,7 +152,7 @@ class Ingress:
         ids = routing_state.replica_ids() or [None]  # (no router yet, before the first request: any one)
         texts = {}
         for rid in ids:  # one at a time: Serve routes a request's calls by its id, which they share
-            answer = await self._send(("GET", "/metrics", b"", auth, b""), [], rid)
+            answer = await self._send(("GET", "/metrics", b"", auth, b""), Routing(), rid)
             if answer is OWNER_GONE or isinstance(answer, JSONResponse):
                 continue  # a replica gone since the router listed it: left out of this scrape
             head, stream = answer
@@ -173,13 +173,13 @@ class Ingress:
         place = self.sessions.get(session.group(1)) if session else None
         if place is not None and place.tenant != tenant:
             place = None  # another tenant's session: routed as unknown, answered 404 by a replica
-        keys = await self._request_keys(path, body, tenant) if request.method == "POST" else []
+        routing = await self._routing(path, body, tenant) if request.method == "POST" else Routing()
         call = (request.method, path, request.url.query.encode(), request.headers.raw, body)
-        sent = await self._send(call, keys, place.replica if place else None)
+        sent = await self._send(call, routing, place.replica if place else None)
         if sent is OWNER_GONE:
             sent = await self._take_over(session.group(1), place, request)
             if sent is None:
-                sent = await self._send(call, keys, place.replica)
+                sent = await self._send(call, routing, place.replica)
         if sent is OWNER_GONE:
             return error(503, *FAILED)
         if isinstance(sent, JSONResponse):
@@ -193,12 +193,13 @@ class Ingress:
         sse = any(name.lower() == "content-type" and value.startswith("text/event-stream") for name, value in headers)
         return _streamed(head["status"], headers, stream, sse)
 
-    async def _send(self, call: tuple, keys: list[str], pin: str | None):
+    async def _send(self, call: tuple, routing: Routing, pin: str | None):
         """(head, stream) of a replica's answer; a 503 or 500 response; or OWNER_GONE when `pin`'s
         replica is dead or gone. A call whose replica dies before answering goes once more elsewhere."""
         for_router = (RequestText(_text_of(call)),) if self.options.router == "prefix" else ()
         for attempt in (1, 2):
-            stream = self.replicas.remote(*call, *for_router, keys=keys, pin=pin, avoid=sorted(self.dead))
+            stream = self.replicas.remote(*call, *for_router, keys=routing.keys, pin=pin, avoid=sorted(self.dead),
+                                          span_tokens=routing.span_tokens)
             try:
                 head = await anext(stream)
             except asyncio.CancelledError:  # the client left before the answer began (Serve cancels us)
@@ -227,7 +228,8 @@ class Ingress:
         if self.options.sessions is None:
             return error(410, f"session {session_id} was lost with its replica, and this server keeps no saved "
                          "sessions (--session-dir): create a new session", "invalid_request_error", "session_gone")
-        sent = await self._send(("POST", f"/v1/sessions/{session_id}/restore", b"", _auth(request), b""), [], None)
+        sent = await self._send(("POST", f"/v1/sessions/{session_id}/restore", b"", _auth(request), b""), Routing(),
+                               None)
         if sent is OWNER_GONE or isinstance(sent, JSONResponse):
             return sent
         head, stream = sent
@@ -276,14 +278,14 @@ class Ingress:
         auth = request.headers.get("authorization", "").encode("latin-1")
         return self.tenants.tenant_of(auth) if self.tenants else None
 
-    async def _request_keys(self, path: str, body: bytes, tenant: str | None) -> list[str]:
+    async def _routing(self, path: str, body: bytes, tenant: str | None) -> Routing:
         if self.options.router != "span" or len(body) > self.options.max_body_bytes:
-            return []  # (only ours reads them)
+            return Routing()  # (only ours reads keys)
         if path not in ("/v1/completions", "/v1/chat/completions", "/v1/spans"):
-            return []
+            return Routing()
         keys = await self._keys_of_engine()
         if keys is None:
-            return []
+            return Routing()
         # tokenizing a long prompt takes a while: off the event loop
         with routing_state.KEYS_SECONDS.time():
             return await asyncio.to_thread(keys, path, body, lambda client_salt: cache_salt(tenant, client_salt))
@@ -296,6 +298,7 @@ class Ingress:
                 try:
                     ctx = await self.hash_context.remote()
                     tokenizer = await asyncio.to_thread(lambda: load_tokenizer(resolve_model(self.model, False)))
+                    ctx.check(tokenizer)
                     self._keys = RequestKeys(tokenizer, ctx)
                 except Exception:  # noqa: BLE001 - routing degrades to load; requests still work
                     log.exception("no routing keys for %.0f s: requests are routed by load alone", KEYS_RETRY_S)

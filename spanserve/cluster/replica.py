@@ -85,15 +85,18 @@ class EngineReplica:
 
     async def forward(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
                       *for_router, keys: list[str] | None = None, pin: str | None = None,
-                      avoid: list[str] | None = None):
+                      avoid: list[str] | None = None, span_tokens: list | None = None):
         """The app's response: its head (with this replica's id), then its body in chunks. `keys`,
         `pin`, `avoid` and `for_router` (the prompt's text, for Ray's prefix router) are for the
-        router (it reads them from the call's arguments). A call pinned to another replica reached
-        this one because that one is gone: the head says so, and the ingress restores the session
-        here first (ingress.py)."""
+        router (it reads them from the call's arguments); `span_tokens`, the ingress's token ids of
+        the request's spans, spare the engine tokenizing them again. A call pinned to another
+        replica reached this one because that one is gone: the head says so, and the ingress
+        restores the session here first (ingress.py)."""
         if pin is not None and pin != self.replica_id:
             yield {"status": 0, "headers": [], "replica": self.replica_id, "not_owner": True}
             return
+        if span_tokens:
+            self.llm.engine.span_tokens.add(span_tokens)
         first = True
         async for item in run_asgi(self.app, method, path, query, headers, body):
             yield {**item, "replica": self.replica_id} if first else item

@@ -37,6 +37,7 @@ from spanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from spanserve.pic.layout import Anchor, PromptLayout, validate_spans
 from spanserve.pic.link import AUTO_FOCUS_TOKENS, FOCUSABLE, LinkPolicy
 from spanserve.pic.prompt import chat_parts, is_parts_prompt, tokenize_parts
+from spanserve.pic.span_tokens import SpanTokens
 from spanserve.sampling import SamplingParams
 from spanserve.sessions.store import SessionStore
 from spanserve.sparse.decode import SparseDecode, load_flows
@@ -130,6 +131,7 @@ class LLMEngine:
         if config.quantization:
             quant.check(config.quantization, self.device, self.dtype)
         self.tokenizer = load_tokenizer(path)
+        self.span_tokens = SpanTokens(self.tokenizer)  # documents come again: tokenized once
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size)  # structured outputs: compiled as asked
         model = load_model(path, self.dtype, self.device, get_backend(config.attention_backend, self.device),
                            max_positions=self.max_model_len, random_weights=config.load_format == "dummy")
@@ -268,7 +270,8 @@ class LLMEngine:
     def _tokenize_parts(self, parts, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
         chars = sum(len(getattr(part, "text", part)) for part in parts if isinstance(getattr(part, "text", part), str))
         text_bound.refuse_beyond(chars, self.max_model_len - 1, self.tokenizer)
-        return tokenize_parts(self.tokenizer, parts, self.config.block_size, self.pad_token_id, add_special_tokens)
+        return tokenize_parts(self.tokenizer, parts, self.config.block_size, self.pad_token_id, add_special_tokens,
+                              self.span_tokens)
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> dict:
         """A conversation as a token prompt; message contents may hold spans (pic/prompt.py).

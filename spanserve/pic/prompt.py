@@ -38,10 +38,11 @@ def is_parts_prompt(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and any(isinstance(p, Span) for p in prompt)
 
 
-def tokenize_parts(tokenizer, parts, block_size: int, pad_id: int,
-                   add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+def tokenize_parts(tokenizer, parts, block_size: int, pad_id: int, add_special_tokens: bool = True,
+                   span_tokens=None) -> tuple[list[int], list[tuple[int, int]]]:
     """Token ids and [start, end) spans of a list of str / Span parts. Special tokens (a BOS
-    for models that want one) are left out for text a chat template rendered."""
+    for models that want one) are left out for text a chat template rendered. `span_tokens`
+    (span_tokens.py, or anything with its `encode`) tokenizes the spans, remembering them."""
     if not isinstance(parts, (list, tuple)) or not parts:
         raise InvalidRequestError("a prompt of parts is a non-empty list of strings and Spans")
     pieces = [(list(tokenizer.encode("", add_special_tokens=True)) if add_special_tokens else [], False)]
@@ -54,8 +55,11 @@ def tokenize_parts(tokenizer, parts, block_size: int, pad_id: int,
         text = part.text if isinstance(part, Span) else part
         # a span of a chat message is message text too; in a plain prompt it is tokenized as the text around it
         plain = isinstance(part, Span) and part.in_message
-        pieces.append((tokenizer.encode(text, add_special_tokens=False, split_special_tokens=plain),
-                       isinstance(part, Span)))
+        if isinstance(part, Span) and span_tokens is not None:
+            pieces.append((span_tokens.encode(text, split_special_tokens=plain), True))
+        else:
+            pieces.append((tokenizer.encode(text, add_special_tokens=False, split_special_tokens=plain),
+                           isinstance(part, Span)))
     return assemble(pieces, block_size, pad_id)
 
 
