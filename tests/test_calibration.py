@@ -62,9 +62,9 @@ def test_without_the_library_every_row_stays_with_torch_and_nothing_is_cached(mo
     assert calibration._read() == {}  # a later start with the library measures
 
 
-def _bf16_dot_kernel():
-    kernel = cpu_kernel.load("decode")
-    if kernel is None or not kernel.set_bf16_dot(1):
+def _bf16_dot_kernel(setter: str = "set_bf16_dot"):
+    kernel = cpu_kernel.load()
+    if kernel is None or not getattr(kernel, setter)(1):
         pytest.skip("no bf16 dot-product path here (no AVX-512 BF16, or no C compiler)")
     return kernel
 
@@ -95,3 +95,39 @@ def test_the_decode_path_is_measured_once_and_set(monkeypatch):
     monkeypatch.setattr(calibration, "_dot_is_faster", lambda *args: pytest.fail("measured again"))
     assert calibration.use_decode_bf16_dot(6, 2, 64) is False
     assert kernel.set_bf16_dot(1)  # it was set off; back on for the tests after
+
+
+def test_both_bf16_prefill_paths_give_the_attention_of_the_reference():
+    """A question's rows over keys, some moved by a rotation as they are read, both ways."""
+    import torch
+
+    kernel = _bf16_dot_kernel("set_prefill_bf16_dot")
+    gen = torch.Generator().manual_seed(6)
+    k_cache, v_cache = (torch.randn(40, 16, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    tables, n, rows, moved = torch.randperm(40, generator=gen)[:30].view(1, 30), 470, 21, 300
+    q = torch.randn(rows, 6, 64, generator=gen).bfloat16()
+    angles = torch.rand(moved, 32, generator=gen) * 6
+    rotation = (torch.tensor([0, moved]), angles.cos(), angles.sin())
+    keys = k_cache[tables[0]].flatten(0, 1)[:n].double()
+    x, y = keys[:moved, :, :32].clone(), keys[:moved, :, 32:].clone()
+    c, s = angles.cos().double()[:, None], angles.sin().double()[:, None]
+    keys[:moved, :, :32], keys[:moved, :, 32:] = x * c - y * s, y * c + x * s
+    values = v_cache[tables[0]].flatten(0, 1)[:n].double()
+    positions = torch.arange(n - rows, n)
+    scores = torch.einsum("thd,khd->thk", q.double(), keys.repeat_interleave(3, 1)) / 8
+    scores = scores.masked_fill(torch.arange(n)[None, None] > positions[:, None, None], float("-inf"))
+    want = torch.einsum("thk,khd->thd", scores.softmax(-1), values.repeat_interleave(3, 1))
+    for dot in (1, 0):
+        kernel.set_prefill_bf16_dot(dot)
+        got = cpu_kernel.paged_prefill(q, k_cache, v_cache, tables, torch.tensor([0, rows]), positions,
+                                       torch.tensor([n]), 1 / 8, rotations=rotation)
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=0)
+
+
+def test_the_prefill_path_is_measured_once_and_set(monkeypatch):
+    kernel = _bf16_dot_kernel("set_prefill_bf16_dot")
+    monkeypatch.setattr(calibration, "_dot_is_faster", lambda *args: False)
+    assert calibration.use_prefill_bf16_dot(6, 2, 64) is False
+    monkeypatch.setattr(calibration, "_dot_is_faster", lambda *args: pytest.fail("measured again"))
+    assert calibration.use_prefill_bf16_dot(6, 2, 64) is False
+    assert kernel.set_prefill_bf16_dot(1)  # it was set off; back on for the tests after

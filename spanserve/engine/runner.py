@@ -51,13 +51,16 @@ class ModelRunner:
         self.encoder_reads = False  # whether it has reader deltas
         self.voters = ProbeVoters.default(cfg.num_layers, cfg.num_heads)  # of the focus probe (pic/voters.py)
         self.encoder_voters = self.voters  # the plug-in's own, for requests it encodes
-        self.decode_bf16_dot = None  # bf16 decode attention's measured path on CPU (kernels/calibration.py)
+        # bf16 decode and prefill attention's measured paths on CPU (kernels/calibration.py)
+        self.decode_bf16_dot = self.prefill_bf16_dot = None
         if device.type == "cpu":
             use_pool_for_matmuls(model)
             keep_freed_memory()
             cpu_kernel.load()  # built now (seconds, once per machine) rather than in the first request
             if self.model_dtype == kv_dtype == torch.bfloat16:
-                self.decode_bf16_dot = calibration.use_decode_bf16_dot(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+                shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+                self.decode_bf16_dot = calibration.use_decode_bf16_dot(*shape)
+                self.prefill_bf16_dot = calibration.use_prefill_bf16_dot(*shape)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest],

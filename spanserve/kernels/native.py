@@ -158,6 +158,7 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
         "rope_store": ([pointer] * 3 + [i64] * 3 + [pointer] * 3 + [i64] + [pointer] * 5
                        + [i64, i64, i32, i32, i32, i32, i32], i32),
         "set_bf16_dot": ([i32], i32),
+        "set_prefill_bf16_dot": ([i32], i32),
         "centroid_topk": ([pointer, i32, pointer, i64, pointer, i64, pointer, i32] + [i64] * 8 + [pointer], i64),
     }
     for name, (argtypes, restype) in entries.items():

@@ -16,6 +16,13 @@
  * The arithmetic is written once with GCC vector extensions (gcc and clang): compiled with
  * -march=native they become AVX-512, AVX2 or NEON code. Scores and sums are float32.
  *
+ * A bf16 model over a bf16 cache may instead take bf16 dot products (vdpbf16ps, where the CPU
+ * has AVX-512 BF16): queries and keys as bf16 pairs along the head dimension, the softmax's
+ * weights rounded to bf16 and paired along keys with the values, float32 sums (the rounding of
+ * a flash attention's P on GPUs). Half the multiply-adds: a question over thousands of cached
+ * keys is dominated by them. set_prefill_bf16_dot turns it on or off (kernels/calibration.py
+ * measures which is faster per CPU).
+ *
  * Layouts (contiguous): q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D];
  * block_tables [B, max_blocks] int64; query_starts [B + 1] int64 (sequence b owns query rows
  * query_starts[b] .. query_starts[b + 1] - 1); positions [T] int64 (query t sees keys
@@ -40,6 +47,21 @@
 
 #include "common.h"
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && LANES == 16
+#define PAIR_DOT 1 /* bf16 pairs dotted with vdpbf16ps */
+#endif
+static int pair_dot_on = 1;
+
+/* Turn the bf16 dot products on or off; whether this build has them (0: the setting changes nothing). */
+int set_prefill_bf16_dot(int on) {
+    pair_dot_on = on != 0;
+#if defined(PAIR_DOT)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* A row group is LANES rows (one vector's lanes); a key group, LANES keys. */
 
 #define TILE_ROWS 256  /* rows of a unit (tokens x grouped heads), at least one token */
@@ -54,6 +76,7 @@ typedef struct {
     int64_t max_blocks;
     int heads, kv_heads, dim, block_size, dtype, kv_dtype, groups, tile_tokens, row_groups;
     float scale;
+    int pairs; /* this call takes the bf16 dot products */
 } Args;
 
 typedef struct {
@@ -71,6 +94,9 @@ typedef struct { /* one thread's scratch */
     vi *rows_pos;         /* [row_groups] */
     int64_t *min_pos;     /* [row_groups]: the least position of a row group's real rows */
     float *keys, *values; /* [LANES][dim] */
+    uint32_t *query_pairs;  /* the bf16 path's: [row_groups][dim / 2][LANES], bf16 pairs along dim */
+    uint32_t *key_pairs;    /* [LANES][dim / 2]: bf16 pairs along dim */
+    uint32_t *value_pairs;  /* [LANES / 2][dim]: bf16 pairs of keys 2t, 2t + 1 */
 } Scratch;
 
 /* The cache row of key `key` of sequence `seq`, KV head `kv`, as an element index. */
@@ -82,8 +108,12 @@ static inline int64_t key_index(const Args *a, int64_t seq, int64_t key, int kv)
 /* Key `key` of sequence `seq` (float32, [dim]) rotated in place by its angles, if it has any:
  * span keys cached at the positions they were computed at, attended from others (RoPE's
  * rotate-half layout, the sine's sign folded in, as KeyRotation stores them). */
+static inline int rotated(const Args *a, int64_t seq, int64_t key) {
+    return a->rot_starts != NULL && key < a->rot_starts[seq + 1] - a->rot_starts[seq];
+}
+
 static void rotate_key(const Args *a, int64_t seq, int64_t key, float *row) {
-    if (a->rot_starts == NULL || key >= a->rot_starts[seq + 1] - a->rot_starts[seq]) return;
+    if (!rotated(a, seq, key)) return;
     int half = a->dim / 2;
     const float *cos = a->rot_cos + (a->rot_starts[seq] + key) * half, *sin = a->rot_sin + (a->rot_starts[seq] + key) * half;
     for (int i = 0; i < half; i++) {
@@ -115,19 +145,27 @@ static void load_panels(const Args *a, const Scratch *s, int64_t seq, int kv, in
 static void load_queries(const Args *a, const Scratch *s, const Unit *u) {
     int dim = a->dim, rows = u->tokens * a->groups;
     float row[512];
-    for (int g = 0; g < a->row_groups; g++) {
+    for (int g = 0; g < a->row_groups; g++)
         for (int d = 0; d < dim; d++) s->queries[g * dim + d] = splat(0.0f);
-        s->rows_pos[g] = splat_int(INT32_MAX);
-        s->min_pos[g] = INT32_MAX;
-    }
     for (int r = 0; r < rows; r++) {
         int64_t token = u->row0 + r / a->groups;
         int head = u->kv_head * a->groups + r % a->groups;
         load_floats(a->q, (token * a->heads + head) * dim, dim, a->dtype, row);
         vf *column = s->queries + (r / LANES) * dim;
         for (int d = 0; d < dim; d++) column[d][r % LANES] = row[d] * a->scale;
-        s->rows_pos[r / LANES][r % LANES] = (int32_t)a->positions[token];
-        s->min_pos[r / LANES] = a->positions[token] < s->min_pos[r / LANES] ? a->positions[token] : s->min_pos[r / LANES];
+    }
+}
+
+/* Each row's position, and each row group's least (padding rows see every key). */
+static void load_positions(const Args *a, const Scratch *s, const Unit *u) {
+    for (int g = 0; g < a->row_groups; g++) {
+        s->rows_pos[g] = splat_int(INT32_MAX);
+        s->min_pos[g] = INT32_MAX;
+    }
+    for (int r = 0; r < u->tokens * a->groups; r++) {
+        int64_t position = a->positions[u->row0 + r / a->groups];
+        s->rows_pos[r / LANES][r % LANES] = (int32_t)position;
+        s->min_pos[r / LANES] = position < s->min_pos[r / LANES] ? position : s->min_pos[r / LANES];
     }
 }
 
@@ -272,10 +310,164 @@ static void step(const Scratch *s, int g0, int groups, int64_t kbegin, int n, vf
     }
 }
 
+#if defined(PAIR_DOT)
+/* The bf16 path. Its layouts hold bf16 pairs in 32-bit words, low half first. */
+
+/* A unit's queries, unscaled, as bf16 pairs along dim: lane r of word d2 of row group g holds
+ * elements 2 d2, 2 d2 + 1 of row LANES g + r (padding rows zeros). */
+static void load_query_pairs(const Args *a, const Scratch *s, const Unit *u) {
+    int half = a->dim / 2, rows = u->tokens * a->groups;
+    uint32_t row[256];
+    memset(s->query_pairs, 0, (size_t)a->row_groups * half * LANES * sizeof(uint32_t));
+    for (int r = 0; r < rows; r++) {
+        int64_t token = u->row0 + r / a->groups;
+        int head = u->kv_head * a->groups + r % a->groups;
+        memcpy(row, (const uint16_t *)a->q + (token * a->heads + head) * a->dim, a->dim * sizeof(uint16_t));
+        uint32_t *column = s->query_pairs + (size_t)(r / LANES) * half * LANES + r % LANES;
+        for (int d2 = 0; d2 < half; d2++) column[d2 * LANES] = row[d2];
+    }
+}
+
+/* Keys kbegin .. kbegin + n - 1 as bf16 pairs along dim (a rotated key rotated in float32, then
+ * rounded to bf16 as the cache stores keys), and values as pairs of keys; missing keys zeros. */
+static void load_pair_panels(const Args *a, const Scratch *s, int64_t seq, int kv, int64_t kbegin, int n) {
+    static const uint16_t zeros[512];
+    int dim = a->dim, half = dim / 2;
+    const uint16_t *k_cache = a->k_cache, *v_cache = a->v_cache, *values[LANES];
+    float row[512];
+    for (int t = 0; t < LANES; t++) {
+        uint32_t *key = s->key_pairs + t * half;
+        if (t >= n) {
+            memset(key, 0, half * sizeof(uint32_t));
+            values[t] = zeros;
+            continue;
+        }
+        int64_t index = key_index(a, seq, kbegin + t, kv);
+        values[t] = v_cache + index;
+        if (!rotated(a, seq, kbegin + t)) {
+            memcpy(key, k_cache + index, dim * sizeof(uint16_t));
+            continue;
+        }
+        load_floats(k_cache, index, dim, 1, row);
+        rotate_key(a, seq, kbegin + t, row);
+        for (int d2 = 0; d2 < half; d2++)
+            key[d2] = float_to_bf16(row[2 * d2]) | (uint32_t)float_to_bf16(row[2 * d2 + 1]) << 16;
+    }
+    for (int t = 0; t < LANES; t += 2) {
+        uint32_t *pair = s->value_pairs + (t / 2) * dim;
+        for (int d = 0; d < dim; d++) pair[d] = values[t][d] | (uint32_t)values[t + 1][d] << 16;
+    }
+}
+
+/* Scaled scores of row groups [0, groups) against pair-panel keys k0 .. k0 + keys - 1. */
+ALWAYS_INLINE void score_pairs(const uint32_t *queries, const uint32_t *panel, int dim, int groups, int k0, int keys,
+                               float scale, vf scores[MAX_GROUPS][LANES]) {
+    int half = dim / 2;
+    __m512 sums[MAX_GROUPS][LANES];
+#pragma GCC unroll 4
+    for (int g = 0; g < groups; g++)
+#pragma GCC unroll 16
+        for (int j = 0; j < keys; j++) sums[g][j] = _mm512_setzero_ps();
+    for (int d2 = 0; d2 < half; d2++) {
+#pragma GCC unroll 16
+        for (int j = 0; j < keys; j++) {
+            __m512bh key = (__m512bh)_mm512_set1_epi32((int)panel[(k0 + j) * half + d2]);
+#pragma GCC unroll 4
+            for (int g = 0; g < groups; g++)
+                sums[g][j] = _mm512_dpbf16_ps(sums[g][j], (__m512bh)_mm512_load_si512(queries + (g * half + d2) * LANES),
+                                              key);
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < groups; g++)
+#pragma GCC unroll 16
+        for (int j = 0; j < keys; j++) scores[g][k0 + j] = (vf)_mm512_mul_ps(sums[g][j], _mm512_set1_ps(scale));
+}
+
+/* The weights of keys 2 t2 and 2 t2 + 1 of each row as a bf16 pair (rounded to nearest even). */
+static inline __m512i weight_pair(vf first, vf second) {
+    __m512i low = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)first));
+    __m512i high = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)second));
+    return _mm512_or_si512(low, _mm512_slli_epi32(high, 16));
+}
+
+/* weigh_values over value pairs: dimensions d0 .. d0 + width - 1 of each row group's sums. */
+ALWAYS_INLINE void weigh_pairs(const uint32_t *panel, int dim, int groups, int d0, int width,
+                               const __m512i weights[MAX_GROUPS][LANES / 2], int rescaled, const vf *rescale,
+                               vf *state, int stride) {
+    __m512 sums[MAX_GROUPS][8];
+#pragma GCC unroll 4
+    for (int g = 0; g < groups; g++)
+#pragma GCC unroll 8
+        for (int j = 0; j < width; j++)
+            sums[g][j] = (__m512)(rescaled ? state[g * stride + d0 + j] * rescale[g] : state[g * stride + d0 + j]);
+    for (int t2 = 0; t2 < LANES / 2; t2++) {
+#pragma GCC unroll 8
+        for (int j = 0; j < width; j++) {
+            __m512bh value = (__m512bh)_mm512_set1_epi32((int)panel[t2 * dim + d0 + j]);
+#pragma GCC unroll 4
+            for (int g = 0; g < groups; g++) sums[g][j] = _mm512_dpbf16_ps(sums[g][j], (__m512bh)weights[g][t2], value);
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < groups; g++)
+#pragma GCC unroll 8
+        for (int j = 0; j < width; j++) state[g * stride + d0 + j] = (vf)sums[g][j];
+}
+
+ALWAYS_INLINE void weigh_all_pairs(const uint32_t *panel, int dim, int groups, int width,
+                                   const __m512i weights[MAX_GROUPS][LANES / 2], int rescaled, const vf *rescale,
+                                   vf *state, int stride) {
+    int d = 0;
+    for (; d + width <= dim; d += width) weigh_pairs(panel, dim, groups, d, width, weights, rescaled, rescale, state, stride);
+    for (; d < dim; d++) weigh_pairs(panel, dim, groups, d, 1, weights, rescaled, rescale, state, stride);
+}
+
+/* step_groups on the pair panels. */
+ALWAYS_INLINE void step_pair_groups(const Args *a, const Scratch *s, int g0, int groups, int64_t kbegin, int n,
+                                    vf *state, int dim) {
+    int stride = dim + 2, width = VALUE_WIDTH[groups], keys = SCORE_KEYS[groups];
+    vf scores[MAX_GROUPS][LANES], rescale[MAX_GROUPS];
+    __m512i weights[MAX_GROUPS][LANES / 2];
+    const uint32_t *queries = s->query_pairs + (size_t)g0 * (dim / 2) * LANES;
+    for (int k0 = 0; k0 < LANES; k0 += keys) score_pairs(queries, s->key_pairs, dim, groups, k0, keys, a->scale, scores);
+    int moved = 0;
+    for (int g = 0; g < groups; g++) {
+        rescale[g] = splat(1.0f);
+        moved |= softmax_step(scores[g], s->rows_pos[g0 + g], s->min_pos[g0 + g], kbegin, n,
+                              state + g * stride + dim, state + g * stride + dim + 1, &rescale[g]);
+        for (int t2 = 0; t2 < LANES / 2; t2++) weights[g][t2] = weight_pair(scores[g][2 * t2], scores[g][2 * t2 + 1]);
+    }
+    if (moved) weigh_all_pairs(s->value_pairs, dim, groups, width, weights, 1, rescale, state, stride);
+    else weigh_all_pairs(s->value_pairs, dim, groups, width, weights, 0, rescale, state, stride);
+}
+
+#define PAIR_STEP_FOR_DIM(groups) \
+    case groups: \
+        if (dim == 64) step_pair_groups(a, s, g0, groups, kbegin, n, state, 64); \
+        else if (dim == 128) step_pair_groups(a, s, g0, groups, kbegin, n, state, 128); \
+        else step_pair_groups(a, s, g0, groups, kbegin, n, state, dim); \
+        break;
+
+static void pair_step(const Args *a, const Scratch *s, int g0, int groups, int64_t kbegin, int n, vf *state, int dim) {
+    switch (groups) {
+        PAIR_STEP_FOR_DIM(1)
+        PAIR_STEP_FOR_DIM(2)
+        PAIR_STEP_FOR_DIM(3)
+        PAIR_STEP_FOR_DIM(4)
+    }
+}
+#endif
+
 /* Task `task`: its unit's rows over keys [kbegin, kend), into state [row_groups][dim + 2]. */
 static void run_task(const Args *a, const Scratch *s, const Unit *u, const Task *task, vf *state) {
     int width = a->dim + 2, row_groups = (u->tokens * a->groups + LANES - 1) / LANES;
-    load_queries(a, s, u);
+    load_positions(a, s, u);
+#if defined(PAIR_DOT)
+    if (a->pairs) load_query_pairs(a, s, u);
+    else
+#endif
+        load_queries(a, s, u);
     for (int g = 0; g < row_groups; g++) {
         vf *st = state + g * width;
         for (int d = 0; d < a->dim; d++) st[d] = splat(0.0f);
@@ -284,6 +476,15 @@ static void run_task(const Args *a, const Scratch *s, const Unit *u, const Task 
     }
     for (int64_t k = task->kbegin; k < task->kend; k += LANES) { /* kend: past the unit's last position */
         int n = task->kend - k < LANES ? (int)(task->kend - k) : LANES;
+#if defined(PAIR_DOT)
+        if (a->pairs) {
+            load_pair_panels(a, s, u->seq, u->kv_head, k, n);
+            for (int g = 0; g < row_groups; g += MAX_GROUPS)
+                pair_step(a, s, g, row_groups - g < MAX_GROUPS ? row_groups - g : MAX_GROUPS, k, n, state + g * width,
+                          a->dim);
+            continue;
+        }
+#endif
         load_panels(a, s, u->seq, u->kv_head, k, n);
         for (int g = 0; g < row_groups; g += MAX_GROUPS)
             step(s, g, row_groups - g < MAX_GROUPS ? row_groups - g : MAX_GROUPS, k, n, state + g * width, a->dim);
@@ -371,7 +572,10 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void 
                   int64_t num_rows, int64_t max_blocks, int heads, int kv_heads, int dim, int block_size, float scale,
                   int dtype, int kv_dtype) {
     Args a = {q, k_cache, v_cache, out, block_tables, query_starts, positions, context_lens, rot_starts, rot_cos,
-              rot_sin, max_blocks, heads, kv_heads, dim, block_size, dtype, kv_dtype, 0, 0, 0, scale};
+              rot_sin, max_blocks, heads, kv_heads, dim, block_size, dtype, kv_dtype, 0, 0, 0, scale, 0};
+#if defined(PAIR_DOT)
+    a.pairs = pair_dot_on && dtype == 1 && kv_dtype == 1 && dim % 2 == 0;
+#endif
     int status = check(&a, num_seqs, num_rows);
     if (status != 0) return status;
     a.groups = heads / kv_heads;
@@ -395,8 +599,12 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void 
         FLUSH_DENORMALS_BEGIN
         Scratch s = {aligned_alloc(64, a.row_groups * dim * sizeof(vf)), aligned_alloc(64, a.row_groups * sizeof(vi)),
                      malloc(a.row_groups * sizeof(int64_t)), malloc(LANES * dim * sizeof(float)),
-                     malloc(LANES * dim * sizeof(float))};
-        if (!s.queries || !s.rows_pos || !s.min_pos || !s.keys || !s.values) failed = 1;
+                     malloc(LANES * dim * sizeof(float)),
+                     aligned_alloc(64, (size_t)a.row_groups * (dim / 2 + 1) * LANES * sizeof(uint32_t)),
+                     malloc(LANES * (dim / 2 + 1) * sizeof(uint32_t)), malloc(LANES * dim * sizeof(uint32_t))};
+        if (!s.queries || !s.rows_pos || !s.min_pos || !s.keys || !s.values || !s.query_pairs || !s.key_pairs ||
+            !s.value_pairs)
+            failed = 1;
         /* Latest tasks first: in a causal prompt they see the most keys, so the threads end together. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = num_tasks - 1; i >= 0; i--)
@@ -409,6 +617,9 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void 
         free(s.min_pos);
         free(s.keys);
         free(s.values);
+        free(s.query_pairs);
+        free(s.key_pairs);
+        free(s.value_pairs);
         FLUSH_DENORMALS_END
     }
     free(states);
