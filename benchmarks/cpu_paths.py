@@ -89,11 +89,14 @@ def _torch_paths(engine):
     with cpu_kernel.only_kernels(set(cpu_kernel.KERNELS) - {"gemm"}):
         if kernel is not None:
             kernel.set_bf16_dot(1)
+            kernel.set_prefill_bf16_dot(0)  # prefill attention widened to float32, as before its dot products
         try:
             yield
         finally:
             if kernel is not None and engine.runner.decode_bf16_dot is not None:
                 kernel.set_bf16_dot(int(engine.runner.decode_bf16_dot))
+            if kernel is not None and engine.runner.prefill_bf16_dot is not None:
+                kernel.set_prefill_bf16_dot(int(engine.runner.prefill_bf16_dot))
 
 
 def main(argv: list[str] | None = None) -> int:

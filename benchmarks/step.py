@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> dict:
     choice = "" if result["bf16_gemm_rows"] is None else f", C GEMM up to {result['bf16_gemm_rows']} rows"
     if result["decode_bf16_dot"] is not None:
         choice += ", decode attention " + ("dots bf16" if result["decode_bf16_dot"] else "widens bf16")
+    result["prefill_bf16_dot"] = llm.engine.runner.prefill_bf16_dot
+    if result["prefill_bf16_dot"] is not None:
+        choice += ", prefill attention " + ("dots bf16" if result["prefill_bf16_dot"] else "widens bf16")
     harness.print_table(["batch", "step ms", "tok/s", *[f"{p} ms (profiled)" for p in PARTS]],
                         [[r["batch"], f"{r['step_ms']:.1f}", f"{r['tok_s']:.1f}",
                           *[f"{r['profiled_ms'][p]:.1f}" for p in PARTS]] for r in rows],
