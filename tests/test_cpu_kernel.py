@@ -245,17 +245,18 @@ def test_prefill_kernel_equals_the_reference(dtype, tolerance, block_size, heads
 
 @needs_kernel
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 5e-5), (torch.bfloat16, 2**-8)])
-def test_prefill_kernel_rotates_moved_keys_as_it_reads_them(dtype, tolerance, bf16_prefill):
+@pytest.mark.parametrize("dim", [64, 48])  # (the dot products rotate a head of 48 element by element)
+def test_prefill_kernel_rotates_moved_keys_as_it_reads_them(dtype, tolerance, dim, bf16_prefill):
     """Span keys cached at the positions they were computed at: the first keys of some sequences
     move by their own angles (KeyRotation, as the runner makes them), the cache is left as it
     was, and each query sees the moved keys."""
     tolerance *= bf16_prefill if dtype == torch.bfloat16 else 1.0
-    q, cache, tables, contexts, starts, positions, lens = prefill_case(dtype)
+    q, cache, tables, contexts, starts, positions, lens = prefill_case(dtype, dim=dim)
     before = cache.clone()
     gen = torch.Generator().manual_seed(5)
     rotations = [None] * len(contexts)
     for i, moved in ((0, 33), (2, 1200), (4, 17)):
-        angles = torch.rand(moved, 32, generator=gen) * 6.28
+        angles = torch.rand(moved, dim // 2, generator=gen) * 6.28
         rotations[i] = KeyRotation.from_angles(angles.cos(), angles.sin(), 3)
     out = cpu_kernel.paged_prefill(q, cache[0], cache[1], tables, starts, positions, lens, 0.3,
                                    rotations=torch_ref.key_rotations(rotations))

@@ -328,6 +328,27 @@ static void load_query_pairs(const Args *a, const Scratch *s, const Unit *u) {
     }
 }
 
+static inline __m512 widen16(const uint16_t *bf16) { /* 16 bf16s as float32s */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bf16)), 16));
+}
+
+/* A moved key (bf16, dim a multiple of 32) rotated by its angles in float32, then rounded to
+ * nearest even as bf16 pairs: in vector registers, since nearly every key of a reused document
+ * moves. As rotate_key then float_to_bf16, element by element. */
+static void rotated_key_pairs(const uint16_t *key, const float *cos, const float *sin, int dim, uint32_t *out) {
+    int half = dim / 2;
+    float row[512];
+    for (int i = 0; i < half; i += 16) {
+        __m512 x = widen16(key + i), y = widen16(key + half + i);
+        __m512 c = _mm512_loadu_ps(cos + i), s = _mm512_loadu_ps(sin + i);
+        _mm512_storeu_ps(row + i, _mm512_fmsub_ps(x, c, _mm512_mul_ps(y, s)));
+        _mm512_storeu_ps(row + half + i, _mm512_fmadd_ps(y, c, _mm512_mul_ps(x, s)));
+    }
+    for (int d = 0; d < dim; d += 32) /* elements d .. d + 31 in order: pairs d / 2 .. d / 2 + 15 */
+        _mm512_storeu_si512(out + d / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + d + 16),
+                                                                      _mm512_loadu_ps(row + d)));
+}
+
 /* Keys kbegin .. kbegin + n - 1 as bf16 pairs along dim (a rotated key rotated in float32, then
  * rounded to bf16 as the cache stores keys), and values as pairs of keys; missing keys zeros. */
 static void load_pair_panels(const Args *a, const Scratch *s, int64_t seq, int kv, int64_t kbegin, int n) {
@@ -348,6 +369,11 @@ static void load_pair_panels(const Args *a, const Scratch *s, int64_t seq, int k
             memcpy(key, k_cache + index, dim * sizeof(uint16_t));
             continue;
         }
+        if (dim % 32 == 0) {
+            int64_t angles = (a->rot_starts[seq] + kbegin + t) * half;
+            rotated_key_pairs(k_cache + index, a->rot_cos + angles, a->rot_sin + angles, dim, key);
+            continue;
+        }
         load_floats(k_cache, index, dim, 1, row);
         rotate_key(a, seq, kbegin + t, row);
         for (int d2 = 0; d2 < half; d2++)
@@ -355,7 +381,13 @@ static void load_pair_panels(const Args *a, const Scratch *s, int64_t seq, int k
     }
     for (int t = 0; t < LANES; t += 2) {
         uint32_t *pair = s->value_pairs + (t / 2) * dim;
-        for (int d = 0; d < dim; d++) pair[d] = values[t][d] | (uint32_t)values[t + 1][d] << 16;
+        int d = 0;
+        for (; d + 16 <= dim; d += 16) {
+            __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(values[t] + d)));
+            __m512i high = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(values[t + 1] + d)));
+            _mm512_storeu_si512(pair + d, _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+        }
+        for (; d < dim; d++) pair[d] = values[t][d] | (uint32_t)values[t + 1][d] << 16;
     }
 }
 
