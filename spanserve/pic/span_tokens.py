@@ -39,7 +39,13 @@ class SpanTokens:
         """Ids of (text, split_special_tokens) computed elsewhere with the same tokenizer, no special
         tokens added (the cluster's ingress)."""
         for text, split, tokens in entries:
-            self._remember((text, False, bool(split)), tokens)
+            key = (text, False, bool(split))
+            with self._lock:
+                held = self._ids.get(key) is not None
+                if held:  # (a replica is handed a document's ids with every request that holds it)
+                    self._ids.move_to_end(key)
+            if not held:
+                self._remember(key, tokens)
 
     def __len__(self) -> int:
         return len(self._ids)

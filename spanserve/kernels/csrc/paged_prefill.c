@@ -328,6 +328,11 @@ static void load_query_pairs(const Args *a, const Scratch *s, const Unit *u) {
     }
 }
 
+/* 16 bf16 pairs from two vectors of 16 bf16s: lane i holds low[i] in its low half, high[i] above. */
+static inline __m512i pair_words(__m256i low, __m256i high) {
+    return _mm512_or_si512(_mm512_cvtepu16_epi32(low), _mm512_slli_epi32(_mm512_cvtepu16_epi32(high), 16));
+}
+
 static inline __m512 widen16(const uint16_t *bf16) { /* 16 bf16s as float32s */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bf16)), 16));
 }
@@ -383,9 +388,8 @@ static void load_pair_panels(const Args *a, const Scratch *s, int64_t seq, int k
         uint32_t *pair = s->value_pairs + (t / 2) * dim;
         int d = 0;
         for (; d + 16 <= dim; d += 16) {
-            __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(values[t] + d)));
-            __m512i high = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(values[t + 1] + d)));
-            _mm512_storeu_si512(pair + d, _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+            _mm512_storeu_si512(pair + d, pair_words(_mm256_loadu_si256((const __m256i *)(values[t] + d)),
+                                                     _mm256_loadu_si256((const __m256i *)(values[t + 1] + d))));
         }
         for (; d < dim; d++) pair[d] = values[t][d] | (uint32_t)values[t + 1][d] << 16;
     }
@@ -418,9 +422,7 @@ ALWAYS_INLINE void score_pairs(const uint32_t *queries, const uint32_t *panel, i
 
 /* The weights of keys 2 t2 and 2 t2 + 1 of each row as a bf16 pair (rounded to nearest even). */
 static inline __m512i weight_pair(vf first, vf second) {
-    __m512i low = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)first));
-    __m512i high = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)second));
-    return _mm512_or_si512(low, _mm512_slli_epi32(high, 16));
+    return pair_words((__m256i)_mm512_cvtneps_pbh((__m512)first), (__m256i)_mm512_cvtneps_pbh((__m512)second));
 }
 
 /* weigh_values over value pairs: dimensions d0 .. d0 + width - 1 of each row group's sums. */
