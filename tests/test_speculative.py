@@ -10,6 +10,8 @@ from helpers import assert_engine_idle, greedy, looping, random_prompt, token_id
 from spanserve import LLM, SamplingParams
 from spanserve.engine.request import Request
 from spanserve.engine.sampler import verify
+from spanserve.sparse.builtins import BUILTINS
+from spanserve.sparse.decode import SparseDecode
 from spanserve.speculative import ngram
 from spanserve.speculative.config import SpeculativeConfig, SpeculativeConfigError
 
@@ -226,3 +228,39 @@ def test_spans_n_and_stop_strings_keep_the_plain_output(plain, drafting):
     got, expected = (llm.generate(prompt, params)[0].outputs[0] for llm in (drafting, plain))
     assert (got.text, got.finish_reason) == (expected.text, expected.finish_reason)
     assert_engine_idle(drafting)
+
+
+@pytest.mark.parametrize("flow", ["block_topk", "quest", "h2o", "streaming"])
+def test_a_sparse_flow_drafts_and_keeps_its_sparse_output(plain, drafting, flow):
+    """A verify step attends through the flow row by row: the tokens and logprobs of sparse decode
+    without drafts, H2O's accumulated state rolled back past the rejected rows."""
+    prompts = [{"prompt_token_ids": looping(470, seed)} for seed in (7, 11)]  # the tiny model loops on these
+    params = greedy(32, logprobs=1, sparse=flow, sparse_budget=96)  # 6 of some 30 blocks: it narrows
+    dense = plain.generate(prompts, greedy(32, logprobs=1))
+    expected = plain.generate(prompts, params)
+    speculator = drafting.engine.speculator
+    before = speculator.num_accepted
+    got = drafting.generate(prompts, params)
+    assert token_ids(got) == token_ids(expected)
+    for e, g, d in zip(expected, got, dense):
+        e, g, d = e.outputs[0].logprobs, g.outputs[0].logprobs, d.outputs[0].logprobs
+        assert all(abs(x[t] - y[t]) < 1e-4 for x, y in zip(e, g) for t in x)
+    assert any(abs(max(x.values()) - max(y.values())) > 1e-3 for o, s in zip(dense, expected)
+               for x, y in zip(o.outputs[0].logprobs, s.outputs[0].logprobs))  # narrowed: not dense attention
+    assert speculator.num_accepted - before > 10
+    assert_engine_idle(drafting)
+
+
+def test_a_verify_step_rolls_a_flows_state_back_to_its_last_accepted_row():
+    decode = SparseDecode(BUILTINS["h2o"](), 96, 16)
+    decode.state[0] = {"acc": torch.zeros(2)}
+    decode.begin(3)  # a real token and two drafts
+    for row in range(3):
+        state, step = decode.picking(0, row)
+        assert step == row + 1
+        state["acc"] += 1  # changed in place: the kept state must not follow it
+        decode.picked(0, row)
+    decode.verified(2)  # the first draft accepted, the second rejected
+    assert decode.state[0]["acc"].tolist() == [2, 2] and decode.steps == 2
+    decode.begin(1)
+    assert decode.picking(0, 0)[1] == 3 and decode.trail is None

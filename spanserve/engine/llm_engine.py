@@ -548,6 +548,8 @@ class LLMEngine:
             self._append(req, sample, detok)
         if drafted:
             self.speculator.accepted(req, drafted, len(samples) - 1, self.kv)
+            if req.sparse is not None:
+                req.sparse.verified(len(samples))
 
     def _append(self, req: Request, sample: Sample, detok: IncrementalDetokenizer) -> None:
         req.append_token(sample.token_id)

@@ -129,8 +129,8 @@ class ModelRunner:
                 context_lens.append(ctx_len)
                 rotations.append(None if self._settled(layout, table) else self._rotation(layout, ctx_len))
                 shares.append(self._span_share(layout, ctx_len))
-                if samples:  # the last token's row, and a draft's each
-                    logit_rows.extend(range(len(input_ids) - 1 - item.drafts, len(input_ids)))
+                if samples:  # the last token's row, and a draft's each (a sparse verify row is a sequence)
+                    logit_rows.extend(range(len(input_ids) - min(len(pos), 1 + item.drafts), len(input_ids)))
         block_tables = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.long)
         for i, table in enumerate(tables):
             block_tables[i, : len(table)] = torch.tensor(table)
@@ -453,7 +453,8 @@ def _samples(logits: torch.Tensor, items: list[ScheduledRequest]) -> list[list[S
 def _sequences(item: ScheduledRequest):
     """The attention sequences of one scheduled request: (tokens, positions, block ids, context
     length, layout whose span keys need rotating, samples?, in a span?). A span chunk is a sequence
-    of its own whose positions count from the span's start; the in-context chunk sees everything."""
+    of its own whose positions count from the span's start; the in-context chunk sees everything
+    (a sparse request's verify step: a sequence per row, sparse/decode.py)."""
     req = item.request
     for chunk in item.span_chunks:
         span = req.layout.spans[chunk.span]
@@ -464,6 +465,11 @@ def _sequences(item: ScheduledRequest):
     start = req.num_computed_tokens
     if item.end > start:
         pos = req.layout.in_context(start, item.end)
-        if pos:  # keys past the last query (a finished span's tail) are not needed yet
-            tokens = [req.token_ids[i] for i in pos]
-            yield tokens, pos, [b.block_id for b in req.block_table], pos[-1] + 1, req.layout, item.samples, False
+        if not pos:  # keys past the last query (a finished span's tail) are not needed yet
+            return
+        table = [b.block_id for b in req.block_table]
+        if item.drafts and req.sparse is not None:  # a row per sequence: each picked for as its decode step would be
+            for p in pos:
+                yield [req.token_ids[p]], range(p, p + 1), table, p + 1, req.layout, item.samples, False
+            return
+        yield [req.token_ids[i] for i in pos], pos, table, pos[-1] + 1, req.layout, item.samples, False

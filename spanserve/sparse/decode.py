@@ -7,12 +7,16 @@ theirs, and its queries' positions, which only mask keys by then (RoPE is applie
 indices in that shorter context; so every backend (torch, Triton) attends over them as over any
 context. Prefill stays dense, but for a request that asks for `sparse_prefill`: its prefill chunks
 of at most PREFILL_QUERIES tokens (a question after cached data: a session's, or a prompt whose
-prefix is cached) attend to blocks the flow picks for all their queries together. A step stays
+prefix is cached) attend to blocks the flow picks for all their queries together. A speculative
+verify step comes as one sequence per row (runner.py), each picked for as its own decode step
+would be; the flow's state is kept as it stood after each row and rolled back to the last row
+the target accepted (`verified`), so drafting changes nothing of what the flow sees. A step stays
 dense whose context before its queries is under NARROW_FROM budgets (selecting would cost more
 than it saves), or whose keys need rotating at every step (span keys read in
 place, pic/layout.py).
 """
 
+import copy
 import dataclasses
 import importlib
 import os
@@ -46,6 +50,32 @@ class SparseDecode:
         self.state: dict[int, dict] = {}
         self.steps = 0
         self.error: str | None = None
+        self.base = 0  # steps before the current one
+        # a verify step's states per layer, by row (-1: before its first row), to roll back to
+        self.trail: dict[int, dict[int, dict]] | None = None
+
+    def begin(self, rows: int) -> None:
+        """A step computing `rows` of its decode rows (more than one: a verify step's drafts)."""
+        self.base, self.steps = self.steps, self.steps + rows
+        self.trail = {} if rows > 1 else None
+
+    def picking(self, layer: int, row: int) -> tuple[dict, int]:
+        """The state a pick at `layer` for the step's `row` reads and writes, and its step number."""
+        state = self.state.setdefault(layer, {})
+        if self.trail is not None and layer not in self.trail:
+            self.trail[layer] = {-1: copy.deepcopy(state)}
+        return state, self.base + row + 1
+
+    def picked(self, layer: int, row: int) -> None:
+        if self.trail is not None:
+            self.trail[layer][row] = copy.deepcopy(self.state[layer])
+
+    def verified(self, kept: int) -> None:
+        """After a verify step of which the first `kept` rows stand (the real token's and the
+        accepted drafts'): the flow's state and step count as after decoding those one by one."""
+        for layer, states in (self.trail or {}).items():
+            self.state[layer] = states[max(r for r in states if r < kept)]
+        self.steps, self.trail = self.base + kept, None
 
     def covers(self, num_queries: int, samples: bool) -> bool:
         """Whether a step computing `num_queries` tokens of the request (`samples`: and sampling
@@ -69,8 +99,13 @@ class SparseStep:
         self.fields, self.sequences, self.block_size = fields, sequences, block_size
         self._plan: dict[int, _Narrowing] | None = None
         self._shapes: dict[tuple, tuple] = {}  # the narrowed lengths -> what follows from them
-        for decode in sequences.values():
-            decode.steps += 1
+        self._rows: dict[int, int] = {}  # batch index -> its row of its request's step (a verify step has several)
+        counts: dict[int, int] = {}
+        for i, decode in sequences.items():
+            self._rows[i] = counts.get(id(decode), 0)
+            counts[id(decode)] = self._rows[i] + 1
+        for decode in {id(d): d for d in sequences.values()}.values():
+            decode.begin(counts[id(decode)])
 
     def restrict(self, layer: int, q: torch.Tensor, meta):
         """`meta` with each sparse sequence's context narrowed to its flow's blocks at `layer`."""
@@ -87,7 +122,7 @@ class SparseStep:
         for i in narrowed:
             seq = self._plan[i]
             # the chosen blocks, then the blocks of the step's own queries (the newest token's at decode)
-            chosen = self._choose(self.sequences[i], layer, q[seq.rows], seq, tables[i])
+            chosen = self._choose(self.sequences[i], layer, self._rows[i], q[seq.rows], seq, tables[i])
             if chosen is None:  # full attention this step, over its row as it was (a failed flow may have written it)
                 tables[i] = meta.block_tables[i]
                 continue
@@ -146,13 +181,20 @@ class SparseStep:
             return False
         return num_blocks >= NARROW_FROM * decode.budget_blocks
 
-    def _choose(self, decode: SparseDecode, layer: int, q: torch.Tensor, seq: _Narrowing,
+    def _choose(self, decode: SparseDecode, layer: int, row: int, q: torch.Tensor, seq: _Narrowing,
                 table: torch.Tensor) -> int | None:
         """The flow's picks written into `table` (the sequence's row), its own blocks after them:
         how many blocks before its queries it chose, or None (full attention this step) if it
         failed, which ends the request with the error after the step."""
-        num_blocks, state = seq.before.shape[0], decode.state.setdefault(layer, {})
-        ctx = IndexerContext(num_blocks, decode.budget_blocks, layer, decode.steps)
+        state, step = decode.picking(layer, row)
+        count = self._picks(decode, layer, q, seq, table, state, step)
+        decode.picked(layer, row)
+        return count
+
+    def _picks(self, decode: SparseDecode, layer: int, q: torch.Tensor, seq: _Narrowing, table: torch.Tensor,
+               state: dict, step: int) -> int | None:
+        num_blocks = seq.before.shape[0]
+        ctx = IndexerContext(num_blocks, decode.budget_blocks, layer, step)
         try:
             count = decode.flow.pick_into(q, self.fields, layer, seq.before, seq.own, table, state, ctx)
             if count is not None:  # (the ids it wrote are the flow's to get right: checking them costs what it saves)

@@ -129,9 +129,9 @@ class Speculator:
 
 
 def _eligible(req) -> bool:
-    """Decoding, without a sparse flow (its verify step would attend through the flow: not built
-    yet), and with a grammar that is not done. Penalties, min_tokens and a grammar the check
-    follows row by row (sampler.verify); drafts end where the grammar would refuse."""
+    """Decoding, with a grammar that is not done. Penalties, min_tokens and a grammar the check
+    follows row by row (sampler.verify); drafts end where the grammar would refuse; a sparse
+    flow picks for each row as for its own decode step (sparse/decode.py)."""
     return (not req.is_prefilling and not req.is_finished and not req.prefill_only
-            and req.num_computed_tokens == req.num_tokens - 1 and req.sparse is None
+            and req.num_computed_tokens == req.num_tokens - 1
             and (req.constraint is None or not req.constraint.done))
