@@ -53,7 +53,7 @@ def _config(args) -> dict:
 def _run_spanserve(args, tasks) -> tuple[list[dict], dict]:
     from spanserve import LLM
 
-    llm = LLM(model=args.model, dtype=args.dtype, speculative_config=_config(args))
+    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization, speculative_config=_config(args))
     drafting = llm.engine.speculator
     rows, prompts_by_task = [], {}
     for task, conversations in tasks.items():
@@ -123,8 +123,10 @@ def run(args) -> None:
                   f"{v['acceptance']:.0%}", v["identical"], f"{v.get('llama_cpp_tok_s', 0):.1f}",
                   f"{v.get('llama_cpp_lookup_tok_s', 0):.1f}"] for k, v in summary.items()],
                 title=f"speculative decoding ({_config(args)['method']}, k={_config(args)['num_speculative_tokens']}), "
-                      f"{args.model or 'SmolLM2-135M-Instruct'}, {args.dtype}")
-    write_json({"benchmark": "speculative", "model": args.model, "dtype": args.dtype, "draft": _config(args),
+                      f"{args.model or 'SmolLM2-135M-Instruct'}, {args.dtype}"
+                      f"{', ' + args.quantization if args.quantization else ''}")
+    write_json({"benchmark": "speculative", "model": args.model, "dtype": args.dtype,
+                "quantization": args.quantization, "draft": _config(args),
                 "max_tokens": args.max_tokens, "summary": summary, "runs": rows, "llama_cpp": peer_rows,
                 "machine": machine_info()}, "speculative", args.out)
 
@@ -132,6 +134,8 @@ def run(args) -> None:
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="target model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
+                   help="spanserve's weights (docs/quantization.md); llama.cpp reads the model's GGUF as it is")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)

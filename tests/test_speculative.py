@@ -10,6 +10,7 @@ from helpers import assert_engine_idle, greedy, looping, random_prompt, token_id
 from spanserve import LLM, SamplingParams
 from spanserve.engine.request import Request
 from spanserve.engine.sampler import verify
+from spanserve.models import layout
 from spanserve.sparse.builtins import BUILTINS
 from spanserve.sparse.decode import SparseDecode
 from spanserve.speculative import ngram
@@ -264,3 +265,18 @@ def test_a_verify_step_rolls_a_flows_state_back_to_its_last_accepted_row():
     assert decode.state[0]["acc"].tolist() == [2, 2] and decode.steps == 2
     decode.begin(1)
     assert decode.picking(0, 0)[1] == 3 and decode.trail is None
+
+
+def test_a_bf16_verify_step_computes_each_row_as_its_decode_step(tiny_llama_path, monkeypatch):
+    """On CPU a checked row goes through the decode kernel as at its own decode step: the logprobs
+    of plain decoding exactly, in bf16, where a prefill kernel's rounding differs. (The bf16
+    projections take the C GEMM up to 64 rows on every CPU here, whatever its calibration says.)"""
+    monkeypatch.setattr(layout.calibration, "bf16_gemm_rows", lambda *shape: 64)
+    prompts = [{"prompt_token_ids": p} for p in (looping(300, 7), looping(120, 11))]
+    outs = []
+    for config in (None, NGRAM):
+        llm = LLM(model=str(tiny_llama_path), dtype="bfloat16", num_blocks=64, speculative_config=config)
+        outs.append(llm.generate(prompts, greedy(32, logprobs=3)))
+    assert token_ids(outs[1]) == token_ids(outs[0])
+    assert [o.outputs[0].logprobs for o in outs[1]] == [o.outputs[0].logprobs for o in outs[0]]
+    assert llm.engine.speculator.num_accepted > 10

@@ -51,6 +51,12 @@ class ModelRunner:
         self.encoder_reads = False  # whether it has reader deltas
         self.voters = ProbeVoters.default(cfg.num_layers, cfg.num_heads)  # of the focus probe (pic/voters.py)
         self.encoder_voters = self.voters  # the plug-in's own, for requests it encodes
+        # On CPU a speculative verify step attends row by row through the decode kernel, so each row
+        # is computed as its own decode step would be: the same greedy tokens in bf16 and under
+        # quantization too, where the prefill kernel's other rounding flipped near-ties (SmolLM2 bf16,
+        # Qwen 1.5B w8a8). It costs nothing measurable (`spanserve bench speculative`); on a GPU the
+        # step stays one sequence, for its CUDA graphs.
+        self.verify_by_row = device.type == "cpu"
         # bf16 decode and prefill attention's measured paths on CPU (kernels/calibration.py)
         self.decode_bf16_dot = self.prefill_bf16_dot = None
         if device.type == "cpu":
@@ -113,7 +119,7 @@ class ModelRunner:
         query_lens, context_lens, contiguous_from, tables, rotations = [], [], [], [], []
         encoder_rows, reader_rows, shares, sparse = [], [], [], {}
         for item in batch:
-            for tokens, pos, table, ctx_len, layout, samples, in_span in _sequences(item):
+            for tokens, pos, table, ctx_len, layout, samples, in_span in _sequences(item, self.verify_by_row):
                 if item.request.sparse is not None and not in_span and item.request.sparse.covers(len(pos), samples):
                     sparse[len(tables)] = item.request.sparse
                 encoder, reader = self._plugin_rows(item.request.layout, pos, in_span)
@@ -450,11 +456,12 @@ def _samples(logits: torch.Tensor, items: list[ScheduledRequest]) -> list[list[S
     return out
 
 
-def _sequences(item: ScheduledRequest):
+def _sequences(item: ScheduledRequest, verify_by_row: bool = False):
     """The attention sequences of one scheduled request: (tokens, positions, block ids, context
     length, layout whose span keys need rotating, samples?, in a span?). A span chunk is a sequence
     of its own whose positions count from the span's start; the in-context chunk sees everything
-    (a sparse request's verify step: a sequence per row, sparse/decode.py)."""
+    (a verify step's rows, with `verify_by_row` or a sparse flow: a sequence each, as their decode
+    steps would be; sparse/decode.py)."""
     req = item.request
     for chunk in item.span_chunks:
         span = req.layout.spans[chunk.span]
@@ -468,7 +475,7 @@ def _sequences(item: ScheduledRequest):
         if not pos:  # keys past the last query (a finished span's tail) are not needed yet
             return
         table = [b.block_id for b in req.block_table]
-        if item.drafts and req.sparse is not None:  # a row per sequence: each picked for as its decode step would be
+        if item.drafts and (verify_by_row or req.sparse is not None):
             for p in pos:
                 yield [req.token_ids[p]], range(p, p + 1), table, p + 1, req.layout, item.samples, False
             return

@@ -8,12 +8,18 @@ computed for the accepted drafts counts as computed. A rejected draft's KV sits 
 computed tokens, is never hashed into the prefix cache, and is overwritten later.
 
 A request whose drafts keep being rejected gets fewer (down to one), and after REJECTED_STEPS
-fully rejected drafts in a row none for PAUSE_STEPS steps: chat with little to copy pays little."""
+fully rejected drafts in a row none for PAUSE_STEPS steps: chat with little to copy pays little.
 
+How long a draft is worth being: its j-th token stands only if the j-1 before it do, so with a
+per-token acceptance a it adds a**j tokens on average, and it costs the step DRAFT_TOKEN_COST of
+its time, worth that many of each of the step's n decoding requests' tokens: a draft gets the
+tokens for which a**j > DRAFT_TOKEN_COST * n (at batch 1 and a = 0.7, seven; at batch 8, two)."""
+
+import math
 from dataclasses import dataclass
 
 from spanserve.speculative import ngram
-from spanserve.speculative.config import SpeculativeConfig
+from spanserve.speculative.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
 REJECTED_STEPS = 4
 PAUSE_STEPS = 16
@@ -30,8 +36,8 @@ ACCEPTANCE_DECAY = 0.7  # a request's recent acceptance: this much of the old, t
 
 @dataclass
 class _Drafting:
-    k: int  # drafts it gets next
-    acceptance: float = 0.5  # of its recent drafts, the fraction accepted (decayed)
+    k: int  # drafts it gets next, at most
+    acceptance: float = 0.5  # of its recent draft tokens whose predecessors stood, the fraction that stood (decayed)
     rejected_in_a_row: int = 0
     paused: int = 0  # steps left without drafts
     num_real: int = 0  # its tokens before this step's draft
@@ -49,9 +55,7 @@ class Speculator:
     def draft(self, running: list) -> None:
         """Append a draft to each decoding request that may have one."""
         decoding = sorted(filter(_eligible, running), key=lambda r: -self._state(r).acceptance)
-        # A draft token costs the step about DRAFT_TOKEN_COST of its time, and an accepted one is worth
-        # one of the step's len(decoding) tokens: worth drafting where acceptance beats their ratio.
-        worth = DRAFT_TOKEN_COST * len(decoding)
+        worth = DRAFT_TOKEN_COST * len(decoding)  # what a draft token's expected tokens must beat (module note)
         drafting, counts, budget = [], [], STEP_DRAFT_BUDGET
         for req in decoding:
             state = self._state(req)
@@ -60,9 +64,9 @@ class Speculator:
                 state.paused -= 1
                 continue
             room = min(req.params.max_tokens - req.num_output_tokens, req.max_total_tokens - req.num_tokens) - 1
-            count = max(0, min(state.k, room, budget))
-            if state.acceptance < worth:  # one token, to learn whether it has become worth it, then a pause
-                count, state.paused = min(count, 1), PAUSE_STEPS
+            count = max(0, min(state.k, room, budget, _worth_drafting(state.acceptance, worth)))
+            if state.acceptance <= worth:  # one token, to learn whether it has become worth it, then a pause
+                count, state.paused = min(max(0, min(room, budget)), 1), PAUSE_STEPS
             budget -= count
             drafting.append(req)
             counts.append(count)
@@ -115,7 +119,9 @@ class Speculator:
         req.num_computed_tokens = state.num_real + num_accepted
         kv.cache_computed_blocks(req)
         state.drafted = 0
-        state.acceptance = ACCEPTANCE_DECAY * state.acceptance + (1 - ACCEPTANCE_DECAY) * num_accepted / drafted
+        # the tokens that stood, out of those and the one rejected (if one was): per-token acceptance
+        observed = num_accepted / (num_accepted + (num_accepted < drafted))
+        state.acceptance = ACCEPTANCE_DECAY * state.acceptance + (1 - ACCEPTANCE_DECAY) * observed
         if num_accepted == drafted:
             state.k, state.rejected_in_a_row = min(self.config.num_speculative_tokens, state.k + 1), 0
             return
@@ -126,6 +132,15 @@ class Speculator:
 
     def forget(self, req) -> None:
         self.state.pop(req, None)
+
+
+def _worth_drafting(acceptance: float, worth: float) -> int:
+    """How many draft tokens j have acceptance**j > worth."""
+    if acceptance <= worth:
+        return 0
+    if acceptance >= 1:
+        return MAX_SPECULATIVE_TOKENS
+    return min(MAX_SPECULATIVE_TOKENS, max(1, math.ceil(math.log(worth) / math.log(acceptance)) - 1))
 
 
 def _eligible(req) -> bool:
