@@ -50,7 +50,8 @@ def _config(args) -> dict:
     return {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k or 4}
 
 
-def _run_spanserve(args, tasks) -> tuple[list[dict], dict]:
+def _run_spanserve(args, tasks) -> tuple[list[dict], dict, str]:
+    """The runs, the prompts by task, and the dtype `--dtype` came to."""
     from spanserve import LLM
 
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization, speculative_config=_config(args))
@@ -71,7 +72,7 @@ def _run_spanserve(args, tasks) -> tuple[list[dict], dict]:
                              "speedup": plain_s / drafted_s * sum(map(len, drafted)) / max(tokens, 1),
                              "acceptance": drafting.num_accepted / max(drafting.num_drafted, 1),
                              "identical": drafted == plain})
-    return rows, prompts_by_task
+    return rows, prompts_by_task, str(llm.engine.dtype).removeprefix("torch.")
 
 
 def _run_llama_cpp(args, prompts_by_task) -> list[dict]:
@@ -104,7 +105,7 @@ def _run_llama_cpp(args, prompts_by_task) -> list[dict]:
 
 def run(args) -> None:
     tasks = _tasks(max(args.batches), args.quick)
-    rows, prompts_by_task = _run_spanserve(args, tasks)
+    rows, prompts_by_task, dtype = _run_spanserve(args, tasks)
     peer_rows = [] if args.no_peer else _run_llama_cpp(args, prompts_by_task)
     summary = {}
     for task in tasks:
@@ -123,9 +124,9 @@ def run(args) -> None:
                   f"{v['acceptance']:.0%}", v["identical"], f"{v.get('llama_cpp_tok_s', 0):.1f}",
                   f"{v.get('llama_cpp_lookup_tok_s', 0):.1f}"] for k, v in summary.items()],
                 title=f"speculative decoding ({_config(args)['method']}, k={_config(args)['num_speculative_tokens']}), "
-                      f"{args.model or 'SmolLM2-135M-Instruct'}, {args.dtype}"
+                      f"{args.model or 'SmolLM2-135M-Instruct'}, {dtype}"
                       f"{', ' + args.quantization if args.quantization else ''}")
-    write_json({"benchmark": "speculative", "model": args.model, "dtype": args.dtype,
+    write_json({"benchmark": "speculative", "model": args.model, "dtype": dtype,
                 "quantization": args.quantization, "draft": _config(args),
                 "max_tokens": args.max_tokens, "summary": summary, "runs": rows, "llama_cpp": peer_rows,
                 "machine": machine_info()}, "speculative", args.out)
@@ -133,7 +134,7 @@ def run(args) -> None:
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="target model (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="the engine's dtype (auto: bf16 on CPUs with native bf16)")
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
                    help="spanserve's weights (docs/quantization.md); llama.cpp reads the model's GGUF as it is")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])

@@ -15,6 +15,7 @@ from spanserve.sparse.builtins import BUILTINS
 from spanserve.sparse.decode import SparseDecode
 from spanserve.speculative import ngram
 from spanserve.speculative.config import SpeculativeConfig, SpeculativeConfigError
+from spanserve.speculative.speculator import DRAFT_TOKEN_COST, _worth_drafting
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -192,10 +193,12 @@ def test_a_draft_model_drafts_and_the_output_is_unchanged(tiny_llama_path, plain
     """The target itself as its own draft: every greedy draft stands."""
     llm = make_llm(tiny_llama_path, speculative_config={"method": "draft_model", "model": str(tiny_llama_path),
                                                          "num_speculative_tokens": 3})
+    speculator = llm.engine.speculator
+    assert speculator.draft_model.relative_cost == pytest.approx(1.0)  # its own draft: never worth a step of it
+    speculator.draft_model.relative_cost = 0.0  # so the mechanics are what this test checks
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = [greedy(20), SamplingParams(temperature=0, max_tokens=17, repetition_penalty=1.2), greedy(9), greedy(12)]
     assert token_ids(llm.generate(prompts, params)) == token_ids(plain.generate(prompts, params))
-    speculator = llm.engine.speculator
     assert speculator.num_drafted > 20 and speculator.num_accepted >= speculator.num_drafted * 0.6
     assert_engine_idle(llm)
 
@@ -280,3 +283,12 @@ def test_a_bf16_verify_step_computes_each_row_as_its_decode_step(tiny_llama_path
     assert token_ids(outs[1]) == token_ids(outs[0])
     assert [o.outputs[0].logprobs for o in outs[1]] == [o.outputs[0].logprobs for o in outs[0]]
     assert llm.engine.speculator.num_accepted > 10
+
+
+def test_a_draft_is_as_long_as_its_tokens_are_worth_their_cost():
+    """The j-th draft token stands with probability a**j; it must beat its share of the step."""
+    assert _worth_drafting(0.7, DRAFT_TOKEN_COST) == 7  # batch 1: 0.7**7 = 0.082 > 0.06 > 0.7**8
+    assert _worth_drafting(0.7, DRAFT_TOKEN_COST * 8) == 2  # batch 8: 0.49 > 0.48 > 0.34
+    assert _worth_drafting(0.7, DRAFT_TOKEN_COST + 0.32) == 2  # batch 1 with a draft model a third of the target
+    assert _worth_drafting(0.45, DRAFT_TOKEN_COST * 8) == 0
+    assert _worth_drafting(1.0, 0.9) == 16 and _worth_drafting(0.9, 1.0) == 0

@@ -42,7 +42,7 @@ from spanserve.sampling import SamplingParams
 from spanserve.sessions.store import SessionStore
 from spanserve.sparse.decode import SparseDecode, load_flows
 from spanserve.speculative.config import SpeculativeConfig
-from spanserve.speculative.draft_model import DraftModel, check_room
+from spanserve.speculative.draft_model import DraftModel, check_room, weight_bytes
 from spanserve.speculative.speculator import Speculator
 from spanserve.structured.grammars import Grammars
 
@@ -147,7 +147,7 @@ class LLMEngine:
                                    config.background_chunk_tokens)
         self.failed: dict[str, Exception] = {}  # request id -> why the engine ended it (take_failed)
         spec = SpeculativeConfig.of(config.speculative_config)
-        self.speculator = Speculator(spec, self._draft_model(spec)) if spec is not None else None  # drafts
+        self.speculator = Speculator(spec, self._draft_model(spec, model)) if spec is not None else None  # drafts
         graph_batch = 0 if config.enforce_eager or self.device.type != "cuda" else config.max_num_seqs
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.kv_dtype, self.device,
                                   graph_batch=graph_batch, max_model_len=self.max_model_len,
@@ -217,7 +217,7 @@ class LLMEngine:
             return newline[0]
         return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
 
-    def _draft_model(self, spec: SpeculativeConfig) -> DraftModel | None:
+    def _draft_model(self, spec: SpeculativeConfig, target) -> DraftModel | None:
         """The draft model's engine (method draft_model): the target's device, dtype and length."""
         if spec.method != "draft_model":
             return None
@@ -228,7 +228,7 @@ class LLMEngine:
                                         max_model_len=self.max_model_len, kv_cache_memory_gb=c.kv_cache_memory_gb / 2,
                                         max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                                         link_policy="none", span_anchor=False, quantization=c.quantization))
-        return DraftModel(engine, self.tokenizer)
+        return DraftModel(engine, self.tokenizer, weight_bytes(engine.runner.model) / weight_bytes(target))
 
     def _max_model_len(self, cfg: ModelConfig) -> int:
         limit = cfg.max_position_embeddings

@@ -12,12 +12,14 @@ from spanserve.speculative.config import SpeculativeConfigError
 
 
 class DraftModel:
-    def __init__(self, engine, target_tokenizer):
-        """`engine`: the draft's LLMEngine, built by the target's."""
+    def __init__(self, engine, target_tokenizer, relative_cost: float):
+        """`engine`: the draft's LLMEngine, built by the target's. `relative_cost`: what a draft
+        decode step costs as a fraction of a target step, the ratio of their weights (a decode step
+        reads each weight once): the speculator drafts a token only where that is worth paying."""
         if engine.tokenizer.get_vocab() != target_tokenizer.get_vocab():
             raise SpeculativeConfigError(f"the draft model {engine.model_path.name} has another tokenizer than the "
                                          f"target: its tokens would mean other text")
-        self.engine = engine
+        self.engine, self.relative_cost = engine, relative_cost
 
     def propose(self, contexts: list[list[int]], counts: list[int]) -> list[list[int]]:
         """Up to counts[i] greedy tokens after each context, all drafted in one batch."""
@@ -55,3 +57,9 @@ def _free_bytes(device: str) -> int | None:
         return None
     line = next((ln for ln in meminfo.splitlines() if ln.startswith("MemAvailable:")), None)
     return int(line.split()[1]) * 1024 if line else None
+
+
+def weight_bytes(model) -> int:
+    """The bytes of a model's parameters and buffers (quantized and packed weights are buffers): what
+    a decode step reads, roughly, counted alike for the draft and the target, whose ratio is used."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))

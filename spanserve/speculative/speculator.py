@@ -13,7 +13,9 @@ fully rejected drafts in a row none for PAUSE_STEPS steps: chat with little to c
 How long a draft is worth being: its j-th token stands only if the j-1 before it do, so with a
 per-token acceptance a it adds a**j tokens on average, and it costs the step DRAFT_TOKEN_COST of
 its time, worth that many of each of the step's n decoding requests' tokens: a draft gets the
-tokens for which a**j > DRAFT_TOKEN_COST * n (at batch 1 and a = 0.7, seven; at batch 8, two)."""
+tokens for which a**j > DRAFT_TOKEN_COST * n (at batch 1 and a = 0.7, seven; at batch 8, two).
+A draft model's step drafts a token for every request at a fraction r of a target step's time,
+worth r of each request's tokens: with one, a**j must beat DRAFT_TOKEN_COST * n + r."""
 
 import math
 from dataclasses import dataclass
@@ -55,7 +57,8 @@ class Speculator:
     def draft(self, running: list) -> None:
         """Append a draft to each decoding request that may have one."""
         decoding = sorted(filter(_eligible, running), key=lambda r: -self._state(r).acceptance)
-        worth = DRAFT_TOKEN_COST * len(decoding)  # what a draft token's expected tokens must beat (module note)
+        # what a draft token's expected tokens must beat (module note), and a draft model's step
+        worth = DRAFT_TOKEN_COST * len(decoding) + (self.draft_model.relative_cost if self.draft_model else 0)
         drafting, counts, budget = [], [], STEP_DRAFT_BUDGET
         for req in decoding:
             state = self._state(req)
