@@ -15,7 +15,7 @@ from spanserve.sparse.builtins import BUILTINS
 from spanserve.sparse.decode import SparseDecode
 from spanserve.speculative import ngram
 from spanserve.speculative.config import SpeculativeConfig, SpeculativeConfigError
-from spanserve.speculative.speculator import DRAFT_TOKEN_COST, _worth_drafting
+from spanserve.speculative.speculator import Speculator
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -189,13 +189,14 @@ def test_the_server_and_the_cli_take_the_setting(tiny_llama_path, tmp_path, plai
         main(["generate", "hi", "--model", str(tiny_llama_path), "--speculative-config", '{"method": "ngram"}'])
 
 
-def test_a_draft_model_drafts_and_the_output_is_unchanged(tiny_llama_path, plain):
+def test_a_draft_model_drafts_and_the_output_is_unchanged(tiny_llama_path, plain, monkeypatch):
     """The target itself as its own draft: every greedy draft stands."""
     llm = make_llm(tiny_llama_path, speculative_config={"method": "draft_model", "model": str(tiny_llama_path),
                                                          "num_speculative_tokens": 3})
     speculator = llm.engine.speculator
     assert speculator.draft_model.relative_cost == pytest.approx(1.0)  # its own draft: never worth a step of it
-    speculator.draft_model.relative_cost = 0.0  # so the mechanics are what this test checks
+    speculator.draft_cost = 0.0  # so the mechanics are what this test checks
+    monkeypatch.setattr(speculator, "_measure_draft_cost", lambda batch: None)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = [greedy(20), SamplingParams(temperature=0, max_tokens=17, repetition_penalty=1.2), greedy(9), greedy(12)]
     assert token_ids(llm.generate(prompts, params)) == token_ids(plain.generate(prompts, params))
@@ -285,10 +286,35 @@ def test_a_bf16_verify_step_computes_each_row_as_its_decode_step(tiny_llama_path
     assert llm.engine.speculator.num_accepted > 10
 
 
+class _Decoding:
+    """What the speculator reads of a decoding request."""
+
+    def __init__(self):
+        self.num_tokens, self.num_output_tokens, self.max_total_tokens = 100, 10, 4096
+        self.params = SamplingParams(max_tokens=200)
+
+
+def _counts(acceptances: list[float], draft_cost: float = 0.0, k: int = 5) -> list[int]:
+    speculator = Speculator(SpeculativeConfig("ngram", k))
+    speculator.draft_cost = draft_cost  # (as a draft model's measured step)
+    requests = [_Decoding() for _ in acceptances]
+    for req, acceptance in zip(requests, acceptances):
+        speculator._state(req).acceptance = acceptance
+    if draft_cost:
+        speculator.draft_model = object()
+    counts = speculator._counts(requests)
+    return [counts.get(req, 0) for req in requests]
+
+
 def test_a_draft_is_as_long_as_its_tokens_are_worth_their_cost():
-    """The j-th draft token stands with probability a**j; it must beat its share of the step."""
-    assert _worth_drafting(0.7, DRAFT_TOKEN_COST) == 7  # batch 1: 0.7**7 = 0.082 > 0.06 > 0.7**8
-    assert _worth_drafting(0.7, DRAFT_TOKEN_COST * 8) == 2  # batch 8: 0.49 > 0.48 > 0.34
-    assert _worth_drafting(0.7, DRAFT_TOKEN_COST + 0.32) == 2  # batch 1 with a draft model a third of the target
-    assert _worth_drafting(0.45, DRAFT_TOKEN_COST * 8) == 0
-    assert _worth_drafting(1.0, 0.9) == 16 and _worth_drafting(0.9, 1.0) == 0
+    """The j-th draft token stands with probability a**j; it must beat its share of the step, the
+    step's budget goes to the tokens worth most, and a draft model's position must pay its step."""
+    assert _counts([0.7], k=16) == [7]  # batch 1: 0.7**7 = 0.082 > 0.06 > 0.7**8
+    assert _counts([0.7], k=5) == [5]
+    assert _counts([0.7] * 8) == [2] * 8  # batch 8: 0.49 > 0.48 > 0.34
+    assert _counts([0.95] * 4 + [0.6] * 4) == [4] * 4 + [0] * 4  # the budget of 16 to the likeliest
+    assert _counts([0.97] * 8, draft_cost=0.4) == [2] * 8  # 8 x 0.46 at position 2 beats 0.4 x 8
+    assert _counts([0.97] * 8, draft_cost=0.5) == [0] * 8
+    assert _counts([0.9], draft_cost=0.4) == [5]  # batch 1: 0.9**5 - 0.06 beats 0.4
+    assert _counts([0.3] * 8) == [1] * 8  # not worth it: one token to learn, then a pause
+    assert _counts([0.3] * 8, draft_cost=0.4) == [0] * 8  # not even that where the draft's step costs 0.4 x 8

@@ -11,17 +11,22 @@ A request whose drafts keep being rejected gets fewer (down to one), and after R
 fully rejected drafts in a row none for PAUSE_STEPS steps: chat with little to copy pays little.
 
 How long a draft is worth being: its j-th token stands only if the j-1 before it do, so with a
-per-token acceptance a it adds a**j tokens on average, and it costs the step DRAFT_TOKEN_COST of
-its time, worth that many of each of the step's n decoding requests' tokens: a draft gets the
-tokens for which a**j > DRAFT_TOKEN_COST * n (at batch 1 and a = 0.7, seven; at batch 8, two).
-A draft model's step drafts a token for every request at a fraction r of a target step's time,
-worth r of each request's tokens: with one, a**j must beat DRAFT_TOKEN_COST * n + r."""
+per-token acceptance a it brings a**j tokens on average, and it costs the step DRAFT_TOKEN_COST
+of its time, worth that many of each of the step's n decoding requests' tokens: it is worth
+a**j - DRAFT_TOKEN_COST * n tokens (at batch 1 and a = 0.7 a draft has seven worth making, at
+batch 8 two). A step's STEP_DRAFT_BUDGET goes to the tokens worth most, of whichever requests.
+A draft model drafts position j of every request in one step of its own, which costs a fraction
+r of a target step, worth r * n tokens: position j is drafted while the tokens drafted there are
+worth more than that together. r is measured: the draft's seconds per drafted position over the
+seconds of the decode step that checks them, decayed, on steps where every drafting request
+drafted the step before too (so the draft catches up on a few tokens, not on a new prompt or a
+pause); before the first measure, the ratio of the two models' weights."""
 
-import math
+import time
 from dataclasses import dataclass
 
 from spanserve.speculative import ngram
-from spanserve.speculative.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from spanserve.speculative.config import SpeculativeConfig
 
 REJECTED_STEPS = 4
 PAUSE_STEPS = 16
@@ -44,22 +49,46 @@ class _Drafting:
     paused: int = 0  # steps left without drafts
     num_real: int = 0  # its tokens before this step's draft
     drafted: int = 0  # this step's draft, after scheduling
+    in_step: bool = False  # whether it drafted at the last step (a draft model has its context but a few tokens)
 
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, draft_model=None):
         """`draft_model`: a DraftModel for method draft_model; ngram drafts by prompt lookup."""
         self.config, self.draft_model = config, draft_model
+        # a draft model's step over the target's (module note), and this step's timings
+        self.draft_cost = draft_model.relative_cost if draft_model is not None else 0.0
+        self._draft_seconds: float | None = None  # per drafted position, this step
+        self._step_start: float | None = None
         self.state: dict[object, _Drafting] = {}  # request -> its drafting (dropped when it ends)
         self.num_drafted = 0  # totals since start: acceptance = num_accepted / num_drafted
         self.num_accepted = 0
+        self.acceptance = 0.5  # per-token, over all requests (decayed): a new request's first guess
 
     def draft(self, running: list) -> None:
         """Append a draft to each decoding request that may have one."""
-        decoding = sorted(filter(_eligible, running), key=lambda r: -self._state(r).acceptance)
-        # what a draft token's expected tokens must beat (module note), and a draft model's step
-        worth = DRAFT_TOKEN_COST * len(decoding) + (self.draft_model.relative_cost if self.draft_model else 0)
-        drafting, counts, budget = [], [], STEP_DRAFT_BUDGET
+        decoding = [req for req in running if _eligible(req)]
+        counts = self._counts(decoding)
+        drafting = [req for req in decoding if req in counts]
+        counts = [counts[req] for req in drafting]
+        in_step = all(self.state[req].in_step for req, count in zip(drafting, counts) if count)
+        for req, count in zip(drafting, counts):
+            self.state[req].in_step = count > 0
+        start = time.perf_counter()
+        proposed = self._propose([req.token_ids for req in drafting], counts)
+        positions = max(counts, default=0)  # a draft model's steps, one per position
+        self._draft_seconds = (time.perf_counter() - start) / positions if positions and in_step else None
+        for req, tokens in zip(drafting, proposed):
+            if tokens and req.constraint is not None:  # what the grammar would refuse is no draft
+                tokens = tokens[:req.constraint.allowed_prefix(tokens)]
+            req.token_ids.extend(tokens)
+            self.state[req].drafted = len(tokens)
+
+    def _counts(self, decoding: list) -> dict:
+        """How many tokens each request not paused drafts this step (module note)."""
+        n = len(decoding)
+        token_cost, position_cost = DRAFT_TOKEN_COST * n, self.draft_cost * n
+        probing, counts, worths = {}, {}, []  # worths: (what the j-th token of a request is worth, j, request)
         for req in decoding:
             state = self._state(req)
             state.num_real, state.drafted = req.num_tokens, 0
@@ -67,20 +96,30 @@ class Speculator:
                 state.paused -= 1
                 continue
             room = min(req.params.max_tokens - req.num_output_tokens, req.max_total_tokens - req.num_tokens) - 1
-            count = max(0, min(state.k, room, budget, _worth_drafting(state.acceptance, worth)))
-            if state.acceptance <= worth:  # one token, to learn whether it has become worth it, then a pause
-                count, state.paused = min(max(0, min(room, budget)), 1), PAUSE_STEPS
-            budget -= count
-            drafting.append(req)
-            counts.append(count)
-        for req, tokens in zip(drafting, self._propose([req.token_ids for req in drafting], counts)):
-            if tokens and req.constraint is not None:  # what the grammar would refuse is no draft
-                tokens = tokens[:req.constraint.allowed_prefix(tokens)]
-            req.token_ids.extend(tokens)
-            self.state[req].drafted = len(tokens)
+            if state.acceptance <= token_cost:  # one token, to learn whether it has become worth it, then a pause,
+                # where a lone token that surely stands would pay its share of the step and its draft position
+                probing[req], state.paused = int(room > 0 and 1 - token_cost > position_cost), PAUSE_STEPS
+                continue
+            counts[req] = 0
+            worths += [(state.acceptance ** j - token_cost, j, req) for j in range(1, min(state.k, room) + 1)]
+        worths.sort(key=lambda w: (-w[0], w[1]))  # (a request's tokens in order: their worth falls with j)
+        chosen = [w for w in worths[:max(STEP_DRAFT_BUDGET - sum(probing.values()), 0)] if w[0] > 0]
+        positions = {}  # a draft model's: the worth of the tokens drafted at each
+        for worth, j, _ in chosen:
+            positions[j] = positions.get(j, 0) + worth
+        last = 0  # the positions worth a draft model's step: all of them for prompt lookup
+        while last + 1 in positions and (self.draft_model is None or positions[last + 1] > position_cost):
+            last += 1
+        for _, j, req in chosen:
+            counts[req] = max(counts[req], min(j, last))
+        return {**counts, **probing}
 
     def _state(self, req) -> _Drafting:
-        return self.state.setdefault(req, _Drafting(self.config.num_speculative_tokens))
+        """A request's drafting; a new one starts from the acceptance of the requests before it."""
+        state = self.state.get(req)
+        if state is None:
+            state = self.state[req] = _Drafting(self.config.num_speculative_tokens, self.acceptance)
+        return state
 
     def _propose(self, contexts: list[list[int]], counts: list[int]) -> list[list[int]]:
         if self.draft_model is not None:
@@ -92,6 +131,7 @@ class Speculator:
         """Keep of each draft what this step computes; a request not in the step loses its draft
         (a preempted one too: its tokens are recomputed from its real ones)."""
         scheduled = {item.request: item for item in batch}
+        self._step_start = time.perf_counter()
         for req, state in self.state.items():
             if not state.drafted:
                 continue
@@ -105,11 +145,19 @@ class Speculator:
     def withdraw(self, batch: list) -> None:
         """Take the drafts out of the tokens after the step, before the scheduler counts it: each
         drafting request's step ends at its real tokens (its item keeps `drafts`, how many it checked)."""
+        self._measure_draft_cost(batch)
         for item in batch:
             if item.drafts:
                 state = self.state[item.request]
                 del item.request.token_ids[state.num_real:]
                 item.end = state.num_real
+
+    def _measure_draft_cost(self, batch: list) -> None:
+        """A draft model's cost, from a step that only decodes (a prefill chunk would hide it)."""
+        if self.draft_model is not None and self._draft_seconds and any(item.drafts for item in batch) and all(
+                item.end - item.request.num_computed_tokens == 1 + item.drafts for item in batch):
+            measured = self._draft_seconds / (time.perf_counter() - self._step_start)
+            self.draft_cost = ACCEPTANCE_DECAY * self.draft_cost + (1 - ACCEPTANCE_DECAY) * measured
 
     def accepted(self, req, drafted: int, num_accepted: int, kv) -> None:
         """After the engine appended the accepted tokens: the drafts' KV that the target kept
@@ -125,6 +173,7 @@ class Speculator:
         # the tokens that stood, out of those and the one rejected (if one was): per-token acceptance
         observed = num_accepted / (num_accepted + (num_accepted < drafted))
         state.acceptance = ACCEPTANCE_DECAY * state.acceptance + (1 - ACCEPTANCE_DECAY) * observed
+        self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * observed
         if num_accepted == drafted:
             state.k, state.rejected_in_a_row = min(self.config.num_speculative_tokens, state.k + 1), 0
             return
@@ -135,15 +184,6 @@ class Speculator:
 
     def forget(self, req) -> None:
         self.state.pop(req, None)
-
-
-def _worth_drafting(acceptance: float, worth: float) -> int:
-    """How many draft tokens j have acceptance**j > worth."""
-    if acceptance <= worth:
-        return 0
-    if acceptance >= 1:
-        return MAX_SPECULATIVE_TOKENS
-    return min(MAX_SPECULATIVE_TOKENS, max(1, math.ceil(math.log(worth) / math.log(acceptance)) - 1))
 
 
 def _eligible(req) -> bool:
