@@ -14,6 +14,7 @@ from benchmarks.harness import cli_main, machine_info, print_table, write_json
 
 DRAFT = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 CODE = Path(__file__).resolve().parents[1] / "spanserve" / "speculative" / "speculator.py"
+TASKS = ("rag_quote", "code_edit", "free_chat")
 
 
 def _tasks(count: int, quick: bool) -> dict[str, list[list[dict]]]:
@@ -106,7 +107,7 @@ def _run_llama_cpp(args, prompts_by_task) -> list[dict]:
 
 
 def run(args) -> None:
-    tasks = _tasks(max(args.batches), args.quick)
+    tasks = {task: prompts for task, prompts in _tasks(max(args.batches), args.quick).items() if task in args.tasks}
     rows, prompts_by_task, dtype = _run_spanserve(args, tasks)
     peer_rows = [] if args.no_peer else _run_llama_cpp(args, prompts_by_task)
     summary = {}
@@ -140,6 +141,7 @@ def add_arguments(p) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
                    help="spanserve's weights (docs/quantization.md); llama.cpp reads the model's GGUF as it is")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")

@@ -189,14 +189,13 @@ def test_the_server_and_the_cli_take_the_setting(tiny_llama_path, tmp_path, plai
         main(["generate", "hi", "--model", str(tiny_llama_path), "--speculative-config", '{"method": "ngram"}'])
 
 
-def test_a_draft_model_drafts_and_the_output_is_unchanged(tiny_llama_path, plain, monkeypatch):
+def test_a_draft_model_drafts_and_the_output_is_unchanged(tiny_llama_path, plain):
     """The target itself as its own draft: every greedy draft stands."""
     llm = make_llm(tiny_llama_path, speculative_config={"method": "draft_model", "model": str(tiny_llama_path),
                                                          "num_speculative_tokens": 3})
     speculator = llm.engine.speculator
     assert speculator.draft_model.relative_cost == pytest.approx(1.0)  # its own draft: never worth a step of it
     speculator.draft_cost = 0.0  # so the mechanics are what this test checks
-    monkeypatch.setattr(speculator, "_measure_draft_cost", lambda batch: None)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = [greedy(20), SamplingParams(temperature=0, max_tokens=17, repetition_penalty=1.2), greedy(9), greedy(12)]
     assert token_ids(llm.generate(prompts, params)) == token_ids(plain.generate(prompts, params))
@@ -318,3 +317,4 @@ def test_a_draft_is_as_long_as_its_tokens_are_worth_their_cost():
     assert _counts([0.9], draft_cost=0.4) == [5]  # batch 1: 0.9**5 - 0.06 beats 0.4
     assert _counts([0.3] * 8) == [1] * 8  # not worth it: one token to learn, then a pause
     assert _counts([0.3] * 8, draft_cost=0.4) == [0] * 8  # not even that where the draft's step costs 0.4 x 8
+    assert _counts([0.3], draft_cost=0.4) == [1]  # at batch 1 a probe pays for itself if it stands
