@@ -7,6 +7,7 @@ import torch
 
 from spanserve import SamplingParams
 from spanserve.engine.request import Request
+from spanserve.engine import sampler as sampler_module
 from spanserve.engine.sampler import sample
 
 EOS = 3
@@ -124,6 +125,23 @@ def test_seeded_requests_draw_the_same_sequence():
     logits = [0.0] * 50
     first, second = request(temperature=1.0, seed=7), request(temperature=1.0, seed=7)
     assert [pick(logits, first) for _ in range(20)] == [pick(logits, second) for _ in range(20)]
+
+
+def test_a_seeded_request_draws_the_same_whatever_shares_its_batch():
+    seeded = [request(temperature=1.0, seed=11) for _ in range(2)]
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    alone = [sample(logits[1:2], [seeded[0]])[0].token_id for _ in range(10)]
+    batched = [sample(logits, [request(temperature=1.0), seeded[1], request(temperature=0.7, seed=3)])[1].token_id
+               for _ in range(10)]
+    assert alone == batched
+
+
+def test_a_draw_at_the_very_top_of_the_mass_is_the_last_possible_token(monkeypatch):
+    """The uniform number times the row's total can round past the last cumulative sum: never to a
+    token of probability zero, nor past the vocabulary."""
+    probs = torch.tensor([[0.2, 0.0, 0.8, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0, 0.0]])
+    monkeypatch.setattr(sampler_module.torch, "rand", lambda *a, **k: torch.ones(1, dtype=torch.float64))
+    assert sampler_module._draw_rows(probs, [None, None]).tolist() == [2, 1]
 
 
 def test_a_batch_mixes_greedy_and_sampled_rows():

@@ -80,7 +80,25 @@ def verify(logits: torch.Tensor, req: Request, drafts: list[int]) -> list[Sample
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """A token drawn with probability proportional to `probs` (one row, unnormalized)."""
-    return int((probs / torch.empty_like(probs).exponential_(generator=generator)).argmax())
+    return int(_draw_rows(probs.unsqueeze(0), [generator])[0])
+
+
+def _draw_rows(probs: torch.Tensor, generators: list) -> torch.Tensor:
+    """A token per row of `probs` [B, vocab] (unnormalized), drawn with probability proportional to
+    it: where one uniform number from the row's own generator falls in the row's cumulative sum
+    (a seeded request stays reproducible whatever shares its batch). One number a row: an
+    exponential race drew one per vocabulary entry, 0.9 ms a row for a 49k vocabulary on CPU, a
+    fifth of a SmolLM2 decode step at batch 8."""
+    cdf = probs.double().cumsum(-1)
+    uniform = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators]).to(probs.device)
+    chosen = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    # (a zero-probability token is never the first whose sum passes the number; rounding at the top
+    # of the last row's mass can pass them all: its last possible token then)
+    over = chosen >= probs.shape[-1]
+    if over.any():
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
+        chosen = torch.where(over, last, chosen)
+    return chosen
 
 
 def _apply_penalties(logits: torch.Tensor, req: Request, end: int | None = None) -> None:
@@ -111,14 +129,7 @@ def _choose_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
     chosen = logits.argmax(dim=-1)
     if greedy.all():
         return chosen
-    probs = _filtered_probs(logits, requests)
-    # Sampling by "exponential race": argmax(p / q), q ~ Exp(1), picks token i with
-    # probability p_i. Drawing q from the request's own generator makes a seeded request
-    # reproducible whatever else shares its batch.
-    noise = torch.empty_like(probs)
-    for row, req in enumerate(requests):
-        noise[row].exponential_(generator=req.generator)
-    sampled = (probs / noise).argmax(dim=-1)
+    sampled = _draw_rows(_filtered_probs(logits, requests), [req.generator for req in requests])
     return torch.where(greedy, chosen, sampled)
 
 
