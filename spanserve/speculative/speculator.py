@@ -30,7 +30,7 @@ from spanserve.speculative.config import SpeculativeConfig
 
 REJECTED_STEPS = 4
 PAUSE_STEPS = 16
-# Draft tokens checked per step, all requests together, those that accept most first: a CPU step
+# Draft tokens checked per step, all requests together, the tokens worth most first: a CPU step
 # costs about the same for a few dozen tokens as for one (weights read once), much more beyond. At
 # batch 8 with 5 drafts each (48 tokens a step) free chat ran 0.81x plain (`spanserve bench
 # speculative`, SmolLM2, AMD Zen 4).
