@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from spanserve import SamplingParams
-from spanserve.engine.request import Request
 from spanserve.engine import sampler as sampler_module
+from spanserve.engine.request import Request
 from spanserve.engine.sampler import sample
 
 EOS = 3
