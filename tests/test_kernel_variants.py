@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from spanserve.attention import torch_ref
+from spanserve.attention.backend import KeyRotation
 from spanserve.kernels import cpu_kernel, native, selfcheck, variants
 from spanserve.kernels.layouts import W8A8_BLOCK, f32_panels, int8w_panels, pair_panels, w8a8_panels, w8a8_twin
 
@@ -93,6 +95,12 @@ def _cache(data, dtype, lens: list[int], block_size: int, kv_heads: int, dim: in
 _attention = selfcheck.softmax_attention
 
 
+def _angles(moved: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos and sin of random angles for `moved` keys of head size `dim` ([moved, dim / 2])."""
+    angles = torch.rand(moved, dim // 2) * 6.28
+    return angles.cos(), angles.sin()
+
+
 head_shapes = st.tuples(st.integers(1, 3), st.integers(1, 4), st.sampled_from([8, 16, 24, 40, 64, 80, 128]))
 
 
@@ -116,18 +124,24 @@ def test_paged_decode_is_softmax_attention(lib, seed, data, dtype, n_threads, he
        block_size=st.sampled_from([1, 4, 16]),
        seqs=st.lists(st.tuples(st.integers(1, 120), st.integers(1, 40)), min_size=1, max_size=3))
 def test_paged_prefill_is_causal_softmax_attention(lib, seed, data, dtype, n_threads, heads, block_size, seqs):
-    """Each sequence's last `rows` tokens (at most its length) query its keys up to their position."""
+    """Each sequence's last `rows` tokens (at most its length) query its keys up to their position;
+    a sequence's first keys may be span keys moved as the kernel reads them (KeyRotation), which
+    the reference rotates and, in bf16, rounds as a cache would hold them."""
     torch.manual_seed(seed)
     kv_heads, group, dim = heads
     lens = [n for n, _ in seqs]
     rows = [min(r, n) for n, r in seqs]
     k_cache, v_cache, tables, keys, values = _cache(data, dtype, lens, block_size, kv_heads, dim)
+    moved = [data.draw(st.sampled_from([0, 1, n // 2, n])) for n in lens]
+    rotations = [KeyRotation.from_angles(*_angles(m, dim), kv_heads) if m else None for m in moved]
+    keys = [k if r is None else r.apply(k.float()).to(dtype).to(k.dtype) for k, r in zip(keys, rotations)]
     positions = torch.cat([torch.arange(n - r, n) for n, r in zip(lens, rows)])
     starts = torch.tensor([0, *rows]).cumsum(0)
     q = torch.randn(int(starts[-1]), kv_heads * group, dim).to(dtype)
     scale = dim ** -0.5
     with _threads(n_threads):
-        out = cpu_kernel.paged_prefill(q, k_cache, v_cache, tables, starts, positions, torch.tensor(lens), scale)
+        out = cpu_kernel.paged_prefill(q, k_cache, v_cache, tables, starts, positions, torch.tensor(lens), scale,
+                                       rotations=torch_ref.key_rotations(rotations))
     seq_of = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(rows))
     want = torch.stack([_attention(q[t], keys[s][: p + 1], values[s][: p + 1], scale)
                         for t, (s, p) in enumerate(zip(seq_of.tolist(), positions.tolist()))])
