@@ -100,12 +100,12 @@ class SparseStep:
         self._plan: dict[int, _Narrowing] | None = None
         self._shapes: dict[tuple, tuple] = {}  # the narrowed lengths -> what follows from them
         self._rows: dict[int, int] = {}  # batch index -> its row of its request's step (a verify step has several)
-        counts: dict[int, int] = {}
+        rows: dict[SparseDecode, int] = {}  # of each request, in this step
         for i, decode in sequences.items():
-            self._rows[i] = counts.get(id(decode), 0)
-            counts[id(decode)] = self._rows[i] + 1
-        for decode in {id(d): d for d in sequences.values()}.values():
-            decode.begin(counts[id(decode)])
+            self._rows[i] = rows.get(decode, 0)
+            rows[decode] = self._rows[i] + 1
+        for decode, count in rows.items():
+            decode.begin(count)
 
     def restrict(self, layer: int, q: torch.Tensor, meta):
         """`meta` with each sparse sequence's context narrowed to its flow's blocks at `layer`."""

@@ -63,11 +63,9 @@ class Speculator:
 
     def draft(self, running: list) -> None:
         """Append a draft to each decoding request that may have one."""
-        decoding = [req for req in running if _eligible(req)]
-        counts = self._counts(decoding)
-        drafting = [req for req in decoding if req in counts]
-        counts = [counts[req] for req in drafting]
-        for req, tokens in zip(drafting, self._propose([req.token_ids for req in drafting], counts)):
+        counts = self._counts([req for req in running if _eligible(req)])
+        drafting = list(counts)
+        for req, tokens in zip(drafting, self._propose([req.token_ids for req in drafting], list(counts.values()))):
             if tokens and req.constraint is not None:  # what the grammar would refuse is no draft
                 tokens = tokens[:req.constraint.allowed_prefix(tokens)]
             req.token_ids.extend(tokens)
