@@ -5,6 +5,7 @@ import asyncio
 import threading
 
 import pytest
+import torch
 from helpers import greedy
 
 from spanserve.config import EngineConfig
@@ -105,4 +106,31 @@ def test_a_request_arriving_during_ingest_stops_the_ingest_step(tiny_llama_path)
         assert results[0] is None and llm.engine.scheduler.background.num_stopped >= 1  # the ingest step stopped
         assert final.finished and len(final.outputs[0].token_ids) == 2
     finally:
+        llm.shutdown()
+
+
+def test_a_request_is_tokenized_on_the_callers_thread_with_one_torch_thread(tiny_llama_path):
+    """A parallel torch op on the event loop's thread would start a second OpenMP team, which slows
+    every step of the engine's (async_engine.py): make_group runs there on one thread, and the
+    caller's own count comes back afterwards."""
+    llm = AsyncLLM.from_config(str(tiny_llama_path), num_blocks=32)
+    counts = []
+    make_group = llm.engine.make_group
+
+    def recording(*args, **kwargs):
+        counts.append((threading.current_thread(), torch.get_num_threads()))
+        return make_group(*args, **kwargs)
+
+    llm.engine.make_group = recording
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        async def run():
+            return [out async for out in llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy(2))][-1]
+
+        assert len(asyncio.run(run()).outputs[0].token_ids) == 2
+        assert counts == [(threading.current_thread(), 1)]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
         llm.shutdown()

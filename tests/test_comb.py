@@ -212,6 +212,7 @@ def test_the_default_link_policy_is_comb_where_a_plugin_is_loaded_else_none_both
     llm = make_llm(tiny_llama_path, comb_plugin=str(plugin_file))
     engine = llm.engine
     assert engine.default_link == "comb"
+    assert "signature" in vars(engine.comb)  # hashed as the engine is built, on the thread that steps it
     assert engine.link_policy(SamplingParams()).focus_tokens == AUTO_FOCUS_TOKENS
     assert engine.link_policy(SamplingParams(link_policy="comb")).focus_tokens == 0  # a policy named is as named
     assert engine.link_policy(SamplingParams(focus_spans=1)).focus_tokens == 0

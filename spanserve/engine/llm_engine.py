@@ -156,6 +156,9 @@ class LLMEngine:
         self.comb = find_plugin(model, config.comb_plugin)  # span encoder for link_policy="comb"
         if self.comb:
             self.runner.use_encoder(self.comb)
+            # Hashed here, on the thread that steps the model: a request's first use on a server's
+            # event loop would start a second OpenMP team there (async_engine.py).
+            _ = self.comb.signature
         elif config.link_policy == "comb":
             raise PluginNotLoadedError(_NO_COMB)
         auto = "comb" if self.comb else "none"
