@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from helpers import assert_engine_idle, greedy, random_prompt
 from server_utils import ServerProcess
 
@@ -201,3 +202,21 @@ def test_an_append_the_backlog_cannot_take_now_is_a_429_and_one_it_never_can_a_4
     llm.shutdown()
     assert later.status_code == 429 and later.headers["retry-after"] == "1" and "retry once" in later.text
     assert never.status_code == 400 and "can never fit" in never.text
+
+
+def test_the_servers_helper_threads_run_torch_on_one_thread(served):
+    """A parallel torch op on a helper thread (asyncio.to_thread) would start a second OpenMP team
+    beside the engine's, which slows every step: the app's helpers take one thread each."""
+    _, app = served
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # what a new thread would otherwise start with
+
+    async def run():
+        async with app.router.lifespan_context(app):
+            return await asyncio.to_thread(torch.get_num_threads)
+
+    try:
+        assert asyncio.run(run()) == 1
+        assert torch.get_num_threads() == 2  # the caller's own count is its own
+    finally:
+        torch.set_num_threads(before)

@@ -89,6 +89,12 @@ def use_pool_for_matmuls(model: torch.nn.Module) -> None:
             module.register_forward_hook(after)
 
 
+def one_torch_thread() -> None:
+    """From now on, torch on the calling thread runs on that thread alone (a server's helper
+    thread: see helper_thread)."""
+    torch.set_num_threads(1)
+
+
 @contextmanager
 def helper_thread():
     """Torch work on a thread other than the one that steps the model (a server's helper) runs on

@@ -7,7 +7,8 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -20,7 +21,7 @@ from spanserve import __version__, heap
 from spanserve.engine import text_bound
 from spanserve.engine.async_engine import AsyncLLM
 from spanserve.errors import InvalidRequestError, RetryLaterError, TokenIdError
-from spanserve.kernels.threads import helper_thread
+from spanserve.kernels.threads import helper_thread, one_torch_thread
 from spanserve.outputs import RequestOutput
 from spanserve.server import openai_format as fmt
 from spanserve.server.embeddings import add_embedding_routes
@@ -373,6 +374,22 @@ _SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
     "data": {"type": "string", "description": "a chunk as JSON, or [DONE] at the end"}}}}}
 
 
+def _lifespan(llm: AsyncLLM, disk: SessionDisk | None):
+    """The sessions' lifespan, with the event loop's helper threads (asyncio.to_thread: texts to
+    tokenize, files to write) running torch on one thread each: a parallel op there would start a
+    second OpenMP team beside the engine's, which slows every step (kernels/threads.py)."""
+    sessions = session_lifespan(llm, disk)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        helpers = ThreadPoolExecutor(thread_name_prefix="spanserve-helper", initializer=one_torch_thread)
+        asyncio.get_running_loop().set_default_executor(helpers)
+        async with sessions(app):
+            yield
+
+    return lifespan
+
+
 def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
                max_queued: int | None = None, retriever=None, max_body_bytes: int = 32 << 20,
                query_limits: QueryLimits | None = None, tenants: Tenants | None = None,
@@ -381,7 +398,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     never mix. With neither, the server is open and /metrics too. session_dir: where sessions are
     saved, and kept across a restart (a directory, or a SessionDisk with a save policy)."""
     disk = session_dir if isinstance(session_dir, SessionDisk | None) else SessionDisk(Path(session_dir))
-    app = FastAPI(title="spanserve", version=__version__, lifespan=session_lifespan(llm, disk),
+    app = FastAPI(title="spanserve", version=__version__, lifespan=_lifespan(llm, disk),
                   description="OpenAI-compatible LLM server with span-aware KV caching")
     server = Server(llm, model_name, max_queued, query_limits or QueryLimits())
     app.state.server = server
