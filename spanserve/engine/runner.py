@@ -335,17 +335,20 @@ class ModelRunner:
         slots = torch.from_numpy(own[tokens // bs] * bs + tokens % bs).to(self.device)  # the same in every layer
         meta = self._probe_meta(req, rows, rows[:0], n)  # the same in every layer
         rotation = meta.key_rotation[0]  # the request's own (_probe_meta)
-        for layer in range(voters.stop):  # no later layer votes: the probe stops there
-            queries = hidden[-len(watched):]
-            with self._reading(req, len(rows)):  # (this layer's keys land in the request's blocks)
-                if layer < voters.stop - 1:
-                    hidden = self._probe_layer(req, layer, rows, rows[:0], hidden, n, meta)
-                else:  # the last voting layer's output is never read: its rows' keys are all it needs
-                    self._store_keys(layer, hidden, meta)
-            if layer in voters.by_layer:
-                with self._reading(req, len(watched)):
-                    heads = self._attention_weights(layer, queries, watched, slots, rotation)
-                weights.append(heads[voters.by_layer[layer]])
+        # Entered once around the layers, the plug-in's hooks go on once (120 projections: 0.28 ms
+        # each time); the contexts inside only name their rows.
+        with self._reading(req, len(rows)):
+            for layer in range(voters.stop):  # no later layer votes: the probe stops there
+                queries = hidden[-len(watched):]
+                with self._reading(req, len(rows)):  # (this layer's keys land in the request's blocks)
+                    if layer < voters.stop - 1:
+                        hidden = self._probe_layer(req, layer, rows, rows[:0], hidden, n, meta)
+                    else:  # the last voting layer's output is never read: its rows' keys are all it needs
+                        self._store_keys(layer, hidden, meta)
+                if layer in voters.by_layer:
+                    with self._reading(req, len(watched)):
+                        heads = self._attention_weights(layer, queries, watched, slots, rotation)
+                    weights.append(heads[voters.by_layer[layer]])
         return torch.cat(weights)
 
     def _store_keys(self, layer: int, hidden: torch.Tensor, meta: AttentionMetadata) -> None:
