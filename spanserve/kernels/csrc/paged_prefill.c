@@ -93,6 +93,7 @@ typedef struct { /* one thread's scratch */
     vf *queries;          /* [row_groups][dim] */
     vi *rows_pos;         /* [row_groups] */
     int64_t *min_pos;     /* [row_groups]: the least position of a row group's real rows */
+    int64_t *max_pos;     /* [row_groups]: the greatest (in min_pos's allocation) */
     float *keys, *values; /* [LANES][dim] */
     uint32_t *query_pairs;  /* the bf16 path's: [row_groups][dim / 2][LANES], bf16 pairs along dim */
     uint32_t *key_pairs;    /* [LANES][dim / 2]: bf16 pairs along dim */
@@ -156,18 +157,21 @@ static void load_queries(const Args *a, const Scratch *s, const Unit *u) {
     }
 }
 
-/* Each row's position, and each row group's least (padding rows see every key). */
+/* Each row's position, and each row group's least and greatest (padding rows see every key). */
 static void load_positions(const Args *a, const Scratch *s, const Unit *u) {
     for (int g = 0; g < a->row_groups; g++) {
         s->rows_pos[g] = splat_int(INT32_MAX);
         s->min_pos[g] = INT32_MAX;
+        s->max_pos[g] = -1;
     }
     for (int r = 0; r < u->tokens * a->groups; r++) {
         int64_t position = a->positions[u->row0 + r / a->groups];
         s->rows_pos[r / LANES][r % LANES] = (int32_t)position;
         s->min_pos[r / LANES] = position < s->min_pos[r / LANES] ? position : s->min_pos[r / LANES];
+        s->max_pos[r / LANES] = position > s->max_pos[r / LANES] ? position : s->max_pos[r / LANES];
     }
 }
+
 
 /* Up to MAX_GROUPS row groups are stepped together, so that a key element broadcast once serves
  * each of them and a query column or weight vector loaded once serves several keys. The sums of
@@ -493,6 +497,16 @@ static void pair_step(const Args *a, const Scratch *s, int g0, int groups, int64
 }
 #endif
 
+/* The next run of at most MAX_GROUPS row groups from *g on that see key k (a row group whose rows
+ * all stand before k would only add zeros: a prompt's relinked span tokens among its question's
+ * rows see a part of the context); its length, 0 at the end. */
+static int seeing_groups(const Scratch *s, int row_groups, int64_t k, int *g) {
+    while (*g < row_groups && s->max_pos[*g] < k) (*g)++;
+    int run = 0;
+    while (*g + run < row_groups && run < MAX_GROUPS && s->max_pos[*g + run] >= k) run++;
+    return run;
+}
+
 /* Task `task`: its unit's rows over keys [kbegin, kend), into state [row_groups][dim + 2]. */
 static void run_task(const Args *a, const Scratch *s, const Unit *u, const Task *task, vf *state) {
     int width = a->dim + 2, row_groups = (u->tokens * a->groups + LANES - 1) / LANES;
@@ -509,19 +523,18 @@ static void run_task(const Args *a, const Scratch *s, const Unit *u, const Task 
         st[a->dim + 1] = splat(0.0f);
     }
     for (int64_t k = task->kbegin; k < task->kend; k += LANES) { /* kend: past the unit's last position */
-        int n = task->kend - k < LANES ? (int)(task->kend - k) : LANES;
+        int n = task->kend - k < LANES ? (int)(task->kend - k) : LANES, g = 0, run;
 #if defined(PAIR_DOT)
         if (a->pairs) {
             load_pair_panels(a, s, u->seq, u->kv_head, k, n);
-            for (int g = 0; g < row_groups; g += MAX_GROUPS)
-                pair_step(a, s, g, row_groups - g < MAX_GROUPS ? row_groups - g : MAX_GROUPS, k, n, state + g * width,
-                          a->dim);
+            for (; (run = seeing_groups(s, row_groups, k, &g)) > 0; g += run)
+                pair_step(a, s, g, run, k, n, state + g * width, a->dim);
             continue;
         }
 #endif
         load_panels(a, s, u->seq, u->kv_head, k, n);
-        for (int g = 0; g < row_groups; g += MAX_GROUPS)
-            step(s, g, row_groups - g < MAX_GROUPS ? row_groups - g : MAX_GROUPS, k, n, state + g * width, a->dim);
+        for (; (run = seeing_groups(s, row_groups, k, &g)) > 0; g += run)
+            step(s, g, run, k, n, state + g * width, a->dim);
     }
 }
 
@@ -632,10 +645,11 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void 
     {
         FLUSH_DENORMALS_BEGIN
         Scratch s = {aligned_alloc(64, a.row_groups * dim * sizeof(vf)), aligned_alloc(64, a.row_groups * sizeof(vi)),
-                     malloc(a.row_groups * sizeof(int64_t)), malloc(LANES * dim * sizeof(float)),
+                     malloc(2 * a.row_groups * sizeof(int64_t)), NULL, malloc(LANES * dim * sizeof(float)),
                      malloc(LANES * dim * sizeof(float)),
                      aligned_alloc(64, (size_t)a.row_groups * (dim / 2 + 1) * LANES * sizeof(uint32_t)),
                      malloc(LANES * (dim / 2 + 1) * sizeof(uint32_t)), malloc(LANES * dim * sizeof(uint32_t))};
+        s.max_pos = s.min_pos ? s.min_pos + a.row_groups : NULL;
         if (!s.queries || !s.rows_pos || !s.min_pos || !s.keys || !s.values || !s.query_pairs || !s.key_pairs ||
             !s.value_pairs)
             failed = 1;
