@@ -87,6 +87,7 @@ typedef struct {
 typedef struct {
     int unit;
     int64_t kbegin, kend;
+    int64_t work; /* keys its rows read (token x keys it sees): threads take the most work first */
 } Task;
 
 typedef struct { /* one thread's scratch */
@@ -613,6 +614,21 @@ static int check(const Args *a, int64_t num_seqs, int64_t num_rows) {
     return 0;
 }
 
+/* Keys [kbegin, kend) that unit u's tokens read: a task's work. */
+static int64_t task_work(const Args *a, const Unit *u, int64_t kbegin, int64_t kend) {
+    int64_t work = 0;
+    for (int64_t t = u->row0; t < u->row0 + u->tokens; t++) {
+        int64_t seen = (a->positions[t] + 1 < kend ? a->positions[t] + 1 : kend) - kbegin;
+        work += seen > 0 ? seen : 0;
+    }
+    return work;
+}
+
+static int most_work_first(const void *x, const void *y) {
+    const Task *a = *(const Task *const *)x, *b = *(const Task *const *)y;
+    return (a->work < b->work) - (a->work > b->work);
+}
+
 int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void *out, const int64_t *block_tables,
                   const int64_t *query_starts, const int64_t *positions, const int64_t *context_lens,
                   const int64_t *rot_starts, const float *rot_cos, const float *rot_sin, int64_t num_seqs,
@@ -632,15 +648,19 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void 
     Unit *units = plan_units(&a, num_seqs, &num_units, &num_tasks);
     Task *tasks = units ? malloc((num_tasks ? num_tasks : 1) * sizeof(Task)) : NULL;
     vf *states = tasks ? aligned_alloc(64, (num_tasks ? num_tasks : 1) * task_stride * sizeof(vf)) : NULL;
-    int failed = states == NULL; /* out of memory: nothing is computed, the caller raises */
+    const Task **order = states ? malloc((num_tasks ? num_tasks : 1) * sizeof(Task *)) : NULL;
+    int failed = order == NULL; /* out of memory: nothing is computed, the caller raises */
     for (int64_t u = 0; !failed && u < num_units; u++) {
         int64_t piece = (units[u].kend + units[u].num_tasks - 1) / units[u].num_tasks;
         piece = (piece + LANES - 1) / LANES * LANES;
         for (int t = 0; t < units[u].num_tasks; t++) {
             int64_t begin = t * piece, end = begin + piece < units[u].kend ? begin + piece : units[u].kend;
-            tasks[units[u].first_task + t] = (Task){(int)u, begin, end > begin ? end : begin};
+            end = end > begin ? end : begin;
+            tasks[units[u].first_task + t] = (Task){(int)u, begin, end, task_work(&a, &units[u], begin, end)};
+            order[units[u].first_task + t] = &tasks[units[u].first_task + t];
         }
     }
+    if (!failed) qsort(order, num_tasks, sizeof *order, most_work_first);
 #pragma omp parallel if (!failed)
     {
         FLUSH_DENORMALS_BEGIN
@@ -653,10 +673,11 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void 
         if (!s.queries || !s.rows_pos || !s.min_pos || !s.keys || !s.values || !s.query_pairs || !s.key_pairs ||
             !s.value_pairs)
             failed = 1;
-        /* Latest tasks first: in a causal prompt they see the most keys, so the threads end together. */
+        /* The most work first, so that the threads end together: in a causal prompt the latest
+         * tasks; among a relinked prompt's rows, the first keys, which every row reads. */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = num_tasks - 1; i >= 0; i--)
-            if (!failed) run_task(&a, &s, &units[tasks[i].unit], &tasks[i], states + i * task_stride);
+        for (int64_t i = 0; i < num_tasks; i++)
+            if (!failed) run_task(&a, &s, &units[order[i]->unit], order[i], states + (order[i] - tasks) * task_stride);
 #pragma omp for schedule(dynamic, 4)
         for (int64_t u = 0; u < num_units; u++)
             if (!failed) merge(&a, &units[u], states, task_stride);
@@ -670,6 +691,7 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void 
         free(s.value_pairs);
         FLUSH_DENORMALS_END
     }
+    free(order);
     free(states);
     free(tasks);
     free(units);
