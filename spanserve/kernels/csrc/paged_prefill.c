@@ -173,7 +173,6 @@ static void load_positions(const Args *a, const Scratch *s, const Unit *u) {
     }
 }
 
-
 /* Up to MAX_GROUPS row groups are stepped together, so that a key element broadcast once serves
  * each of them and a query column or weight vector loaded once serves several keys. The sums of
  * a product (groups x keys for scores, groups x width for values) must stay in registers, with a
