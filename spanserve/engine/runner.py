@@ -336,15 +336,14 @@ class ModelRunner:
         meta = self._probe_meta(req, rows, rows[:0], n)  # the same in every layer
         rotation = meta.key_rotation[0]  # the request's own (_probe_meta)
         # Entered once around the layers, the plug-in's hooks go on once (120 projections: 0.28 ms
-        # each time); the contexts inside only name their rows.
+        # each time); the voters' context inside only names its rows.
         with self._reading(req, len(rows)):
             for layer in range(voters.stop):  # no later layer votes: the probe stops there
                 queries = hidden[-len(watched):]
-                with self._reading(req, len(rows)):  # (this layer's keys land in the request's blocks)
-                    if layer < voters.stop - 1:
-                        hidden = self._probe_layer(req, layer, rows, rows[:0], hidden, n, meta)
-                    else:  # the last voting layer's output is never read: its rows' keys are all it needs
-                        self._store_keys(layer, hidden, meta)
+                if layer < voters.stop - 1:  # (this layer's keys land in the request's blocks)
+                    hidden = self._probe_layer(req, layer, rows, rows[:0], hidden, n, meta)
+                else:  # the last voting layer's output is never read: its rows' keys are all it needs
+                    self._store_keys(layer, hidden, meta)
                 if layer in voters.by_layer:
                     with self._reading(req, len(watched)):
                         heads = self._attention_weights(layer, queries, watched, slots, rotation)
