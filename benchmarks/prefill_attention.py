@@ -8,8 +8,10 @@ prompt. Each time is the best of --repeats calls; the error is each path's large
 from a float64 softmax over the same inputs (accuracy beside speed). --baseline REV adds the
 kernel as it was at git revision REV (its csrc/ built beside today's, in the same turns): a change
 to the kernel measured against its earlier self in one process, on this machine's noise alike.
+--layers N gives each case N layers' caches, read in turn as a prompt's pass reads them: a
+layer's keys then come from memory, not from the CPU's caches.
 
-    spanserve bench prefill_attention [--dtype float32|bfloat16|both] [--repeats 10] [--baseline REV]
+    spanserve bench prefill_attention [--dtype float32|bfloat16|both] [--repeats 10] [--baseline REV] [--layers 30]
 """
 
 import argparse
@@ -35,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="each call reads the next of this many layers' caches, as a prompt's pass does: "
+                             "at 30 a layer's keys are out of the CPU's caches when it is read again")
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="also time the kernel of this git revision (needs a git checkout)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/prefill_attention.json)")
@@ -52,15 +57,15 @@ def run(args: argparse.Namespace) -> dict:
     rows, table = [], []
     for dtype_name in dtypes:
         for case in CASES:
-            row = _measure(case, getattr(torch, dtype_name), args.repeats, baseline)
+            row = _measure(case, getattr(torch, dtype_name), args.repeats, baseline, args.layers)
             rows.append({"dtype": dtype_name, **row})
             table.append([dtype_name, row["case"], f"{row['torch_ms']:.2f}", f"{row['kernel_ms']:.2f}",
                           f"{row['speedup']:.2f}x", f"{row['torch_error']:.1e}", f"{row['kernel_error']:.1e}"]
                          + ([f"{row['baseline_ms']:.2f}", f"{row['over_baseline']:.2f}x"] if baseline else []))
     extra = [f"{args.baseline} ms", f"over {args.baseline}"] if baseline else []
     harness.print_table(["dtype", "case", "torch ms", "kernel ms", "speedup", "torch max err", "kernel max err",
-                         *extra], table, title=f"prefill attention, one layer, {threads} threads")
-    result = {"benchmark": "prefill_attention", "threads": threads, "repeats": args.repeats,
+                         *extra], table, title=f"prefill attention, {_layers(args.layers)}, {threads} threads")
+    result = {"benchmark": "prefill_attention", "threads": threads, "repeats": args.repeats, "layers": args.layers,
               "baseline": args.baseline, "rows": rows, "machine": harness.machine_info()}
     harness.write_json(result, path=args.out or harness.result_path("prefill_attention"))
     return result
@@ -90,7 +95,11 @@ def _source_at(repo: Path, rev: str, name: str) -> bytes:
              f"{shown.stderr.decode(errors='replace').strip()}")
 
 
-def _measure(case: tuple, dtype, repeats: int, baseline=None) -> dict:
+def _layers(layers: int) -> str:
+    return "one layer" if layers == 1 else f"each call over the next of {layers} layers' caches"
+
+
+def _measure(case: tuple, dtype, repeats: int, baseline=None, layers: int = 1) -> dict:
     import torch
 
     from spanserve.attention.torch_ref import _matmul_attention, gather_head_major, head_major_rows
@@ -99,23 +108,26 @@ def _measure(case: tuple, dtype, repeats: int, baseline=None) -> dict:
     name, heads, kv_heads, dim, context, queries = case
     gen = torch.Generator().manual_seed(0)
     blocks = -(-context // 16)
-    cache = (torch.randn(2, blocks + 8, 16, kv_heads, dim, generator=gen) * 2).to(dtype)
+    caches = (torch.randn(layers, 2, blocks + 8, 16, kv_heads, dim, generator=gen) * 2).to(dtype)
+    cache, turn = caches[0], iter(range(1 << 62))
     table = torch.randperm(blocks + 8, generator=gen)[:blocks][None]  # scattered blocks, as a pool hands them out
     q = torch.randn(queries, heads, dim, generator=gen).to(dtype)
     positions, scale = torch.arange(context - queries, context), dim**-0.5
     starts, lens = torch.tensor([0, queries]), torch.tensor([context])
     rows = head_major_rows(table[0], context, 16, kv_heads)
 
-    def kernel():
-        return cpu_kernel.paged_prefill(q, cache[0], cache[1], table, starts, positions, lens, scale)
+    def kernel(layer=None):
+        k, v = caches[next(turn) % layers if layer is None else layer]
+        return cpu_kernel.paged_prefill(q, k, v, table, starts, positions, lens, scale)
 
-    def torch_path():
-        keys, values = gather_head_major(cache[0], cache[1], table[0], context, None, rows)
+    def torch_path(layer=None):
+        k, v = caches[next(turn) % layers if layer is None else layer]
+        keys, values = gather_head_major(k, v, table[0], context, None, rows)
         return _matmul_attention(q, keys, values, positions, scale)
 
-    def baseline_kernel():
+    def baseline_kernel(layer=None):
         with cpu_kernel.using(baseline):
-            return kernel()
+            return kernel(layer)
 
     paths = {"kernel": kernel, "torch": torch_path, **({"baseline": baseline_kernel} if baseline else {})}
     best = harness.best_ms_in_turns(paths, repeats)
@@ -123,11 +135,11 @@ def _measure(case: tuple, dtype, repeats: int, baseline=None) -> dict:
     row = {"case": name, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "context": context,
            "queries": queries, "kernel_ms": best["kernel"], "torch_ms": best["torch"],
            "speedup": best["torch"] / best["kernel"],
-           "kernel_error": float((kernel().double() - expected).abs().max()),
-           "torch_error": float((torch_path().double() - expected).abs().max())}
+           "kernel_error": float((kernel(0).double() - expected).abs().max()),
+           "torch_error": float((torch_path(0).double() - expected).abs().max())}
     if baseline:
         row.update(baseline_ms=best["baseline"], over_baseline=best["baseline"] / best["kernel"],
-                   baseline_error=float((baseline_kernel().double() - expected).abs().max()))
+                   baseline_error=float((baseline_kernel(0).double() - expected).abs().max()))
     return row
 
 

@@ -349,13 +349,14 @@ def git_state() -> dict:
 
     def git(*cmd: str) -> str:
         try:
-            return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+            return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, timeout=10).stdout
         except (OSError, subprocess.SubprocessError):
             return ""
 
     import spanserve
 
-    return {"spanserve_path": str(Path(spanserve.__file__).parent), "commit": git("rev-parse", "HEAD") or None,
+    # porcelain lines are "XY path": not stripped, or the first line's X (a space) goes
+    return {"spanserve_path": str(Path(spanserve.__file__).parent), "commit": git("rev-parse", "HEAD").strip() or None,
             "modified": [ln[3:] for ln in git("status", "--porcelain", "--untracked-files=no").splitlines()]}
 
 

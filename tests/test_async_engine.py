@@ -1,7 +1,8 @@
 """AsyncLLM builds its engine on the thread that steps it (one OpenMP thread team), and a build that
-fails raises in the constructor."""
+fails raises in the constructor; a built engine is out of the garbage collector's passes."""
 
 import asyncio
+import gc
 import threading
 
 import pytest
@@ -134,3 +135,11 @@ def test_a_request_is_tokenized_on_the_callers_thread_with_one_torch_thread(tiny
     finally:
         torch.set_num_threads(before)
         llm.shutdown()
+
+
+def test_a_built_engine_is_out_of_the_garbage_collectors_passes(tiny_llama_path):
+    """What a build allocates (model, tokenizer, imports) lives as long as the process: frozen, a
+    full collection no longer walks it between steps (on SmolLM2 such a pass took 124 ms)."""
+    gc.unfreeze()
+    LLMEngine(EngineConfig(model=str(tiny_llama_path), num_blocks=32))
+    assert gc.get_freeze_count() > 0

@@ -61,3 +61,15 @@ def test_rag_documents_are_distinct_and_sized(tiny_llama_path):
     for d in docs:
         assert 60 < maker.count(d["text"]) <= 120
         assert f"The capital of {d['place']} is {d['capital']}." in d["text"]
+
+
+def test_the_rag_record_names_the_modified_files_whole(monkeypatch):
+    """git status --porcelain lines start with a space for a file changed but not staged: the
+    record keeps every path whole, the first one too."""
+    import subprocess
+
+    out = {"rev-parse": "abc123\n", "status": " M benchmarks/rag.py\n M spanserve/llm.py\n"}
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, out[cmd[1]], ""))
+    state = rag.git_state()
+    assert state["commit"] == "abc123"
+    assert state["modified"] == ["benchmarks/rag.py", "spanserve/llm.py"]

@@ -44,3 +44,23 @@ def test_prefill_attention_bench_times_an_earlier_revision_beside_it(tmp_path, m
 def test_an_unknown_baseline_revision_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="cannot read .* under spanserve/kernels/csrc/"):
         prefill_attention._baseline("no-such-revision-xyz")
+
+
+@pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler: the kernel is not built")
+def test_layers_make_each_call_read_the_next_layers_cache(tmp_path, monkeypatch):
+    """--layers N: the calls take the N caches in turn (keys out of the CPU's caches when read
+    again), and the error is still checked against layer 0's softmax."""
+    monkeypatch.setattr(prefill_attention, "CASES", [("question", 6, 2, 32, 300, 5)])
+    read, kernel = [], cpu_kernel.paged_prefill
+
+    def recording(q, k, *rest):
+        read.append(k.data_ptr())
+        return kernel(q, k, *rest)
+
+    monkeypatch.setattr(cpu_kernel, "paged_prefill", recording)
+    out = tmp_path / "pa.json"
+    prefill_attention.run(bench_args(prefill_attention, ["--dtype", "float32", "--repeats", "5", "--layers", "3",
+                                                         "--out", str(out)]))
+    result = json.loads(out.read_text())
+    assert result["layers"] == 3 and len(set(read)) == 3
+    assert result["rows"][0]["kernel_error"] < 1e-4

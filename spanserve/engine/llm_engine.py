@@ -1,5 +1,6 @@
 """LLMEngine: the synchronous core. add_request() -> step() ... -> RequestOutputs."""
 
+import gc
 import itertools
 import logging
 import time
@@ -177,6 +178,9 @@ class LLMEngine:
         # observer such as the server's cache inspector. One that raises is logged, never fatal.
         self.end_watchers: list[Callable[[Request], None]] = []
         self._ids = itertools.count()
+        # The model, tokenizer and imports live as long as the process: out of the collector's
+        # passes, which otherwise walk them all (a full pass over SmolLM2's engine took 124 ms).
+        gc.freeze()
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, span link policy %s",
                  path.name, self.dtype, self.device, num_blocks, config.block_size, self.max_model_len,
                  self.default_link + (f"+focus{self.auto_focus}t" if self.auto_focus else ""))
