@@ -218,7 +218,7 @@ static inline __attribute__((always_inline)) void weigh_values(const float *valu
         for (int c = 0; c < width; c++) acc[h][c] = sums[h * chunks + c0 + c];
     for (int t = 0; t < n; t++)
         for (int c = 0; c < width; c++) {
-            vf value = load_vf(values + t * stride + (c0 + c) * LANES);
+            vf value = in_register(load_vf(values + t * stride + (c0 + c) * LANES));
             for (int h = 0; h < heads; h++) acc[h][c] += weights[h * wstride + t] * value;
         }
     for (int h = 0; h < heads; h++)

@@ -198,11 +198,14 @@ ALWAYS_INLINE void score_keys(const vf *queries, const float *panel, int dim, in
 #pragma GCC unroll 16
         for (int j = 0; j < keys; j++) sums[g][j] = splat(0.0f);
     for (int d = 0; d < dim; d++) {
+        vf query[MAX_GROUPS];
+#pragma GCC unroll 4
+        for (int g = 0; g < groups; g++) query[g] = in_register(queries[g * dim + d]);
 #pragma GCC unroll 16
         for (int j = 0; j < keys; j++) {
             vf key = splat(panel[(k0 + j) * dim + d]);
 #pragma GCC unroll 4
-            for (int g = 0; g < groups; g++) sums[g][j] += queries[g * dim + d] * key;
+            for (int g = 0; g < groups; g++) sums[g][j] += query[g] * key;
         }
     }
 #pragma GCC unroll 4
@@ -258,11 +261,14 @@ ALWAYS_INLINE void weigh_values(const float *panel, int dim, int groups, int d0,
         for (int j = 0; j < width; j++)
             sums[g][j] = rescaled ? state[g * stride + d0 + j] * rescale[g] : state[g * stride + d0 + j];
     for (int t = 0; t < LANES; t++) {
+        vf weight[MAX_GROUPS];
+#pragma GCC unroll 4
+        for (int g = 0; g < groups; g++) weight[g] = in_register(weights[g][t]);
 #pragma GCC unroll 8
         for (int j = 0; j < width; j++) {
             vf value = splat(panel[t * dim + d0 + j]);
 #pragma GCC unroll 4
-            for (int g = 0; g < groups; g++) sums[g][j] += weights[g][t] * value;
+            for (int g = 0; g < groups; g++) sums[g][j] += weight[g] * value;
         }
     }
 #pragma GCC unroll 4
