@@ -135,3 +135,22 @@ def test_int8_pads_its_inputs_for_torchs_kernel(monkeypatch):
     q = quant.Int8Linear(torch.nn.Linear(200, 70))
     assert q.qweight.shape == (70, 208) and q.int8_weight().shape == (70, 200)
     assert q.qweight[:, 200:].eq(0).all()
+
+
+@needs_compiler
+@pytest.mark.skipif("avx512f" in native.cpu_flags() or "avx2" not in native.cpu_flags(),
+                    reason="the native build takes the AVX2 GEMM tile only on a CPU with AVX2 and no AVX-512")
+def test_a_gemm_wrong_only_at_many_rows_is_caught(fresh, monkeypatch, tmp_path, caplog):
+    """The AVX2 GEMM steps many rows with another blocking than a few (f32_gemm.c, MANY_ROWS):
+    the self-check computes both, so a build wrong in the second alone is not used either."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(native.CSRC, csrc)
+    source = (csrc / "f32_gemm.c").read_text()
+    correct = "for (int v = 0; v < HALF; v++) acc[r][v] = _mm256_setzero_ps();"
+    assert correct in source
+    (csrc / "f32_gemm.c").write_text(source.replace(correct, correct.replace("_mm256_setzero_ps()",
+                                                                             "_mm256_set1_ps(1.0f)")))
+    monkeypatch.setattr(native, "build", functools.partial(native.build, csrc))
+    with caplog.at_level(logging.WARNING):
+        assert cpu_kernel.load() is None
+    assert "f32_gemm" in caplog.text and "27 rows" in caplog.text

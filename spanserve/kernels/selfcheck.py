@@ -39,36 +39,53 @@ def _tol(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 2e-2
 
 
+# Row counts of the float32 GEMM's checks: a few rows, and enough for the AVX2 tile's second
+# blocking (f32_gemm.c, MANY_ROWS), with a tail.
+FEW_ROWS, MANY_ROWS = 3, 27
+
+
 def _f32_gemm(lib, dtype) -> str:
     if dtype != torch.float32:
         return ""  # float32 activations only
     gen = torch.Generator().manual_seed(1)
-    x, w, bias = torch.randn(3, 37, generator=gen), torch.randn(50, 37, generator=gen), torch.randn(50, generator=gen)
-    packed, out = f32_panels(w), torch.empty(3, 50)
-    status = lib.f32_gemm(_ptr(x), _ptr(packed), _ptr(bias), _ptr(out), 3, 50, packed.shape[0] * 16, 37)
-    return f"status {status}" if status else _compare(out, x @ w.t() + bias, 1e-5)
+    w, bias = torch.randn(50, 37, generator=gen), torch.randn(50, generator=gen)
+    for rows in (FEW_ROWS, MANY_ROWS):
+        x, packed, out = torch.randn(rows, 37, generator=gen), f32_panels(w), torch.empty(rows, 50)
+        status = lib.f32_gemm(_ptr(x), _ptr(packed), _ptr(bias), _ptr(out), rows, 50, packed.shape[0] * 16, 37)
+        problem = f"status {status}" if status else _compare(out, x @ w.t() + bias, 1e-5)
+        if problem:
+            return f"{rows} rows: {problem}"
+    return ""
 
 
 def _f32_gemm_int8w(lib, dtype) -> str:
     if dtype != torch.float32:
         return ""
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(9, 150, generator=gen)
     q = torch.randint(-127, 128, (50, 150), generator=gen, dtype=torch.int8)
     scale = torch.rand(50, generator=gen) / 100
-    (packed, padded), out = int8w_panels(q, scale), torch.empty(9, 50)
-    status = lib.f32_gemm_int8w(_ptr(x), _ptr(packed), _ptr(padded), None, _ptr(out), 9, 50, padded.shape[0], 150)
-    return f"status {status}" if status else _compare(out, x @ (q.float() * scale[:, None]).t(), 1e-5)
+    for rows in (FEW_ROWS, MANY_ROWS):
+        x, (packed, padded), out = torch.randn(rows, 150, generator=gen), int8w_panels(q, scale), torch.empty(rows, 50)
+        status = lib.f32_gemm_int8w(_ptr(x), _ptr(packed), _ptr(padded), None, _ptr(out), rows, 50, padded.shape[0],
+                                    150)
+        problem = f"status {status}" if status else _compare(out, x @ (q.float() * scale[:, None]).t(), 1e-5)
+        if problem:
+            return f"{rows} rows: {problem}"
+    return ""
 
 
 def _f32_gemm_bf16w(lib, dtype) -> str:
     if dtype != torch.float32:
         return ""
     gen = torch.Generator().manual_seed(4)
-    x, w = torch.randn(5, 70, generator=gen), torch.randn(50, 70, generator=gen).bfloat16()
-    packed, out = f32_panels(w), torch.empty(5, 50)
-    status = lib.f32_gemm_bf16w(_ptr(x), _ptr(packed), None, _ptr(out), 5, 50, packed.shape[0] * 16, 70)
-    return f"status {status}" if status else _compare(out, x @ w.float().t(), 1e-5)
+    w = torch.randn(50, 70, generator=gen).bfloat16()
+    for rows in (FEW_ROWS, MANY_ROWS):
+        x, packed, out = torch.randn(rows, 70, generator=gen), f32_panels(w), torch.empty(rows, 50)
+        status = lib.f32_gemm_bf16w(_ptr(x), _ptr(packed), None, _ptr(out), rows, 50, packed.shape[0] * 16, 70)
+        problem = f"status {status}" if status else _compare(out, x @ w.float().t(), 1e-5)
+        if problem:
+            return f"{rows} rows: {problem}"
+    return ""
 
 
 def _bf16_pairs_gemm(lib, dtype) -> str:
