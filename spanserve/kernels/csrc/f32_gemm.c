@@ -152,8 +152,9 @@ static inline __attribute__((always_inline)) __m256 in_register256(__m256 v) {
 /* Half a tile at a time, rows four at a time: 12 sums, the 3 weights held in registers and a
  * row's broadcast, 16 registers; 7 loads per 12 multiply-adds. Where the slice's weights are in
  * L1 and many rows pass over them, tile_pairs' loads set its pace (the two 256-bit loads a cycle
- * of an AMD EPYC): SmolLM2's 121 projections of 66 rows took 1.12x, of 512 rows 1.15x as long
- * there; of 8 rows 0.96x (weights from memory, two panels streamed at a time). */
+ * of an AMD EPYC): there SmolLM2's 121 projections ran 1.07x faster than tile_pairs at 35 rows,
+ * 1.08-1.11x at 66 and 1.16x at 512, but 0.96x at 8 (weights from memory, two panels streamed
+ * at a time rather than three). */
 static inline __attribute__((always_inline)) void tile_quads(const Slice *s, const int rows,
                                                              float sums[MAX_ROWS][TILE_WIDTH], const int bf16) {
     const int64_t k = s->k, ldx = s->ldx, stride = s->stride;
