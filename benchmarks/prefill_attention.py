@@ -15,6 +15,7 @@ layer's keys then come from memory, not from the CPU's caches.
 """
 
 import argparse
+import itertools
 import subprocess
 import sys
 import tempfile
@@ -109,7 +110,7 @@ def _measure(case: tuple, dtype, repeats: int, baseline=None, layers: int = 1) -
     gen = torch.Generator().manual_seed(0)
     blocks = -(-context // 16)
     caches = (torch.randn(layers, 2, blocks + 8, 16, kv_heads, dim, generator=gen) * 2).to(dtype)
-    cache, turn = caches[0], iter(range(1 << 62))
+    cache, turn = caches[0], itertools.count()
     table = torch.randperm(blocks + 8, generator=gen)[:blocks][None]  # scattered blocks, as a pool hands them out
     q = torch.randn(queries, heads, dim, generator=gen).to(dtype)
     positions, scale = torch.arange(context - queries, context), dim**-0.5
