@@ -33,16 +33,20 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("SPANSERVE_CACHE_DIR", str(tmp_path / "cache"))
 
 
-@pytest.fixture
-def wrong_build(fresh, monkeypatch, tmp_path):
-    """Sources whose float32 GEMM adds one to every output: a build that compiles and runs, wrong."""
+def _build_gemm_with(monkeypatch, tmp_path, correct: str, wrong: str) -> None:
+    """Builds from now on take the sources with `correct` in f32_gemm.c replaced by `wrong`."""
     csrc = tmp_path / "csrc"
     shutil.copytree(native.CSRC, csrc)
     source = (csrc / "f32_gemm.c").read_text()
-    correct = "out[c] = sums[r][c] *"
     assert correct in source
-    (csrc / "f32_gemm.c").write_text(source.replace(correct, "out[c] = 1.0f + sums[r][c] *"))
+    (csrc / "f32_gemm.c").write_text(source.replace(correct, wrong))
     monkeypatch.setattr(native, "build", functools.partial(native.build, csrc))
+
+
+@pytest.fixture
+def wrong_build(fresh, monkeypatch, tmp_path):
+    """Sources whose float32 GEMM adds one to every output: a build that compiles and runs, wrong."""
+    _build_gemm_with(monkeypatch, tmp_path, "out[c] = sums[r][c] *", "out[c] = 1.0f + sums[r][c] *")
 
 
 @needs_compiler
@@ -143,14 +147,8 @@ def test_int8_pads_its_inputs_for_torchs_kernel(monkeypatch):
 def test_a_gemm_wrong_only_at_many_rows_is_caught(fresh, monkeypatch, tmp_path, caplog):
     """The AVX2 GEMM steps many rows with another blocking than a few (f32_gemm.c, MANY_ROWS):
     the self-check computes both, so a build wrong in the second alone is not used either."""
-    csrc = tmp_path / "csrc"
-    shutil.copytree(native.CSRC, csrc)
-    source = (csrc / "f32_gemm.c").read_text()
     correct = "for (int v = 0; v < HALF; v++) acc[r][v] = _mm256_setzero_ps();"
-    assert correct in source
-    (csrc / "f32_gemm.c").write_text(source.replace(correct, correct.replace("_mm256_setzero_ps()",
-                                                                             "_mm256_set1_ps(1.0f)")))
-    monkeypatch.setattr(native, "build", functools.partial(native.build, csrc))
+    _build_gemm_with(monkeypatch, tmp_path, correct, correct.replace("_mm256_setzero_ps()", "_mm256_set1_ps(1.0f)"))
     with caplog.at_level(logging.WARNING):
         assert cpu_kernel.load() is None
     assert "f32_gemm" in caplog.text and "27 rows" in caplog.text

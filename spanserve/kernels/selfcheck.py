@@ -44,18 +44,27 @@ def _tol(dtype: torch.dtype) -> float:
 FEW_ROWS, MANY_ROWS = 3, 27
 
 
+def _at_row_counts(case: Callable[[int], str]) -> str:
+    """case(rows) at FEW_ROWS and MANY_ROWS: '' or the first problem, with its row count."""
+    for rows in (FEW_ROWS, MANY_ROWS):
+        problem = case(rows)
+        if problem:
+            return f"{rows} rows: {problem}"
+    return ""
+
+
 def _f32_gemm(lib, dtype) -> str:
     if dtype != torch.float32:
         return ""  # float32 activations only
     gen = torch.Generator().manual_seed(1)
     w, bias = torch.randn(50, 37, generator=gen), torch.randn(50, generator=gen)
-    for rows in (FEW_ROWS, MANY_ROWS):
-        x, packed, out = torch.randn(rows, 37, generator=gen), f32_panels(w), torch.empty(rows, 50)
+    packed = f32_panels(w)
+
+    def case(rows: int) -> str:
+        x, out = torch.randn(rows, 37, generator=gen), torch.empty(rows, 50)
         status = lib.f32_gemm(_ptr(x), _ptr(packed), _ptr(bias), _ptr(out), rows, 50, packed.shape[0] * 16, 37)
-        problem = f"status {status}" if status else _compare(out, x @ w.t() + bias, 1e-5)
-        if problem:
-            return f"{rows} rows: {problem}"
-    return ""
+        return f"status {status}" if status else _compare(out, x @ w.t() + bias, 1e-5)
+    return _at_row_counts(case)
 
 
 def _f32_gemm_int8w(lib, dtype) -> str:
@@ -64,14 +73,14 @@ def _f32_gemm_int8w(lib, dtype) -> str:
     gen = torch.Generator().manual_seed(2)
     q = torch.randint(-127, 128, (50, 150), generator=gen, dtype=torch.int8)
     scale = torch.rand(50, generator=gen) / 100
-    for rows in (FEW_ROWS, MANY_ROWS):
-        x, (packed, padded), out = torch.randn(rows, 150, generator=gen), int8w_panels(q, scale), torch.empty(rows, 50)
+    packed, padded = int8w_panels(q, scale)
+
+    def case(rows: int) -> str:
+        x, out = torch.randn(rows, 150, generator=gen), torch.empty(rows, 50)
         status = lib.f32_gemm_int8w(_ptr(x), _ptr(packed), _ptr(padded), None, _ptr(out), rows, 50, padded.shape[0],
                                     150)
-        problem = f"status {status}" if status else _compare(out, x @ (q.float() * scale[:, None]).t(), 1e-5)
-        if problem:
-            return f"{rows} rows: {problem}"
-    return ""
+        return f"status {status}" if status else _compare(out, x @ (q.float() * scale[:, None]).t(), 1e-5)
+    return _at_row_counts(case)
 
 
 def _f32_gemm_bf16w(lib, dtype) -> str:
@@ -79,13 +88,13 @@ def _f32_gemm_bf16w(lib, dtype) -> str:
         return ""
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(50, 70, generator=gen).bfloat16()
-    for rows in (FEW_ROWS, MANY_ROWS):
-        x, packed, out = torch.randn(rows, 70, generator=gen), f32_panels(w), torch.empty(rows, 50)
+    packed = f32_panels(w)
+
+    def case(rows: int) -> str:
+        x, out = torch.randn(rows, 70, generator=gen), torch.empty(rows, 50)
         status = lib.f32_gemm_bf16w(_ptr(x), _ptr(packed), None, _ptr(out), rows, 50, packed.shape[0] * 16, 70)
-        problem = f"status {status}" if status else _compare(out, x @ w.float().t(), 1e-5)
-        if problem:
-            return f"{rows} rows: {problem}"
-    return ""
+        return f"status {status}" if status else _compare(out, x @ w.float().t(), 1e-5)
+    return _at_row_counts(case)
 
 
 def _bf16_pairs_gemm(lib, dtype) -> str:

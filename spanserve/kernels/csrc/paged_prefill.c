@@ -519,7 +519,7 @@ static int seeing_groups(const Scratch *s, int row_groups, int64_t k, int *g) {
  * fifth of a warm RAG prompt's attention time on the panel copies (AMD EPYC Zen 3, float32). With
  * it, a question over 7.5k keys ran 1-4% faster (`bench prefill_attention --layers 30`). */
 static void prefetch_panel(const Args *a, int64_t seq, int kv, int64_t kbegin, int64_t kend) {
-    const int64_t bytes = (int64_t)a->dim * (a->kv_dtype ? 2 : 4), size = a->kv_dtype ? 2 : 4;
+    const int64_t size = a->kv_dtype ? 2 : 4, bytes = a->dim * size;
     for (int64_t key = kbegin; key < kend && key < kbegin + LANES; key++) {
         const int64_t index = key_index(a, seq, key, kv);
         const char *k = (const char *)a->k_cache + index * size, *v = (const char *)a->v_cache + index * size;
