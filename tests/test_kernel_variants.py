@@ -7,6 +7,7 @@ threads, block tables with holes. The variants this CPU cannot execute are compi
 SPANSERVE_KERNEL_VARIANTS=sanitized runs the same tests on the native build under ASan and UBSan
 alone (tests/test_kernel_sanitizers.py starts that run with the sanitizers' runtime preloaded)."""
 
+import functools
 import os
 
 import pytest
@@ -18,7 +19,17 @@ from hypothesis import strategies as st
 from spanserve.attention import torch_ref
 from spanserve.attention.backend import KeyRotation
 from spanserve.kernels import cpu_kernel, native, selfcheck, variants
-from spanserve.kernels.layouts import W8A8_BLOCK, f32_panels, int8w_panels, pair_panels, w8a8_panels, w8a8_twin
+from spanserve.kernels.layouts import (
+    BLOCK_GROUP,
+    W8A8_BLOCK,
+    block_panels,
+    block_weight,
+    f32_panels,
+    int8w_panels,
+    pair_panels,
+    w8a8_panels,
+    w8a8_twin,
+)
 
 needs_compiler = pytest.mark.skipif(native.compiler_path() is None, reason="no C compiler")
 SANITIZED_RUN = os.environ.get("SPANSERVE_KERNEL_VARIANTS") == "sanitized"
@@ -165,6 +176,40 @@ def test_f32_gemm_is_the_matmul(lib, seed, shape, n_threads, with_bias):
     assert status == 0
     want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
     _close(out, want, torch.float32, scale=k ** 0.5)
+
+
+@PROPERTY
+@given(seed=seeds, rows=st.integers(1, 80), groups=st.integers(1, 8), n=st.integers(1, 120),
+       bits=st.sampled_from([4, 8]), with_offset=st.booleans(), with_bias=st.booleans(), n_threads=threads)
+def test_block_gemm_is_the_matmul_of_its_blocks(lib, seed, rows, groups, n, bits, with_offset, with_bias, n_threads):
+    """Rows to 80 take both the direct path and the widened slices (block_gemm.c, DIRECT_MAX_ROWS)."""
+    torch.manual_seed(seed)
+    k = groups * BLOCK_GROUP
+    x = torch.randn(rows, k)
+    codes = torch.randint(0, 16, (n, k)) if bits == 4 else torch.randint(-128, 128, (n, k))
+    scale = torch.rand(n, groups) / 8
+    offset = torch.randn(n, groups) if with_offset else None
+    bias = torch.randn(n) if with_bias else None
+    packed, scales, offsets = block_panels(codes, bits, scale, offset)
+    out = torch.empty(rows, n)
+    with _threads(n_threads):
+        status = lib.block_gemm(x.data_ptr(), packed.data_ptr(), bits, scales.data_ptr(),
+                                None if offsets is None else offsets.data_ptr(),
+                                None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n,
+                                scales.shape[0] * 16, k)
+    assert status == 0
+    want = x.double() @ block_weight(codes, scale, offset).double().t() + (0 if bias is None else bias.double())
+    _close(out, want, torch.float32, scale=k ** 0.5)
+
+
+def test_block_gemm_refuses_what_it_does_not_take(lib):
+    x, codes, scale = torch.randn(2, 64), torch.zeros(48, 64, 8, dtype=torch.uint8), torch.ones(48, 2, 16)
+    out = torch.empty(2, 40)
+    call = functools.partial(lib.block_gemm, x.data_ptr(), codes.data_ptr())
+    assert call(4, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64) == 0
+    assert call(5, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64) == -1  # 5-bit codes
+    assert call(4, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 60) == -1  # k not a multiple of 32
+    assert call(4, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 32, 64) == -1  # n_padded not a tile
 
 
 @PROPERTY

@@ -31,7 +31,7 @@ from spanserve.errors import (
 )
 from spanserve.kv.hashing import extend_block_hashes
 from spanserve.kv.manager import KVCacheManager
-from spanserve.models import layout, quant
+from spanserve.models import gguf_blocks, layout, quant
 from spanserve.models.config import ModelConfig
 from spanserve.models.loader import load_model, load_tokenizer, resolve_model
 from spanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -147,8 +147,11 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size)  # structured outputs: compiled as asked
         model = load_model(path, self.dtype, self.device, get_backend(config.attention_backend, self.device),
                            max_positions=self.max_model_len, random_weights=config.load_format == "dummy")
+        self.gguf_block_projections = 0  # projections computed from a GGUF's own blocks
         if config.quantization:
             quant.quantize(model, config.quantization)
+        elif config.gguf_blocks and self.device.type == "cpu" and config.load_format != "dummy":
+            self.gguf_block_projections = gguf_blocks.keep_blocks(model, path)
         if layout.wants_input_major(self.dtype, self.device):
             layout.store_weights(model, input_major=True)  # after quantize, which leaves no float32 Linear
         # bf16 on CPU: the most rows a projection runs in the C GEMM (calibrated), None otherwise

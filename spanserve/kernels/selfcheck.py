@@ -5,12 +5,22 @@ costs speed (the torch path), never a wrong answer. It takes milliseconds, once 
 """
 
 import ctypes
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from spanserve.kernels.layouts import DTYPES, f32_panels, int8w_panels, pair_panels, w8a8_panels, w8a8_twin
+from spanserve.kernels.layouts import (
+    DTYPES,
+    block_panels,
+    block_weight,
+    f32_panels,
+    int8w_panels,
+    pair_panels,
+    w8a8_panels,
+    w8a8_twin,
+)
 
 
 def check(lib: ctypes.CDLL) -> str:
@@ -40,7 +50,7 @@ def _tol(dtype: torch.dtype) -> float:
 
 
 # Row counts of the float32 GEMM's checks: a few rows, and enough for the AVX2 tile's second
-# blocking (f32_gemm.c, MANY_ROWS), with a tail.
+# blocking (f32_gemm.c, MANY_ROWS) and for block_gemm.c's widened slices (past DIRECT_MAX_ROWS), with a tail.
 FEW_ROWS, MANY_ROWS = 3, 27
 
 
@@ -235,9 +245,35 @@ def _centroid_topk(lib, dtype) -> str:
     return "" if got == [10, 13, 15, 20] else f"picked {got}, not [10, 13, 15, 20]"
 
 
+def _block_gemm(lib, dtype) -> str:
+    """4-bit codes with offsets and a bias, 8-bit codes with neither (GGUF's Q4_1 and Q8_0)."""
+    if dtype != torch.float32:
+        return ""  # float32 activations only
+    gen = torch.Generator().manual_seed(11)
+    for bits in (4, 8):
+        low, high = (0, 16) if bits == 4 else (-128, 128)
+        codes, scale = torch.randint(low, high, (50, 64), generator=gen), torch.rand(50, 2, generator=gen)
+        with_offset = bits == 4
+        offset = torch.randn(50, 2, generator=gen) if with_offset else None
+        bias = torch.randn(50, generator=gen) if with_offset else None
+        problem = _at_row_counts(functools.partial(_block_case, lib, gen, bits, codes, scale, offset, bias))
+        if problem:
+            return f"{bits}-bit codes, {problem}"
+    return ""
+
+
+def _block_case(lib, gen, bits, codes, scale, offset, bias, rows: int) -> str:
+    packed, scales, offsets = block_panels(codes, bits, scale, offset)
+    x, out = torch.randn(rows, 64, generator=gen), torch.empty(rows, 50)
+    status = lib.block_gemm(_ptr(x), _ptr(packed), bits, _ptr(scales), _ptr(offsets), _ptr(bias), _ptr(out),
+                            rows, 50, scales.shape[0] * 16, 64)
+    want = x @ block_weight(codes, scale, offset).t() + (0 if bias is None else bias)
+    return f"status {status}" if status else _compare(out, want, 1e-5)
+
+
 CASES: dict[str, Callable[[ctypes.CDLL, torch.dtype], str]] = {
     "f32_gemm": _f32_gemm, "f32_gemm_int8w": _f32_gemm_int8w, "f32_gemm_bf16w": _f32_gemm_bf16w,
     "bf16_pairs_gemm": _bf16_pairs_gemm, "int8_gemm": _int8_gemm, "rms_norm": _rms_norm,
     "silu_mul": _silu_mul, "paged_decode": _paged_decode, "paged_prefill": _paged_prefill,
-    "rope_store": _rope_store, "centroid_topk": _centroid_topk,
+    "rope_store": _rope_store, "centroid_topk": _centroid_topk, "block_gemm": _block_gemm,
 }

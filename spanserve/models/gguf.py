@@ -1,7 +1,8 @@
 """Convert a llama.cpp GGUF file into an HF-style directory (config, tokenizer, safetensors).
 
 Quantized tensors are dequantized to float32 once; the result is cached so later starts
-read plain safetensors.
+read plain safetensors. The blocks of the types the CPU kernels read are kept beside them
+(models/gguf_blocks.py).
 """
 
 import json
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from spanserve.errors import UnsupportedModelError
+from spanserve.models.gguf_blocks import blocks_of, save_blocks
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -37,21 +39,25 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     if arch not in _ARCHS:
         raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported")
     tensors = {_hf_name(t.name): _dequantize(t) for t in reader.tensors}
+    blocks = {_hf_name(t.name): b for t in reader.tensors if (b := blocks_of(t)) is not None}
     # The embedding's rows are the vocabulary: `<arch>.vocab_size` is optional (qwen2 GGUFs omit it).
     config = _hf_config(meta, arch, tie="lm_head.weight" not in tensors,
                         vocab_size=tensors["model.embed_tokens.weight"].shape[0])
     if arch == "llama":  # llama.cpp interleaves q/k rows for its RoPE; undo it.
         for name in list(tensors):
-            if name.endswith("q_proj.weight"):
-                tensors[name] = _unpermute(tensors[name], config["num_attention_heads"])
-            elif name.endswith("k_proj.weight"):
-                tensors[name] = _unpermute(tensors[name], config["num_key_value_heads"])
+            heads = {"q_proj.weight": config["num_attention_heads"], "k_proj.weight": config["num_key_value_heads"]}
+            for suffix, n_head in heads.items():
+                if name.endswith(suffix):
+                    tensors[name] = _unpermute(tensors[name], n_head)
+                    if name in blocks:  # the same rows: a block never spans two
+                        blocks[name] = {part: _unpermute(a, n_head) for part, a in blocks[name].items()}
 
     with tempfile.TemporaryDirectory(dir=out_dir.parent) as tmp:
         tmp_dir = Path(tmp) / "model"
         tmp_dir.mkdir()
         _save_tokenizer(gguf_path, tmp_dir)
         (tmp_dir / "config.json").write_text(json.dumps(config, indent=2))
+        save_blocks(blocks, tensors, tmp_dir)
         # Unquantized tensors are read-only views of the file; a writable copy keeps torch quiet.
         save_file({k: torch.from_numpy(np.require(v, requirements="W")).contiguous() for k, v in tensors.items()},
                   str(tmp_dir / "model.safetensors"))

@@ -66,9 +66,14 @@ def resolve_model(model: str | None, weights: bool = True) -> Path:
     )
 
 
+# What a conversion writes (models/gguf.py): a new value converts a file again rather than read
+# an older conversion's folder. 2: the kept blocks (models/gguf_blocks.py).
+CONVERSION = 2
+
+
 def _converted(gguf: Path) -> Path:
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION}".encode()).hexdigest()
     out = cache_dir() / "models" / f"{gguf.stem}-{key[:12]}"
     if not (out / "model.safetensors").exists():
         log.info("converting %s to safetensors in %s (first start only)", gguf.name, out)

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "f32_gemm.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -51,6 +52,8 @@ typedef struct {
     const uint16_t *bpacked; /* the bf16 variant's weights (packed is then NULL) */
     const uint32_t *pairs;   /* bf16_pairs_gemm's weights: bf16 pairs along K (packed is then NULL) */
     const uint16_t *xb;      /* and its bf16 rows of x */
+    WidenSlice widen_slice;  /* another kernel's weights (f32_gemm.h), widened as int8 ones are (packed is then NULL) */
+    const void *weights;
     float *out;
     int64_t n, k;
 } Gemm;
@@ -227,9 +230,13 @@ static void tile_rows(const Slice *s, int rows, float sums[MAX_ROWS][TILE_WIDTH]
         tile_rows_of(s, rows, sums, 0);
 }
 
-/* Inputs i0 .. i0 + count - 1 of the int8 tile from panel p, as float32 [TILE_PANELS][SLICE][PANEL].
+/* Inputs i0 .. i0 + count - 1 of the int8 (or another kernel's) tile from panel p, as float32 [TILE_PANELS][SLICE][PANEL].
  * (GCC widens a vector of int8 lane by lane, in scalar code, hence the intrinsics.) */
 static void widen(const Gemm *g, int64_t p, int64_t i0, int64_t count, float *buf) {
+    if (g->widen_slice) {
+        for (int t = 0; t < TILE_PANELS; t++) g->widen_slice(g->weights, p + t, i0, count, buf + t * SLICE * PANEL);
+        return;
+    }
     for (int t = 0; t < TILE_PANELS; t++) {
         const int8_t *q = g->qpacked + ((p + t) * g->k + i0) * PANEL;
         float *dst = buf + t * SLICE * PANEL;
@@ -370,6 +377,12 @@ int f32_gemm_int8w(const float *x, const int8_t *qpacked, const float *scale, co
 int f32_gemm_bf16w(const float *x, const uint16_t *bpacked, const float *bias, float *out, int64_t m, int64_t n,
                    int64_t n_padded, int64_t k) {
     Gemm g = {.x = x, .bias = bias, .bpacked = bpacked, .out = out, .n = n, .k = k};
+    return run(&g, m, n_padded);
+}
+
+int f32_gemm_widened(const float *x, WidenSlice widen, const void *weights, const float *bias, float *out, int64_t m,
+                     int64_t n, int64_t n_padded, int64_t k) {
+    Gemm g = {.x = x, .bias = bias, .widen_slice = widen, .weights = weights, .out = out, .n = n, .k = k};
     return run(&g, m, n_padded);
 }
 

@@ -1,0 +1,276 @@
+/* Projections over weights kept as a GGUF file stores them: 4- or 8-bit codes with a scale and an
+ * offset per output channel and group of 32 inputs, which hold Q4_0, Q4_1 and Q8_0 exactly. A
+ * model shipped as such a file then computes with its own weights from about a fifth (4-bit) or
+ * a quarter (8-bit) of float32's bytes, and a decode step is its weight bytes.
+ *
+ * A few rows multiply each group's codes as they are, converted to float32 in registers, and
+ * scale the group's sums once: out = sum over groups of scale * (codes . x) + offset * sum(x).
+ * More rows go to f32_gemm.c's tiles, over the codes widened to float32 slices that stay in L1
+ * while every row passes over them (block_widen).
+ *
+ * Layouts: x [M, K] and out [M, N] float32; W[c][i] = code * scale + offset per output channel c
+ * and group of BLOCK_GROUP inputs i, in panels of 16 output channels: 4-bit codes (0..15)
+ * [panels][K][8] bytes, channel j's code the low nibble of byte j and channel 8 + j's the high
+ * one; 8-bit codes (-128..127) [panels][K][16]; scale and offset [panels][K / BLOCK_GROUP][16]
+ * float32, offset NULL for none; bias [N] float32 or NULL. N_padded is a multiple of TILE
+ * (f32_gemm.c's tile), K of BLOCK_GROUP.
+ */
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "f32_gemm.h"
+
+#define BLOCK_GROUP 32    /* input channels sharing a scale and an offset */
+#define PANEL 16          /* output channels of a panel */
+#define TILE 48           /* f32_gemm.c's tile, the padding unit of N */
+#define PASS_ROWS 4       /* rows one pass over a panel's codes multiplies */
+#define DIRECT_MAX_ROWS 24 /* up to this many rows the codes are multiplied as they are */
+#define WORK_PER_THREAD (1 << 18) /* multiply-adds worth another thread (as in int8_gemm.c) */
+
+typedef struct {
+    const uint8_t *codes;
+    const float *scale, *offset;
+    int64_t k;
+    int bits;
+} BlockWeights;
+
+typedef struct {
+    const float *x, *xsum, *bias; /* xsum [M][K / BLOCK_GROUP]: each group's sum of x */
+    const BlockWeights *b;
+    float *out;
+    int64_t n;
+} Direct;
+
+/* The codes of panel p for input i: 16 codes in 2 * bits bytes. */
+static inline const uint8_t *codes_at(const BlockWeights *b, int64_t p, int64_t i, const int bits) {
+    return b->codes + (p * b->k + i) * 2 * bits;
+}
+
+/* Rows r0 .. r0 + rows - 1 of out for panel p, from the panel's sums. */
+static void store_rows(const Direct *d, int64_t p, int64_t r0, int rows, float total[PASS_ROWS][PANEL]) {
+    const int64_t first = p * PANEL, count = d->n - first < PANEL ? d->n - first : PANEL;
+    for (int r = 0; r < rows; r++)
+        for (int64_t c = 0; c < count; c++)
+            d->out[(r0 + r) * d->n + first + c] = total[r][c] + (d->bias ? d->bias[first + c] : 0.0f);
+}
+
+#if defined(__AVX512F__) && LANES == 16
+/* A panel's 16 codes for one input as float32: a 4-bit code's byte is copied to two lanes, the
+ * upper 8 of which shift out the low nibble. */
+static inline __attribute__((always_inline)) __m512 decode(const uint8_t *c, const int bits) {
+    if (bits == 4) {
+        const __m128i bytes = _mm_loadl_epi64((const __m128i *)c);
+        const __m512i shift = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+        __m512i v = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(bytes, bytes)), shift);
+        return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    }
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+}
+
+/* One pass of `rows` rows over panel p: per group, the sums of codes times x in two chains (even
+ * and odd inputs), then scaled and offset into the totals. */
+static inline __attribute__((always_inline)) void direct_pass(const Direct *d, int64_t p, int64_t r0, const int rows,
+                                                              const int bits) {
+    const BlockWeights *b = d->b;
+    const int64_t k = b->k, groups = k / BLOCK_GROUP;
+    __m512 total[PASS_ROWS];
+    for (int r = 0; r < rows; r++) total[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 acc[2][PASS_ROWS];
+        for (int r = 0; r < rows; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+        const float *x = d->x + r0 * k + g * BLOCK_GROUP;
+#pragma GCC unroll 32
+        for (int i = 0; i < BLOCK_GROUP; i++) {
+            const __m512 w = decode(codes_at(b, p, g * BLOCK_GROUP + i, bits), bits);
+            for (int r = 0; r < rows; r++) acc[i & 1][r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * k + i]), acc[i & 1][r]);
+        }
+        const __m512 scale = _mm512_loadu_ps(b->scale + (p * groups + g) * PANEL);
+        for (int r = 0; r < rows; r++) {
+            total[r] = _mm512_fmadd_ps(_mm512_add_ps(acc[0][r], acc[1][r]), scale, total[r]);
+            if (b->offset)
+                total[r] = _mm512_fmadd_ps(_mm512_loadu_ps(b->offset + (p * groups + g) * PANEL),
+                                           _mm512_set1_ps(d->xsum[(r0 + r) * groups + g]), total[r]);
+        }
+    }
+    float sums[PASS_ROWS][PANEL];
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(sums[r], total[r]);
+    store_rows(d, p, r0, rows, sums);
+}
+
+/* f32_gemm.h's WidenSlice for blocks: code * scale + offset. */
+static void block_widen(const void *weights, int64_t p, int64_t i0, int64_t count, float *dst) {
+    const BlockWeights *b = weights;
+    const int64_t groups = b->k / BLOCK_GROUP;
+    for (int64_t i = i0; i < i0 + count; i++) {
+        const int64_t at = (p * groups + i / BLOCK_GROUP) * PANEL;
+        __m512 w = b->bits == 4 ? decode(codes_at(b, p, i, 4), 4) : decode(codes_at(b, p, i, 8), 8);
+        w = _mm512_mul_ps(w, _mm512_loadu_ps(b->scale + at));
+        if (b->offset) w = _mm512_add_ps(w, _mm512_loadu_ps(b->offset + at));
+        _mm512_storeu_ps(dst + (i - i0) * PANEL, w);
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* A panel's 16 codes for one input as two vectors of float32: channels 0-7 and 8-15. */
+static inline __attribute__((always_inline)) void decode(const uint8_t *c, const int bits, __m256 *lo, __m256 *hi) {
+    if (bits == 4) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+        *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+        *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+    } else {
+        *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+        *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8))));
+    }
+}
+
+/* As the AVX-512 pass, in registers: 2 chains x 2 rows x 2 halves of sums up to two rows, one
+ * chain from three (8 sums for four rows). */
+static inline __attribute__((always_inline)) void direct_pass(const Direct *d, int64_t p, int64_t r0, const int rows,
+                                                              const int bits) {
+    const BlockWeights *b = d->b;
+    const int64_t k = b->k, groups = k / BLOCK_GROUP;
+    const int chains = rows <= 2 ? 2 : 1;
+    float total[PASS_ROWS][PANEL] = {{0}};
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 acc[2][PASS_ROWS][2];
+        for (int c = 0; c < chains; c++)
+            for (int r = 0; r < rows; r++)
+                for (int h = 0; h < 2; h++) acc[c][r][h] = _mm256_setzero_ps();
+        const float *x = d->x + r0 * k + g * BLOCK_GROUP;
+#pragma GCC unroll 32
+        for (int i = 0; i < BLOCK_GROUP; i++) {
+            __m256 lo, hi;
+            decode(codes_at(b, p, g * BLOCK_GROUP + i, bits), bits, &lo, &hi);
+            const int c = i % chains;
+            for (int r = 0; r < rows; r++) {
+                const __m256 xb = _mm256_broadcast_ss(x + r * k + i);
+                acc[c][r][0] = _mm256_fmadd_ps(lo, xb, acc[c][r][0]);
+                acc[c][r][1] = _mm256_fmadd_ps(hi, xb, acc[c][r][1]);
+            }
+        }
+        const float *scale = b->scale + (p * groups + g) * PANEL;
+        for (int r = 0; r < rows; r++)
+            for (int h = 0; h < 2; h++) {
+                const __m256 sum = chains == 2 ? _mm256_add_ps(acc[0][r][h], acc[1][r][h]) : acc[0][r][h];
+                __m256 t = _mm256_fmadd_ps(sum, _mm256_loadu_ps(scale + 8 * h), _mm256_loadu_ps(total[r] + 8 * h));
+                if (b->offset)
+                    t = _mm256_fmadd_ps(_mm256_loadu_ps(b->offset + (p * groups + g) * PANEL + 8 * h),
+                                        _mm256_set1_ps(d->xsum[(r0 + r) * groups + g]), t);
+                _mm256_storeu_ps(total[r] + 8 * h, t);
+            }
+    }
+    store_rows(d, p, r0, rows, total);
+}
+
+/* f32_gemm.h's WidenSlice for blocks: code * scale + offset. */
+static void block_widen(const void *weights, int64_t p, int64_t i0, int64_t count, float *dst) {
+    const BlockWeights *b = weights;
+    const int64_t groups = b->k / BLOCK_GROUP;
+    for (int64_t i = i0; i < i0 + count; i++) {
+        const int64_t at = (p * groups + i / BLOCK_GROUP) * PANEL;
+        __m256 w[2];
+        if (b->bits == 4)
+            decode(codes_at(b, p, i, 4), 4, &w[0], &w[1]);
+        else
+            decode(codes_at(b, p, i, 8), 8, &w[0], &w[1]);
+        for (int h = 0; h < 2; h++) {
+            __m256 v = _mm256_mul_ps(w[h], _mm256_loadu_ps(b->scale + at + 8 * h));
+            if (b->offset) v = _mm256_add_ps(v, _mm256_loadu_ps(b->offset + at + 8 * h));
+            _mm256_storeu_ps(dst + (i - i0) * PANEL + 8 * h, v);
+        }
+    }
+}
+#else
+/* The same in plain C, for CPUs with neither. */
+static inline void decode(const uint8_t *c, const int bits, float w[PANEL]) {
+    for (int j = 0; j < PANEL; j++)
+        w[j] = bits == 4 ? (float)(j < 8 ? c[j] & 15 : c[j - 8] >> 4) : (float)(int8_t)c[j];
+}
+
+static inline void direct_pass(const Direct *d, int64_t p, int64_t r0, const int rows, const int bits) {
+    const BlockWeights *b = d->b;
+    const int64_t k = b->k, groups = k / BLOCK_GROUP;
+    float total[PASS_ROWS][PANEL] = {{0}};
+    for (int64_t g = 0; g < groups; g++) {
+        float acc[2][PASS_ROWS][PANEL] = {{{0}}};
+        const float *x = d->x + r0 * k + g * BLOCK_GROUP;
+        for (int i = 0; i < BLOCK_GROUP; i++) {
+            float w[PANEL];
+            decode(codes_at(b, p, g * BLOCK_GROUP + i, bits), bits, w);
+            for (int r = 0; r < rows; r++)
+                for (int j = 0; j < PANEL; j++) acc[i & 1][r][j] += w[j] * x[r * k + i];
+        }
+        const float *scale = b->scale + (p * groups + g) * PANEL;
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < PANEL; j++) {
+                total[r][j] += (acc[0][r][j] + acc[1][r][j]) * scale[j];
+                if (b->offset) total[r][j] += b->offset[(p * groups + g) * PANEL + j] * d->xsum[(r0 + r) * groups + g];
+            }
+    }
+    store_rows(d, p, r0, rows, total);
+}
+
+/* f32_gemm.h's WidenSlice for blocks: code * scale + offset. */
+static void block_widen(const void *weights, int64_t p, int64_t i0, int64_t count, float *dst) {
+    const BlockWeights *b = weights;
+    const int64_t groups = b->k / BLOCK_GROUP;
+    for (int64_t i = i0; i < i0 + count; i++) {
+        const int64_t at = (p * groups + i / BLOCK_GROUP) * PANEL;
+        float w[PANEL];
+        decode(codes_at(b, p, i, b->bits), b->bits, w);
+        for (int j = 0; j < PANEL; j++) dst[(i - i0) * PANEL + j] = w[j] * b->scale[at + j] + (b->offset ? b->offset[at + j] : 0.0f);
+    }
+}
+#endif
+
+static inline __attribute__((always_inline)) void rows_pass(const Direct *d, int64_t p, int64_t r0, int rows,
+                                                            const int bits) {
+    switch (rows) {
+        case 1: direct_pass(d, p, r0, 1, bits); break;
+        case 2: direct_pass(d, p, r0, 2, bits); break;
+        case 3: direct_pass(d, p, r0, 3, bits); break;
+        default: direct_pass(d, p, r0, 4, bits); break;
+    }
+}
+
+/* Every row of out for panel p, PASS_ROWS at a time, each row count and code width compiled on its own. */
+static void direct_panel(const Direct *d, int64_t p, int64_t m) {
+    for (int64_t r0 = 0; r0 < m; r0 += PASS_ROWS) {
+        const int64_t rows = m - r0 < PASS_ROWS ? m - r0 : PASS_ROWS;
+        if (d->b->bits == 4)
+            rows_pass(d, p, r0, (int)rows, 4);
+        else
+            rows_pass(d, p, r0, (int)rows, 8);
+    }
+}
+
+/* out [m, n] = x [m, k] W^T + bias, W in blocks (above); 0, -1 for shapes it does not take,
+ * -3 out of memory. */
+int block_gemm(const float *x, const uint8_t *codes, int bits, const float *scale, const float *offset,
+               const float *bias, float *out, int64_t m, int64_t n, int64_t n_padded, int64_t k) {
+    if (m < 0 || n <= 0 || k <= 0 || k % BLOCK_GROUP || n_padded < n || n_padded % TILE || (bits != 4 && bits != 8))
+        return -1;
+    if (m == 0) return 0;
+    const BlockWeights b = {codes, scale, offset, k, bits};
+    if (m > DIRECT_MAX_ROWS) return f32_gemm_widened(x, block_widen, &b, bias, out, m, n, n_padded, k);
+    const int64_t groups = k / BLOCK_GROUP;
+    float *xsum = NULL;
+    if (offset) {
+        xsum = malloc(m * groups * sizeof(float));
+        if (xsum == NULL) return -3;
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t g = 0; g < groups; g++) {
+                float sum = 0.0f;
+                for (int i = 0; i < BLOCK_GROUP; i++) sum += x[r * k + g * BLOCK_GROUP + i];
+                xsum[r * groups + g] = sum;
+            }
+    }
+    const Direct d = {x, xsum, bias, &b, out, n};
+    const int64_t panels = (n + PANEL - 1) / PANEL, work = m * n_padded * k / WORK_PER_THREAD + 1;
+    const int threads = work < omp_get_max_threads() ? (int)work : omp_get_max_threads();
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) direct_panel(&d, p, m);
+    free(xsum);
+    return 0;
+}

@@ -1,0 +1,152 @@
+"""A GGUF model's projections kept in the file's own blocks on CPU, rather than widened to float.
+
+A llama.cpp file stores most weights quantized: SmolLM2's projections in Q4_1 (32 weights share
+a float16 scale and minimum, 4 bits each), its embedding and tied LM head in Q8_0. Converted to
+float32 they are 4-6x the bytes, and a decode step reads every one of them. Kept as they are and
+multiplied by spanserve's C kernel (kernels/csrc/block_gemm.c), a projection computes with the
+file's exact weights from their own bytes: nothing is rounded, only the order of the float32 sums
+changes. The blocks are read from the file when it is converted (models/gguf.py), checked to give
+back exactly the weights the conversion wrote, and stored beside them.
+
+Kept: Q4_1 and Q8_0, whose values are code * scale + offset in one rounding, as the kernel reads
+them. Other types (Q4_0, Q5_0, the K-quants of Qwen2.5's files) load as float32, as before. A
+fused projection (q/k/v, gate/up) keeps its blocks only when every part has them in one width.
+"""
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from spanserve.kernels import cpu_kernel
+from spanserve.kernels.layouts import BLOCK_GROUP, block_panels, block_weight
+from spanserve.models import layout
+from spanserve.models.layer_ops import records_grad
+
+log = logging.getLogger(__name__)
+
+BLOCKS_FILE = Path("gguf") / "blocks.safetensors"  # under the converted model's folder, out of *.safetensors' way
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def blocks_of(tensor) -> dict[str, np.ndarray] | None:
+    """A GGUF tensor's blocks as (codes, scale[, offset]) [rows, in] and [rows, in / 32], or None for
+    a type that is not kept. Q4_1: d, m (float16), 16 bytes holding elements j (low nibble) and
+    16 + j (high); Q8_0: d, then 32 int8."""
+    from gguf import GGMLQuantizationType as Kind
+
+    kind, raw = tensor.tensor_type, np.asarray(tensor.data)
+    if kind not in (Kind.Q4_1, Kind.Q8_0):
+        return None
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 20 if kind == Kind.Q4_1 else 34)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == Kind.Q8_0:
+        codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
+        return {"codes": codes, "scale": scale}
+    offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    packed = blocks[..., 4:]
+    codes = np.concatenate([packed & 15, packed >> 4], axis=-1).reshape(rows, -1)
+    return {"codes": codes, "scale": scale, "offset": offset}
+
+
+def save_blocks(blocks: dict[str, dict[str, np.ndarray]], weights: dict[str, np.ndarray], out_dir: Path) -> int:
+    """Write the blocks that give back their converted weight exactly; how many were kept."""
+    kept = {}
+    for name, arrays in blocks.items():
+        parts = {part: torch.from_numpy(np.ascontiguousarray(a)) for part, a in arrays.items()}
+        given_back = block_weight(parts["codes"], parts["scale"], parts.get("offset"))
+        if torch.equal(given_back, torch.from_numpy(weights[name])):
+            kept.update({f"{name}.{part}": t for part, t in parts.items()})
+        else:
+            log.warning("%s: its GGUF blocks do not give back its weights; it loads as float", name)
+    if kept:
+        (out_dir / BLOCKS_FILE).parent.mkdir(parents=True, exist_ok=True)
+        save_file(kept, str(out_dir / BLOCKS_FILE))
+    return len({key.rpartition(".")[0] for key in kept})
+
+
+class BlockLinear(nn.Linear):
+    """A projection computed from a GGUF's blocks (block_gemm.c) on CPU. The float `weight` stays
+    for autograd, a tied embedding, a build without the C library and the rows of a prefill chunk
+    past layout.PACKED_MAX_ROWS, where MKL's GEMM on it is faster than widening the blocks (2,048
+    rows of SmolLM2: 3% of the prefill)."""
+
+    def __init__(self, linear: nn.Linear, parts: list[dict[str, torch.Tensor]], bits: int):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias, self.bits = linear.weight, linear.bias, bits
+        codes = torch.cat([p["codes"] for p in parts])
+        scale = torch.cat([p["scale"] for p in parts])
+        offsets = [p.get("offset") for p in parts]
+        offset = None if all(o is None for o in offsets) else torch.cat(
+            [torch.zeros_like(p["scale"]) if o is None else o for p, o in zip(parts, offsets)])
+        packed, scale, offset = block_panels(codes, bits, scale, offset)
+        self.register_buffer("codes", packed, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("offset", offset, persistent=False)
+        self.register_buffer("bias32", None if self.bias is None else self.bias.detach().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = cpu_kernel.load("gemm") if x.numel() <= layout.PACKED_MAX_ROWS * self.in_features else None
+        if kernel is None or records_grad(x, self.weight):
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        status = kernel.block_gemm(rows.data_ptr(), self.codes.data_ptr(), self.bits, self.scale.data_ptr(),
+                                   None if self.offset is None else self.offset.data_ptr(),
+                                   None if self.bias32 is None else self.bias32.data_ptr(), out.data_ptr(),
+                                   rows.shape[0], self.out_features, self.scale.shape[0] * 16, self.in_features)
+        if status != 0:  # -1 shapes (checked when kept), -3 out of memory
+            raise RuntimeError(f"block_gemm failed ({status}) for {tuple(rows.shape)} x {self.out_features}")
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def sizes_team(self, rows: int) -> bool:
+        """Whether `rows` rows run in its C kernel, which starts the threads its work pays for (threads.py)."""
+        return rows <= layout.PACKED_MAX_ROWS
+
+
+@torch.no_grad()
+def keep_blocks(model: nn.Module, model_dir: Path) -> int:
+    """Give the decoder's projections and the LM head whose checkpoint came in kept blocks a
+    BlockLinear; how many. Nothing without the blocks file or the C library."""
+    path = model_dir / BLOCKS_FILE
+    if not path.exists() or cpu_kernel.load("gemm") is None:
+        return 0
+    stored = load_file(str(path))
+    kept = 0
+    for owner, name, sources in _projections(model):
+        parts = [_parts(stored, source) for source in sources]
+        linear = getattr(owner, name)
+        if type(linear) is not nn.Linear or any(p is None for p in parts) or linear.in_features % BLOCK_GROUP:
+            continue
+        widths = {4 if "offset" in p else 8 for p in parts}  # Q4_1 has an offset, Q8_0 none
+        if len(widths) != 1:
+            continue
+        setattr(owner, name, BlockLinear(linear, parts, widths.pop()))
+        kept += 1
+    if kept:
+        log.info("%d projections compute from the GGUF's own blocks", kept)
+    return kept
+
+
+def _projections(model: nn.Module):
+    """(owner, attribute, checkpoint names of its parts) for each projection and the LM head."""
+    for i, layer in enumerate(model.layers):
+        for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                            (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            kind = "self_attn" if owner is layer.self_attn else "mlp"
+            parts = _FUSED.get(name, (name,))
+            yield owner, name, [f"model.layers.{i}.{kind}.{part}.weight" for part in parts]
+    head = "model.embed_tokens.weight" if model.lm_head.weight is model.embed_tokens.weight else "lm_head.weight"
+    yield model, "lm_head", [head]
+
+
+def _parts(stored: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor] | None:
+    if f"{name}.codes" not in stored:
+        return None
+    return {part: stored[f"{name}.{part}"] for part in ("codes", "scale", "offset") if f"{name}.{part}" in stored}

@@ -1,0 +1,108 @@
+"""A GGUF's Q4_1 and Q8_0 projections computed from the file's own blocks (models/gguf_blocks.py):
+the blocks read give back the file's weights exactly, and the engine built on them answers as the
+one built on their float copies."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spanserve import LLM, SamplingParams
+from spanserve.cli import build_parser, engine_config
+from spanserve.kernels import cpu_kernel
+from spanserve.kernels.layouts import block_weight
+from spanserve.models import gguf_blocks
+
+needs_kernels = pytest.mark.skipif(cpu_kernel.load("gemm") is None, reason="no C kernels on this machine")
+
+
+def _gguf_tensor(kind, weight: np.ndarray):
+    from gguf import quants
+
+    return SimpleNamespace(tensor_type=kind, data=quants.quantize(weight, kind))
+
+
+@pytest.mark.parametrize("kind_name", ["Q4_1", "Q8_0"])
+def test_blocks_read_from_a_tensor_give_back_its_dequantized_weight_exactly(kind_name):
+    from gguf import GGMLQuantizationType, quants
+
+    kind = getattr(GGMLQuantizationType, kind_name)
+    weight = np.random.default_rng(0).standard_normal((40, 96)).astype(np.float32)
+    tensor = _gguf_tensor(kind, weight)
+    parts = {name: torch.from_numpy(a) for name, a in gguf_blocks.blocks_of(tensor).items()}
+    assert ("offset" in parts) == (kind_name == "Q4_1")
+    want = torch.from_numpy(quants.dequantize(tensor.data, kind).reshape(40, 96))
+    assert torch.equal(block_weight(parts["codes"], parts["scale"], parts.get("offset")), want)
+
+
+def test_other_types_are_not_kept():
+    from gguf import GGMLQuantizationType
+
+    weight = np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32)
+    assert gguf_blocks.blocks_of(_gguf_tensor(GGMLQuantizationType.Q4_0, weight)) is None
+    assert gguf_blocks.blocks_of(SimpleNamespace(tensor_type=GGMLQuantizationType.F32, data=weight)) is None
+
+
+def test_blocks_that_do_not_give_back_their_weight_are_not_saved(tmp_path, caplog):
+    from gguf import GGMLQuantizationType
+
+    weight = np.random.default_rng(2).standard_normal((8, 64)).astype(np.float32)
+    blocks = {"w": gguf_blocks.blocks_of(_gguf_tensor(GGMLQuantizationType.Q8_0, weight))}
+    assert gguf_blocks.save_blocks(blocks, {"w": weight}, tmp_path) == 0  # the unquantized weight: no match
+    assert not (tmp_path / gguf_blocks.BLOCKS_FILE).exists()
+    assert "do not give back its weights" in caplog.text
+
+
+def test_the_default_models_conversion_keeps_its_blocks_beside_its_exact_weights(default_model_path):
+    blocks = load_file(str(default_model_path / gguf_blocks.BLOCKS_FILE))
+    weights = load_file(str(default_model_path / "model.safetensors"))
+    names = {key.rpartition(".")[0] for key in blocks}
+    assert len(names) == 30 * 7 + 1  # every projection of SmolLM2's 30 layers (Q4_1) and its embedding (Q8_0)
+    for name in names:  # the q/k rows, unpermuted like the weights, included
+        got = block_weight(blocks[f"{name}.codes"], blocks[f"{name}.scale"], blocks.get(f"{name}.offset"))
+        assert torch.equal(got, weights[name]), name
+
+
+@needs_kernels
+def test_the_engine_on_blocks_answers_as_on_the_float_weights(smollm2_llm, default_model_path):
+    engine = smollm2_llm.engine
+    assert engine.gguf_block_projections == 121  # 30 layers x (qkv, o, gate_up, down) and the LM head
+    head = engine.runner.model.lm_head
+    assert isinstance(head, gguf_blocks.BlockLinear) and head.bits == 8
+    float_llm = LLM(model=str(default_model_path), dtype="float32", num_blocks=64, gguf_blocks=False)
+    assert float_llm.engine.gguf_block_projections == 0
+    prompts = ["The capital of France is", "def fibonacci(n):", "Three colours of the rainbow are",
+               "Water boils at a temperature of"]
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
+    ours, theirs = smollm2_llm.generate(prompts, params), float_llm.generate(prompts, params)
+    for a, b in zip(ours, theirs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        first_a, first_b = (next(iter(o.outputs[0].logprobs[0].values())) for o in (a, b))
+        assert abs(first_a - first_b) < 1e-3  # the same weights: only the order of float32 sums differs
+
+
+@needs_kernels
+def test_block_projections_match_their_float_copies_at_every_path(smollm2_llm):
+    """One row (direct codes), 24 (the direct path's last), 100 (widened slices), 600 (MKL on the float copy)."""
+    layer = smollm2_llm.engine.runner.model.layers[3].mlp
+    for module in (layer.gate_up_proj, layer.down_proj):
+        assert isinstance(module, gguf_blocks.BlockLinear) and module.bits == 4
+        for rows in (1, 24, 100, 600):
+            x = torch.randn(rows, module.in_features)
+            want = x.double() @ module.weight.double().t()
+            got = module(x)
+            assert (got.double() - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_a_model_without_blocks_keeps_its_projections(tiny_llama_path):
+    llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=16)
+    assert llm.engine.gguf_block_projections == 0
+    assert not any(isinstance(m, gguf_blocks.BlockLinear) for m in llm.engine.runner.model.modules())
+
+
+def test_the_cli_turns_blocks_off():
+    parser = build_parser()
+    assert engine_config(parser.parse_args(["serve"])).gguf_blocks is True
+    assert engine_config(parser.parse_args(["serve", "--no-gguf-blocks"])).gguf_blocks is False
