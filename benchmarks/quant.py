@@ -7,8 +7,10 @@ the mean |logprob difference| of the first answer token (both read the same prom
 
     spanserve bench quant [--model M] [--methods int8,int4]
 
-A method is a quantization, kv-bf16 (the KV cache in bf16: kv_cache_dtype), or both joined by +
-(w8a8+kv-bf16).
+A method is a quantization, kv-bf16 (the KV cache in bf16: kv_cache_dtype), gguf-blocks (a GGUF's
+projections computed from the file's own blocks, the CPU default: models/gguf_blocks.py), or some
+of them joined by + (w8a8+kv-bf16, gguf-blocks+kv-bf16). The reference computes from float
+weights, and so does every method that does not name gguf-blocks.
 """
 
 import argparse
@@ -36,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answer", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default="int8,int4",
-                        help="quantizations, kv-bf16 or both joined by + (w8a8+kv-bf16), to compare with bf16")
+                        help="quantizations, kv-bf16, gguf-blocks or some joined by + (w8a8+kv-bf16), "
+                             "to compare with the model's float weights")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/quant.json)")
 
 
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> dict:
     from spanserve import LLM, SamplingParams
 
     methods = args.methods.split(",")
-    engines = {"bf16": LLM(model=args.model, kv_cache_memory_gb=1.0)}
+    engines = {"bf16": LLM(model=args.model, kv_cache_memory_gb=1.0, gguf_blocks=False)}
     engines.update({m: LLM(model=args.model, kv_cache_memory_gb=1.0, **engine_options(m)) for m in methods})
     vocab = engines["bf16"].engine.model_config.vocab_size
     rng = random.Random(0)
@@ -85,14 +88,17 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def engine_options(method: str) -> dict:
-    """The engine options of a method: `int8`, `kv-bf16`, `w8a8+kv-bf16`, ..."""
+    """The engine options of a method: `int8`, `kv-bf16`, `w8a8+kv-bf16`, `gguf-blocks+kv-bf16`, ..."""
     options = {}
     for part in method.split("+"):
-        key, value = ("kv_cache_dtype", part[3:]) if part.startswith("kv-") else ("quantization", part)
+        if part == "gguf-blocks":
+            key, value = "gguf_blocks", True
+        else:
+            key, value = ("kv_cache_dtype", part[3:]) if part.startswith("kv-") else ("quantization", part)
         if key in options:
             sys.exit(f"method {method!r} names two of {key}")
         options[key] = value
-    return options
+    return {"gguf_blocks": False, **options}
 
 
 def _fmt(value) -> str:

@@ -78,11 +78,13 @@ class Prompts:
 class SpanserveRunner:
     name = "spanserve"
 
-    def __init__(self, model: str | None, dtype: str, max_batched_tokens: int, quantization: str | None = None):
+    def __init__(self, model: str | None, dtype: str, max_batched_tokens: int, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto", gguf_blocks: bool = True):
         from spanserve import LLM
 
         self.llm = LLM(model=model, dtype=dtype, max_num_batched_tokens=max_batched_tokens,
-                       kv_cache_memory_gb=1.0, quantization=quantization)
+                       kv_cache_memory_gb=1.0, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                       gguf_blocks=gguf_blocks)
         self.vocab_size = self.llm.engine.model_config.vocab_size
 
     def _params(self, n: int):
@@ -275,6 +277,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="spanserve max_num_batched_tokens (>= 2048 keeps a 2k prefill in one chunk)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantization", default=None, help="our weights: int8, int4 or w8a8 (default: dtype)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="our KV cache: auto (the dtype's) or bfloat16")
+    parser.add_argument("--no-gguf-blocks", action="store_true",
+                        help="our projections from float weights, not the GGUF's own blocks (the CPU default)")
     parser.add_argument("--no-chart", action="store_true")
 
 
@@ -293,9 +298,13 @@ def run(args: argparse.Namespace) -> dict:
     llama_cpp = _llama_cpp_runner(args, plan, threads, log) if args.llama_cpp else None
 
     results: dict[str, dict] = {}
+    block_projections: dict[str, int] = {}  # per dtype: our projections computed from the GGUF's blocks
     for dtype in dtypes:
         log(f"[{dtype}] loading")
-        runners = [SpanserveRunner(args.model, DTYPES[dtype], args.max_batched_tokens, args.quantization)]
+        ours = SpanserveRunner(args.model, DTYPES[dtype], args.max_batched_tokens, args.quantization,
+                               args.kv_cache_dtype, not args.no_gguf_blocks)
+        block_projections[dtype] = ours.llm.engine.gguf_block_projections
+        runners = [ours]
         if not args.no_hf:
             runners.append(TransformersRunner(path, DTYPES[dtype]))
         if llama_cpp:
@@ -315,8 +324,11 @@ def run(args: argparse.Namespace) -> dict:
             if llama_cpp:
                 row += [s.get("llama.cpp"), _fmt_ratio(s.get("ratio_llama_cpp"))]
             rows.append(row)
+        weights = args.quantization or (f"{block_projections[dtype]} projections from the GGUF's blocks"
+                                        if block_projections[dtype] else "")
+        kv = "" if args.kv_cache_dtype == "auto" else f", KV {args.kv_cache_dtype}"
         harness.print_table(["tokens/s", *columns], rows,
-                            title=f"{dtype}{' ' + args.quantization if args.quantization else ''} ({model_name}, "
+                            title=f"{dtype}{' ' + weights if weights else ''}{kv} ({model_name}, "
                                   f"{threads} threads{', quick' if args.quick else ''})")
     goals = _goals(summary, names) if not args.no_hf else {}
     if goals:
@@ -330,6 +342,8 @@ def run(args: argparse.Namespace) -> dict:
         "model_path": str(path),
         "quick": args.quick,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "gguf_block_projections": block_projections,
         "plan": plan.__dict__,
         "machine": harness.machine_info(),
         "elapsed_s": time.perf_counter() - started,

@@ -21,7 +21,9 @@ def test_quant_bench_compares_int8_and_int4_with_bf16(tiny_llama_path, tmp_path)
 
 
 def test_a_method_may_name_the_kv_cache_dtype_too():
-    assert quant.engine_options("int4") == {"quantization": "int4"}
-    assert quant.engine_options("w8a8+kv-bf16") == {"quantization": "w8a8", "kv_cache_dtype": "bf16"}
+    assert quant.engine_options("int4") == {"quantization": "int4", "gguf_blocks": False}
+    assert quant.engine_options("w8a8+kv-bf16") == {"quantization": "w8a8", "kv_cache_dtype": "bf16",
+                                                    "gguf_blocks": False}
+    assert quant.engine_options("gguf-blocks+kv-bf16") == {"gguf_blocks": True, "kv_cache_dtype": "bf16"}
     with pytest.raises(SystemExit, match="names two of quantization"):
         quant.engine_options("int8+int4")

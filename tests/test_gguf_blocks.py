@@ -106,3 +106,16 @@ def test_the_cli_turns_blocks_off():
     parser = build_parser()
     assert engine_config(parser.parse_args(["serve"])).gguf_blocks is True
     assert engine_config(parser.parse_args(["serve", "--no-gguf-blocks"])).gguf_blocks is False
+
+
+@needs_kernels
+def test_a_bf16_models_few_rows_take_the_blocks_and_give_bf16(default_model_path):
+    llm = LLM(model=str(default_model_path), dtype="bfloat16", num_blocks=16)
+    module = llm.engine.runner.model.layers[0].self_attn.o_proj
+    assert isinstance(module, gguf_blocks.BlockLinear) and module.max_rows == gguf_blocks.BF16_MAX_ROWS
+    x = torch.randn(3, module.in_features).to(torch.bfloat16)
+    got = module(x)
+    assert got.dtype == torch.bfloat16
+    want = x.double() @ module.weight.double().t()
+    assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
+    assert module.sizes_team(24) and not module.sizes_team(25)

@@ -70,11 +70,17 @@ def save_blocks(blocks: dict[str, dict[str, np.ndarray]], weights: dict[str, np.
     return len({key.rpartition(".")[0] for key in kept})
 
 
+# The most rows a bf16 model's projections take from the blocks: block_gemm.c's direct path, whose
+# few rows read a fifth of bf16's bytes. More rows keep oneDNN's bf16 GEMM on the bf16 weight (AMX
+# tiles where the CPU has them), which the widened blocks are not measured against.
+BF16_MAX_ROWS = 24
+
+
 class BlockLinear(nn.Linear):
     """A projection computed from a GGUF's blocks (block_gemm.c) on CPU. The float `weight` stays
     for autograd, a tied embedding, a build without the C library and the rows of a prefill chunk
-    past layout.PACKED_MAX_ROWS, where MKL's GEMM on it is faster than widening the blocks (2,048
-    rows of SmolLM2: 3% of the prefill)."""
+    past layout.PACKED_MAX_ROWS (BF16_MAX_ROWS under a bf16 model), where MKL's GEMM on it is
+    faster than widening the blocks (2,048 rows of SmolLM2: 3% of the prefill)."""
 
     def __init__(self, linear: nn.Linear, parts: list[dict[str, torch.Tensor]], bits: int):
         nn.Module.__init__(self)
@@ -90,9 +96,10 @@ class BlockLinear(nn.Linear):
         self.register_buffer("scale", scale, persistent=False)
         self.register_buffer("offset", offset, persistent=False)
         self.register_buffer("bias32", None if self.bias is None else self.bias.detach().float(), persistent=False)
+        self.max_rows = BF16_MAX_ROWS if linear.weight.dtype == torch.bfloat16 else layout.PACKED_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = cpu_kernel.load("gemm") if x.numel() <= layout.PACKED_MAX_ROWS * self.in_features else None
+        kernel = cpu_kernel.load("gemm") if x.numel() <= self.max_rows * self.in_features else None
         if kernel is None or records_grad(x, self.weight):
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features).float().contiguous()
@@ -107,7 +114,7 @@ class BlockLinear(nn.Linear):
 
     def sizes_team(self, rows: int) -> bool:
         """Whether `rows` rows run in its C kernel, which starts the threads its work pays for (threads.py)."""
-        return rows <= layout.PACKED_MAX_ROWS
+        return rows <= self.max_rows
 
 
 @torch.no_grad()
