@@ -92,25 +92,29 @@ class BlockLinear(nn.Linear):
         offset = None if all(o is None for o in offsets) else torch.cat(
             [torch.zeros_like(p["scale"]) if o is None else o for p, o in zip(parts, offsets)])
         packed, scale, offset = block_panels(codes, bits, scale, offset)
-        self.register_buffer("codes", packed, persistent=False)
-        self.register_buffer("scale", scale, persistent=False)
-        self.register_buffer("offset", offset, persistent=False)
-        self.register_buffer("bias32", None if self.bias is None else self.bias.detach().float(), persistent=False)
+        bias = None if self.bias is None else self.bias.detach().float()
+        # Plain attributes, not buffers: read on every call without nn.Module's lookup (a decode step
+        # makes 121 calls), and never moved or cast by Module.to (the kernel reads float32 on CPU).
+        self.blocks = (packed, scale, offset, bias)
+        self.kernel_args = (packed.data_ptr(), bits, scale.data_ptr(), None if offset is None else offset.data_ptr(),
+                            None if bias is None else bias.data_ptr())
+        self.padded_out = scale.shape[0] * 16
         self.max_rows = BF16_MAX_ROWS if linear.weight.dtype == torch.bfloat16 else layout.PACKED_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = cpu_kernel.load("gemm") if x.numel() <= self.max_rows * self.in_features else None
-        if kernel is None or records_grad(x, self.weight):
+        rows = x.numel() // self.in_features
+        kernel = cpu_kernel.load("gemm") if rows <= self.max_rows else None
+        if kernel is None or (torch.is_grad_enabled() and records_grad(x, self.weight)):
             return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, self.in_features).float().contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        status = kernel.block_gemm(rows.data_ptr(), self.codes.data_ptr(), self.bits, self.scale.data_ptr(),
-                                   None if self.offset is None else self.offset.data_ptr(),
-                                   None if self.bias32 is None else self.bias32.data_ptr(), out.data_ptr(),
-                                   rows.shape[0], self.out_features, self.scale.shape[0] * 16, self.in_features)
+        x2 = x.reshape(rows, self.in_features)
+        x2 = x2.contiguous() if x.dtype == torch.float32 else x2.float()
+        out = torch.empty(rows, self.out_features, dtype=torch.float32)
+        status = kernel.block_gemm(x2.data_ptr(), *self.kernel_args, out.data_ptr(), rows, self.out_features,
+                                   self.padded_out, self.in_features)
         if status != 0:  # -1 shapes (checked when kept), -3 out of memory
-            raise RuntimeError(f"block_gemm failed ({status}) for {tuple(rows.shape)} x {self.out_features}")
-        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+            raise RuntimeError(f"block_gemm failed ({status}) for {tuple(x2.shape)} x {self.out_features}")
+        out = out if x.dtype == torch.float32 else out.to(x.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def sizes_team(self, rows: int) -> bool:
         """Whether `rows` rows run in its C kernel, which starts the threads its work pays for (threads.py)."""
