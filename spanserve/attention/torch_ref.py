@@ -7,7 +7,7 @@ the reweighting needs each query's scores before its softmax."""
 import torch
 import torch.nn.functional as F
 
-from spanserve.attention.backend import AttentionBackend, AttentionMetadata, KeyRotation
+from spanserve.attention.backend import AttentionBackend, AttentionMetadata, KeyRotation, decode_tables, plain_decode
 from spanserve.kernels.cpu_kernel import paged_decode, paged_prefill
 from spanserve.kernels.threads import attention_threads
 
@@ -27,7 +27,7 @@ class TorchAttention(AttentionBackend):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if not stored:
             store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        plain = _plain_decode(meta, q.device)
+        plain = plain_decode(meta, q.device)
         if plain is not None:  # the common decode step, straight to the C kernel in every layer
             tables, lens, work = plain
             with attention_threads(q.shape[1] * work):
@@ -195,7 +195,7 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, seqs: list[int], scale
     num_seqs, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     if not any(rotations or ()) and not meta.span_share:  # the cache as it is: the C kernel reads it in place
-        out = paged_decode(q, k_cache, v_cache, *_decode_tables(meta, seqs), scale)
+        out = paged_decode(q, k_cache, v_cache, *decode_tables(meta, seqs), scale)
         if out is not None:
             return out
     rows, mask = _decode_rows(meta, seqs, k_cache.shape[1], kv_heads)
@@ -213,34 +213,12 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, seqs: list[int], scale
     return torch.matmul(torch.softmax(scores, -1), values).view(num_seqs, heads, dim)
 
 
-def _plain_decode(meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """For a step whose every sequence decodes one token over its cache as stored (no moved span
-    keys, no span share) on CPU: its block tables and context lengths for the C kernel, and the
-    context summed; else None. Made once per step: the other paths' Python, run again in every
-    layer, took a twentieth of a SmolLM2 decode step."""
-    if "plain_decode" not in meta.derived:
-        plain = (device.type == "cpu" and all(n == 1 for n in meta.query_lens) and not any(meta.key_rotation or ())
-                 and not meta.span_share)
-        seqs = list(range(len(meta.query_lens)))
-        meta.derived["plain_decode"] = (*_decode_tables(meta, seqs), sum(meta.context_lens)) if plain else None
-    return meta.derived["plain_decode"]
-
-
-def _decode_tables(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block tables and context lengths of sequences `seqs`, made once per step."""
-    key = ("decode_tables", tuple(seqs))
-    if key not in meta.derived:
-        index = torch.tensor(seqs, device=meta.block_tables.device)
-        meta.derived[key] = (meta.block_tables[index].contiguous(), meta.context_lens_tensor[index].contiguous())
-    return meta.derived[key]
-
-
 def _decode_rows(meta: AttentionMetadata, seqs: list[int], block_size: int, kv_heads: int):
     """_decode's gather rows (each sequence's head_major_rows, padded with its first key's) and
     its [B, 1, 1, L] mask of real keys: the same in every layer, so made once per step."""
     key = ("decode_rows", tuple(seqs))
     if key not in meta.derived:
-        tables, lens = _decode_tables(meta, seqs)
+        tables, lens = decode_tables(meta, seqs)
         length = int(lens.max())
         slots = _table_slots(tables, length, block_size)  # [B, L]
         real = torch.arange(length, device=lens.device)[None, :] < lens[:, None]

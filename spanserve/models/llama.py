@@ -123,6 +123,9 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Set where a plain decode step's layers may run in one C call (models/fused_decode.py): a
+        # callable (hidden states, positions, meta) -> the last layer's output, or None to run them here.
+        self.fused_decode: Callable | None = None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata,
                 stop: Callable[[], bool] | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,6 +135,12 @@ class LlamaModel(nn.Module):
         of 29, none in a prefill chunk before a prompt's last). With `stop`, asked before every
         layer: raises ForwardStopped once it returns True."""
         x = self.embed_tokens(input_ids)
+        if self.fused_decode is not None and (keep is None or keep.shape[0] == x.shape[0]):  # every row kept
+            if stop is not None and stop():
+                raise ForwardStopped
+            fused = self.fused_decode(x, positions, meta)
+            if fused is not None:
+                return self.norm(fused if keep is None else fused[keep])
         tables = self.rope.tables(positions, x.dtype)  # the same in every layer
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,115 @@
+"""A plain decode step's decoder layers in one C call (kernels/csrc/decode_layers.c).
+
+Through the model's Python code a decode step of SmolLM2 is some 300 calls of C kernels and
+small torch ops, and each costs more between kernels than within: about 7 of a 17 ms batch-1
+step on an AMD EPYC went to Python. Where every layer's projections compute from a GGUF's blocks
+(models/gguf_blocks.py) in a float32 model on CPU, decode_layers.c runs the same kernels in the
+same order on the same data, so the hidden states it returns are those of the Python layers to
+the bit (tests/test_fused_decode.py). Any other step (a prefill chunk, moved span keys, a span
+share, a sparse flow, some rows kept for a probe, forward hooks on a layer's modules such as a
+COMB plug-in's deltas) takes the Python layers.
+"""
+
+import ctypes
+
+import torch
+from torch import nn
+
+from spanserve.attention.backend import AttentionMetadata, plain_decode
+from spanserve.kernels import cpu_kernel, native
+from spanserve.models.gguf_blocks import BlockLinear
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("codes", _ptr), ("scale", _ptr), ("offset", _ptr), ("bias", _ptr), ("n", _i64), ("n_padded", _i64),
+                ("k", _i64), ("bits", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Projection), ("o", _Projection),
+                ("gate_up", _Projection), ("down", _Projection), ("k_cache", _ptr), ("v_cache", _ptr)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("dim", _i64), ("num_slots", _i64),
+                ("block_size", _i64), ("max_blocks", _i64), ("max_position", _i64), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("kv_dtype", _i64)]
+
+
+class FusedDecode:
+    """The decoder layers of `model` as decode_layers.c reads them; call it with a step's hidden
+    states to get the last layer's output, or None for a step it does not take."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.layers: ctypes.Array | None = None  # built at the first step: the runner binds the caches after
+        self.bound_cache = None
+        self.modules = list(model.layers.modules())
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "FusedDecode | None":
+        """A FusedDecode where `model` qualifies: float32 on CPU, the C kernels built and allowed,
+        no q/k norms, every projection of every layer in blocks; else None."""
+        cfg = model.cfg
+        if (cfg.qk_norm or model.embed_tokens.weight.dtype != torch.float32 or model.embed_tokens.weight.is_cuda
+                or any(cpu_kernel.load(name) is None for name in ("gemm", "layer", "decode"))
+                or 2 * model.rope.cos.shape[-1] != cfg.head_dim):
+            return None
+        for layer in model.layers:
+            projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if not all(isinstance(p, BlockLinear) for p in projections):
+                return None
+        return cls(model)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        plain = plain_decode(meta, x.device)
+        caches = self.model.layers[0].self_attn.kv_cache
+        kernels = [cpu_kernel.load(name) for name in ("gemm", "layer", "decode")]
+        if (plain is None or caches is None or torch.is_grad_enabled() or x.shape[0] != len(meta.query_lens)
+                or None in kernels or self._hooked()):
+            return None
+        if self.layers is None or caches.data_ptr() != self.bound_cache:
+            self._bind(caches)
+        tables, lens, _ = plain
+        rope = self.model.rope
+        hidden = x.contiguous().clone()
+        positions = positions.long().contiguous()
+        slots = meta.slot_mapping.long().contiguous()
+        self.shape.max_blocks = tables.shape[1]
+        status = kernels[0].decode_layers(
+            ctypes.addressof(self.layers), len(self.layers), ctypes.addressof(self.shape), hidden.data_ptr(),
+            hidden.shape[0],
+            positions.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+            lens.data_ptr())
+        if status != 0:  # -1 shapes, -2 positions or slots, -3 out of memory
+            raise RuntimeError(f"decode_layers failed ({status}) for {tuple(x.shape)}")
+        return hidden
+
+    def _hooked(self) -> bool:
+        """Whether a module of the layers has forward hooks now (a COMB plug-in's deltas while it
+        encodes, the thread policy where threads sleep at once): those run in the Python layers only."""
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+
+    def _bind(self, caches: torch.Tensor) -> None:
+        """The layers' weights and caches as C structs (pointers: the tensors stay the model's)."""
+        model, cfg = self.model, self.model.cfg
+        layers = []
+        for layer in model.layers:
+            attn, mlp, cache = layer.self_attn, layer.mlp, layer.self_attn.kv_cache
+            norms = (layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr())
+            layers.append(_Layer(*norms, _projection(attn.qkv_proj), _projection(attn.o_proj),
+                                 _projection(mlp.gate_up_proj), _projection(mlp.down_proj), cache[0].data_ptr(),
+                                 cache[1].data_ptr()))
+        self.layers = (_Layer * len(layers))(*layers)
+        attn = model.layers[0].self_attn
+        self.shape = _Shape(cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                            caches.shape[1] * caches.shape[2], caches.shape[2], 0, model.rope.cos.shape[0],
+                            model.layers[0].input_layernorm.eps, attn.scale, native.DTYPES[caches.dtype])
+        self.bound_cache = caches.data_ptr()
+
+
+def _projection(p: BlockLinear) -> _Projection:
+    codes, bits, scale, offset, bias = p.kernel_args
+    return _Projection(codes, scale, offset, bias, p.out_features, p.padded_out, p.in_features, bits)

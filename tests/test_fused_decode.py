@@ -1,0 +1,97 @@
+"""A plain decode step's layers in one C call (models/fused_decode.py): taken where it applies,
+and to the bit what the model's Python layers compute."""
+
+import pytest
+import torch
+
+from spanserve import LLM, SamplingParams
+from spanserve.kernels import cpu_kernel
+from spanserve.models.fused_decode import FusedDecode
+
+pytestmark = pytest.mark.skipif(cpu_kernel.load("gemm") is None, reason="no C kernels on this machine")
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three colours of the rainbow are", "Once upon a time"]
+
+
+def _counting(model):
+    """Wrap model.fused_decode: how many calls it took (returned hidden states)."""
+    fused, taken = model.fused_decode, []
+
+    def counted(*args):
+        out = fused(*args)
+        taken.append(out is not None)
+        return out
+    model.fused_decode = counted
+    return fused, taken
+
+
+def _answers(llm, prompts, max_tokens=24):
+    out = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3))
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_fused_layers_answer_to_the_bit_as_the_python_layers(default_model_path, kv_cache_dtype):
+    llm = LLM(model=str(default_model_path), dtype="float32", num_blocks=64, kv_cache_dtype=kv_cache_dtype)
+    model = llm.engine.runner.model
+    assert isinstance(model.fused_decode, FusedDecode)
+    fused, taken = _counting(model)
+    ours = _answers(llm, PROMPTS)
+    assert taken == [True] * 23  # every decode step of the batch (a prefill step does not ask)
+    model.fused_decode = None
+    assert _answers(llm, PROMPTS) == ours  # tokens and top-3 logprobs, exactly
+    model.fused_decode = fused
+
+
+def test_moved_span_keys_take_the_python_layers(smollm2_llm):
+    from spanserve import Span
+
+    model = smollm2_llm.engine.runner.model
+    fused, taken = _counting(model)
+    try:
+        prompt = [Span("A short document about rivers and the sea."), "What is it about?"]
+        smollm2_llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0))
+    finally:
+        model.fused_decode = fused
+    assert taken and not any(taken)  # its decode steps read span keys stored at other positions
+
+
+def test_a_failing_kernel_raises_and_writes_no_slot(default_model_path):
+    llm = LLM(model=str(default_model_path), dtype="float32", num_blocks=16)
+    engine = llm.engine
+    model = engine.runner.model
+    llm.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0))  # binds the caches
+    from spanserve.attention.backend import AttentionMetadata
+
+    meta = AttentionMetadata(slot_mapping=torch.tensor([10**9]), query_lens=[1], context_lens=[1],
+                             block_tables=torch.zeros(1, 1, dtype=torch.long),
+                             context_lens_tensor=torch.tensor([1]), positions=torch.tensor([0]))
+    before = model.layers[0].self_attn.kv_cache.clone()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="decode_layers failed"):
+        model.fused_decode(torch.zeros(1, model.cfg.hidden_size), torch.tensor([0]), meta)
+    assert torch.equal(model.layers[0].self_attn.kv_cache, before)
+
+
+@pytest.mark.parametrize("options", [{"gguf_blocks": False}, {"quantization": "w8a8"}, {"dtype": "bfloat16"}])
+def test_no_fused_layers_where_a_projection_is_not_in_blocks(default_model_path, options):
+    llm = LLM(model=str(default_model_path), num_blocks=16, **{"dtype": "float32", **options})
+    assert llm.engine.runner.model.fused_decode is None
+
+
+def test_no_fused_layers_for_a_model_without_blocks(tiny_llama_path):
+    llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=16)
+    assert llm.engine.runner.model.fused_decode is None
+
+
+def test_a_hook_on_a_projection_takes_the_python_layers(smollm2_llm):
+    """A COMB plug-in adds its deltas through forward hooks while it encodes: those must run."""
+    model = smollm2_llm.engine.runner.model
+    seen = []
+    handle = model.layers[5].mlp.down_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape[0]))
+    fused, taken = _counting(model)
+    try:
+        smollm2_llm.generate(["Hello there"], SamplingParams(max_tokens=3, temperature=0))
+    finally:
+        model.fused_decode = fused
+        handle.remove()
+    assert taken and not any(taken) and len(seen) == 3  # the prompt's step and two decode steps, all in Python
