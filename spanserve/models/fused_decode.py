@@ -58,7 +58,8 @@ class FusedDecode:
                 or 2 * model.rope.cos.shape[-1] != cfg.head_dim):
             return None
         for layer in model.layers:
-            projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(isinstance(p, BlockLinear) for p in projections):
                 return None
         return cls(model)
