@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
                        ("first_token_dlogprob", "first-token |dlogprob|")]:
         rows.append([label, "", *(_fmt(result["drift"][m][key]) for m in methods)])
     harness.print_table(["measure", "bf16", *methods], rows,
-                        title=f"weight-only quantization vs bf16: {result['model']} ({len(PROMPTS)} prompts, "
+                        title=f"against the model's float weights: {result['model']} ({len(PROMPTS)} prompts, "
                               f"{args.answer}-token answers)")
     harness.write_json(result, path=args.out or harness.result_path("quant"))
     return result
