@@ -83,10 +83,23 @@ def use_pool_for_matmuls(model: torch.nn.Module) -> None:
     def after(module, args, output):
         module._spanserve_threads.__exit__(None, None, None)
 
+    before.thread_policy = after.thread_policy = True  # is_thread_policy
+
     for module in model.modules():  # a quantized projection that may run the C GEMM has sizes_team
         if isinstance(module, torch.nn.Linear) or hasattr(module, "sizes_team"):
             module.register_forward_pre_hook(before)
             module.register_forward_hook(after)
+
+
+def is_thread_policy(hook) -> bool:
+    """Whether a module's forward hook is use_pool_for_matmuls', which only sizes the threads."""
+    return getattr(hook, "thread_policy", False)
+
+
+def whole_step_threads():
+    """Inside a step: the whole pool for one call that runs a step's layers (models/fused_decode.py),
+    whose work pays for waking it. Outside a step, leaves the threads as they are."""
+    return _threads_for(True)
 
 
 def one_torch_thread() -> None:

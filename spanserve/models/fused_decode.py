@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from spanserve.attention.backend import AttentionMetadata, plain_decode
-from spanserve.kernels import cpu_kernel, native
+from spanserve.kernels import cpu_kernel, native, threads
 from spanserve.models.gguf_blocks import BlockLinear
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -79,19 +79,21 @@ class FusedDecode:
         positions = positions.long().contiguous()
         slots = meta.slot_mapping.long().contiguous()
         self.shape.max_blocks = tables.shape[1]
-        status = kernels[0].decode_layers(
-            ctypes.addressof(self.layers), len(self.layers), ctypes.addressof(self.shape), hidden.data_ptr(),
-            hidden.shape[0],
-            positions.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-            lens.data_ptr())
+        with threads.whole_step_threads():
+            status = kernels[0].decode_layers(
+                ctypes.addressof(self.layers), len(self.layers), ctypes.addressof(self.shape), hidden.data_ptr(),
+                hidden.shape[0], positions.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(), slots.data_ptr(),
+                tables.data_ptr(), lens.data_ptr())
         if status != 0:  # -1 shapes, -2 positions or slots, -3 out of memory
             raise RuntimeError(f"decode_layers failed ({status}) for {tuple(x.shape)}")
         return hidden
 
     def _hooked(self) -> bool:
-        """Whether a module of the layers has forward hooks now (a COMB plug-in's deltas while it
-        encodes, the thread policy where threads sleep at once): those run in the Python layers only."""
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+        """Whether a module of the layers has forward hooks now, other than the thread policy's
+        (kernels/threads.py, which this call's own threads replace): a COMB plug-in's deltas while
+        it encodes, for one. Those run in the Python layers only."""
+        return any(not threads.is_thread_policy(hook) for m in self.modules
+                   for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))
 
     def _bind(self, caches: torch.Tensor) -> None:
         """The layers' weights and caches as C structs (pointers: the tensors stay the model's)."""

@@ -107,7 +107,7 @@ class BlockLinear(nn.Linear):
         if kernel is None or (torch.is_grad_enabled() and records_grad(x, self.weight)):
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(rows, self.in_features)
-        x2 = x2.contiguous() if x.dtype == torch.float32 else x2.float()
+        x2 = (x2 if x.dtype == torch.float32 else x2.float()).contiguous()
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
         status = kernel.block_gemm(x2.data_ptr(), *self.kernel_args, out.data_ptr(), rows, self.out_features,
                                    self.padded_out, self.in_features)
