@@ -37,11 +37,27 @@ def test_blocks_read_from_a_tensor_give_back_its_dequantized_weight_exactly(kind
     assert torch.equal(block_weight(parts["codes"], parts["scale"], parts.get("offset")), want)
 
 
+@pytest.mark.parametrize("kind_name, block_bytes", [("Q4_0", 18), ("Q5_0", 22), ("Q4_1", 20), ("Q8_0", 34)])
+def test_blocks_of_any_bytes_give_back_what_gguf_dequantizes(kind_name, block_bytes):
+    """Random blocks (every bit pattern of the codes and fifth bits) with finite float16 scales."""
+    from gguf import GGMLQuantizationType, quants
+
+    kind, rng = getattr(GGMLQuantizationType, kind_name), np.random.default_rng(3)
+    raw = rng.integers(0, 256, (12, 3, block_bytes), dtype=np.uint8)
+    halves = 2 if kind_name == "Q4_1" else 1  # the scale, and Q4_1's minimum
+    raw[..., : 2 * halves] = rng.standard_normal((12, 3, halves)).astype(np.float16).view(np.uint8)
+    tensor = SimpleNamespace(tensor_type=kind, data=raw.reshape(12, -1))
+    parts = {name: torch.from_numpy(a) for name, a in gguf_blocks.blocks_of(tensor).items()}
+    want = torch.from_numpy(quants.dequantize(tensor.data, kind).reshape(12, 96))
+    assert torch.equal(block_weight(parts["codes"], parts["scale"], parts.get("offset")), want)
+
+
 def test_other_types_are_not_kept():
     from gguf import GGMLQuantizationType
 
-    weight = np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32)
-    assert gguf_blocks.blocks_of(_gguf_tensor(GGMLQuantizationType.Q4_0, weight)) is None
+    q6_k = np.zeros((8, 210), dtype=np.uint8)  # one super-block of 256 weights a row
+    assert gguf_blocks.blocks_of(SimpleNamespace(tensor_type=GGMLQuantizationType.Q6_K, data=q6_k)) is None
+    weight = np.random.default_rng(1).standard_normal((8, 256)).astype(np.float32)
     assert gguf_blocks.blocks_of(SimpleNamespace(tensor_type=GGMLQuantizationType.F32, data=weight)) is None
 
 

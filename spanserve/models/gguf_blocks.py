@@ -8,9 +8,10 @@ file's exact weights from their own bytes: nothing is rounded, only the order of
 changes. The blocks are read from the file when it is converted (models/gguf.py), checked to give
 back exactly the weights the conversion wrote, and stored beside them.
 
-Kept: Q4_1 and Q8_0, whose values are code * scale + offset in one rounding, as the kernel reads
-them. Other types (Q4_0, Q5_0, the K-quants of Qwen2.5's files) load as float32, as before. A
-fused projection (q/k/v, gate/up) keeps its blocks only when every part has them in one width.
+Kept: Q4_1 (4-bit codes, a scale and an offset), Q8_0, Q4_0 and Q5_0 (8-bit codes and a scale),
+whose values are code * scale + offset in one rounding, as the kernel reads them. The K-quants
+(some of Qwen2.5's projections) load as float32, as before. A fused projection (q/k/v, gate/up)
+keeps its blocks only when every part has them in one width.
 """
 
 import logging
@@ -30,28 +31,40 @@ from spanserve.models.layer_ops import records_grad
 log = logging.getLogger(__name__)
 
 BLOCKS_FILE = Path("gguf") / "blocks.safetensors"  # under the converted model's folder, out of *.safetensors' way
+_BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 8: 34}  # per 32 weights, by GGMLQuantizationType: Q4_0, Q4_1, Q5_0, Q8_0
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def blocks_of(tensor) -> dict[str, np.ndarray] | None:
     """A GGUF tensor's blocks as (codes, scale[, offset]) [rows, in] and [rows, in / 32], or None for
-    a type that is not kept. Q4_1: d, m (float16), 16 bytes holding elements j (low nibble) and
-    16 + j (high); Q8_0: d, then 32 int8."""
+    a type that is not kept. Each block starts with its scale d (float16). Q4_1: then the minimum
+    m (float16) and 16 bytes holding elements j (low nibble) and 16 + j (high), 4-bit codes with
+    an offset; Q8_0: 32 int8; Q4_0: 16 bytes of nibbles, q - 8; Q5_0: the elements' fifth bits
+    (32 in 4 bytes), then the nibbles, q - 16. The last three are 8-bit codes without an offset:
+    d * code in one rounding, as the file's values are."""
     from gguf import GGMLQuantizationType as Kind
 
     kind, raw = tensor.tensor_type, np.asarray(tensor.data)
-    if kind not in (Kind.Q4_1, Kind.Q8_0):
+    if kind not in _BLOCK_BYTES:
         return None
     rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, 20 if kind == Kind.Q4_1 else 34)
+    blocks = raw.reshape(rows, -1, _BLOCK_BYTES[kind])
     scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if kind == Kind.Q8_0:
-        codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
-        return {"codes": codes, "scale": scale}
-    offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    packed = blocks[..., 4:]
-    codes = np.concatenate([packed & 15, packed >> 4], axis=-1).reshape(rows, -1)
-    return {"codes": codes, "scale": scale, "offset": offset}
+        return {"codes": blocks[..., 2:].copy().view(np.int8).reshape(rows, -1), "scale": scale}
+    if kind == Kind.Q4_1:
+        offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        return {"codes": _nibbles(blocks[..., 4:]).reshape(rows, -1), "scale": scale, "offset": offset}
+    if kind == Kind.Q4_0:
+        return {"codes": (_nibbles(blocks[..., 2:]).astype(np.int8) - 8).reshape(rows, -1), "scale": scale}
+    high = (blocks[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1  # Q5_0
+    codes = (_nibbles(blocks[..., 6:]) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16
+    return {"codes": codes.reshape(rows, -1), "scale": scale}
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """A block's 16 bytes as its 32 elements: the low nibbles, then the high ones."""
+    return np.concatenate([packed & 15, packed >> 4], axis=-1)
 
 
 def save_blocks(blocks: dict[str, dict[str, np.ndarray]], weights: dict[str, np.ndarray], out_dir: Path) -> int:

@@ -67,8 +67,8 @@ def resolve_model(model: str | None, weights: bool = True) -> Path:
 
 
 # What a conversion writes (models/gguf.py): a new value converts a file again rather than read
-# an older conversion's folder. 2: the kept blocks (models/gguf_blocks.py).
-CONVERSION = 2
+# an older conversion's folder. 3: the kept blocks (models/gguf_blocks.py), Q4_0 and Q5_0 too.
+CONVERSION = 3
 
 
 def _converted(gguf: Path) -> Path:

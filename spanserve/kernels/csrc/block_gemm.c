@@ -1,7 +1,8 @@
 /* Projections over weights kept as a GGUF file stores them: 4- or 8-bit codes with a scale and an
- * offset per output channel and group of 32 inputs, which hold Q4_0, Q4_1 and Q8_0 exactly. A
- * model shipped as such a file then computes with its own weights from about a fifth (4-bit) or
- * a quarter (8-bit) of float32's bytes, and a decode step is its weight bytes.
+ * offset per output channel and group of 32 inputs, which hold Q4_1 (4-bit codes) and Q4_0,
+ * Q5_0 and Q8_0 (8-bit codes) exactly. A model shipped as such a file then computes with its own
+ * weights from about a fifth (4-bit) or a quarter (8-bit) of float32's bytes, and a decode step
+ * is its weight bytes.
  *
  * A few rows multiply each group's codes as they are, converted to float32 in registers, and
  * scale the group's sums once: out = sum over groups of scale * (codes . x) + offset * sum(x).
