@@ -134,7 +134,8 @@ def decode_tables(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tenso
     key = ("decode_tables", tuple(seqs))
     if key not in meta.derived:
         index = torch.tensor(seqs, device=meta.block_tables.device)
-        meta.derived[key] = (meta.block_tables[index].contiguous(), meta.context_lens_tensor[index].contiguous())
+        meta.derived[key] = (meta.block_tables[index].long().contiguous(),  # int64: what the C kernels read
+                             meta.context_lens_tensor[index].long().contiguous())
     return meta.derived[key]
 
 
