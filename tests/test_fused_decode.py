@@ -95,3 +95,18 @@ def test_a_hook_on_a_projection_takes_the_python_layers(smollm2_llm):
         model.fused_decode = fused
         handle.remove()
     assert taken and not any(taken) and len(seen) == 3  # the prompt's step and two decode steps, all in Python
+
+
+def test_a_weight_edited_in_place_is_used_as_edited(default_model_path):
+    """The blocks are a copy: once the float weight changes, the projection and the step use it."""
+    llm = LLM(model=str(default_model_path), dtype="float32", num_blocks=16)
+    model = llm.engine.runner.model
+    proj = model.layers[2].mlp.down_proj
+    fused, taken = _counting(model)
+    with torch.no_grad():
+        proj.weight.mul_(0.5)
+    x = torch.randn(1, proj.in_features)
+    assert proj.stale and torch.equal(proj(x), torch.nn.functional.linear(x, proj.weight))
+    llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0))
+    assert taken and not any(taken)
+    model.fused_decode = fused

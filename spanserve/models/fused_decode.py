@@ -7,7 +7,7 @@ step on an AMD EPYC went to Python. Where every layer's projections compute from
 same order on the same data, so the hidden states it returns are those of the Python layers to
 the bit (tests/test_fused_decode.py). Any other step (a prefill chunk, moved span keys, a span
 share, a sparse flow, some rows kept for a probe, forward hooks on a layer's modules such as a
-COMB plug-in's deltas) takes the Python layers.
+COMB plug-in's deltas, a projection's weight edited in place) takes the Python layers.
 """
 
 import ctypes
@@ -47,6 +47,7 @@ class FusedDecode:
         self.layers: ctypes.Array | None = None  # built at the first step: the runner binds the caches after
         self.bound_cache = None
         self.modules = list(model.layers.modules())
+        self.projections = [m for m in self.modules if isinstance(m, BlockLinear)]
 
     @classmethod
     def of(cls, model: nn.Module) -> "FusedDecode | None":
@@ -69,7 +70,7 @@ class FusedDecode:
         caches = self.model.layers[0].self_attn.kv_cache
         kernels = [cpu_kernel.load(name) for name in ("gemm", "layer", "decode")]
         if (plain is None or caches is None or torch.is_grad_enabled() or x.shape[0] != len(meta.query_lens)
-                or None in kernels or self._hooked()):
+                or None in kernels or self._hooked() or any(p.stale for p in self.projections)):
             return None
         if self.layers is None or caches.data_ptr() != self.bound_cache:
             self._bind(caches)

@@ -113,11 +113,17 @@ class BlockLinear(nn.Linear):
                             None if bias is None else bias.data_ptr())
         self.padded_out = scale.shape[0] * 16
         self.max_rows = BF16_MAX_ROWS if linear.weight.dtype == torch.bfloat16 else layout.PACKED_MAX_ROWS
+        self.weight_version = linear.weight._version
+
+    @property
+    def stale(self) -> bool:
+        """Whether the float weight was edited in place since: the blocks then no longer hold it."""
+        return self.weight._version != self.weight_version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         kernel = cpu_kernel.load("gemm") if rows <= self.max_rows else None
-        if kernel is None or (torch.is_grad_enabled() and records_grad(x, self.weight)):
+        if kernel is None or (torch.is_grad_enabled() and records_grad(x, self.weight)) or self.stale:
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(rows, self.in_features)
         x2 = (x2 if x.dtype == torch.float32 else x2.float()).contiguous()
