@@ -26,7 +26,7 @@ from spanserve.paths import cache_dir
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "int8_gemm.c", CSRC / "f32_gemm.c",
            CSRC / "block_gemm.c", CSRC / "layer_ops.c", CSRC / "block_pick.c", CSRC / "decode_layers.c"]
-HEADERS = [CSRC / "common.h", CSRC / "f32_gemm.h"]
+HEADERS = [CSRC / "common.h", CSRC / "f32_gemm.h", CSRC / "decode_kernels.h"]
 # Compiled with -ffast-math (for glibc's vector expf), linked without it: gcc 12 links a shared
 # library built with it to code that sets flush-to-zero for the whole process at load.
 # -Wno-psabi: vectors wider than the target's registers (a portable variant) only warn of an ABI

@@ -101,9 +101,7 @@ class BlockLinear(nn.Linear):
         self.weight, self.bias, self.bits = linear.weight, linear.bias, bits
         codes = torch.cat([p["codes"] for p in parts])
         scale = torch.cat([p["scale"] for p in parts])
-        offsets = [p.get("offset") for p in parts]
-        offset = None if all(o is None for o in offsets) else torch.cat(
-            [torch.zeros_like(p["scale"]) if o is None else o for p, o in zip(parts, offsets)])
+        offset = torch.cat([p["offset"] for p in parts]) if bits == 4 else None  # Q4_1's minimum; 8-bit codes have none
         packed, scale, offset = block_panels(codes, bits, scale, offset)
         bias = None if self.bias is None else self.bias.detach().float()
         # Plain attributes, not buffers: read on every call without nn.Module's lookup (a decode step

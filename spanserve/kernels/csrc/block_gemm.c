@@ -18,9 +18,9 @@
  */
 #include <omp.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "common.h"
+#include "decode_kernels.h"
 #include "f32_gemm.h"
 
 #define BLOCK_GROUP 32    /* input channels sharing a scale and an offset */

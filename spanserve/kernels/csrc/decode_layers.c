@@ -11,18 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* The kernels it strings together (block_gemm.c, layer_ops.c, paged_decode.c). */
-int block_gemm(const float *x, const uint8_t *codes, int bits, const float *scale, const float *offset,
-               const float *bias, float *out, int64_t m, int64_t n, int64_t n_padded, int64_t k);
-int rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t dim, float eps, int dtype);
-int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dtype);
-int rope_store(const void *q, const void *k, const void *v, int64_t q_stride, int64_t k_stride, int64_t v_stride,
-               const int64_t *positions, const float *cos, const float *sin, int64_t max_position, void *q_out,
-               void *k_out, void *k_cache, void *v_cache, const int64_t *slots, int64_t num_slots, int64_t tokens,
-               int heads, int kv_heads, int dim, int dtype, int kv_dtype);
-int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *out, const int64_t *block_tables,
-                 const int64_t *context_lens, int64_t num_seqs, int64_t max_blocks, int heads, int kv_heads, int dim,
-                 int block_size, float scale, int dtype, int kv_dtype);
+#include "decode_kernels.h"
 
 typedef struct { /* one projection's blocks, as block_gemm takes them */
     const uint8_t *codes;
