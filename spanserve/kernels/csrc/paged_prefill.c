@@ -95,10 +95,11 @@ typedef struct { /* one thread's scratch */
     vi *rows_pos;         /* [row_groups] */
     int64_t *min_pos;     /* [row_groups]: the least position of a row group's real rows */
     int64_t *max_pos;     /* [row_groups]: the greatest (in min_pos's allocation) */
-    float *keys, *values; /* [LANES][dim] */
+    float *keys, *values; /* [LANES][dim]: keys and values converted or rotated */
     uint32_t *query_pairs;  /* the bf16 path's: [row_groups][dim / 2][LANES], bf16 pairs along dim */
     uint32_t *key_pairs;    /* [LANES][dim / 2]: bf16 pairs along dim */
     uint32_t *value_pairs;  /* [LANES / 2][dim]: bf16 pairs of keys 2t, 2t + 1 */
+    const float *key_rows[LANES], *value_rows[LANES]; /* where each panel key and value is read */
 } Scratch;
 
 /* The cache row of key `key` of sequence `seq`, KV head `kv`, as an element index. */
@@ -107,36 +108,52 @@ static inline int64_t key_index(const Args *a, int64_t seq, int64_t key, int kv)
     return ((block * a->block_size + key % a->block_size) * a->kv_heads + kv) * a->dim;
 }
 
-/* Key `key` of sequence `seq` (float32, [dim]) rotated in place by its angles, if it has any:
- * span keys cached at the positions they were computed at, attended from others (RoPE's
- * rotate-half layout, the sine's sign folded in, as KeyRotation stores them). */
+/* Whether key `key` of sequence `seq` moves: span keys cached at the positions they were computed
+ * at, attended from others. */
 static inline int rotated(const Args *a, int64_t seq, int64_t key) {
     return a->rot_starts != NULL && key < a->rot_starts[seq + 1] - a->rot_starts[seq];
 }
 
-static void rotate_key(const Args *a, int64_t seq, int64_t key, float *row) {
-    if (!rotated(a, seq, key)) return;
+/* Key `key` of sequence `seq` (float32, [dim], from `row`) rotated by its angles into `out` (which
+ * may be `row`): RoPE's rotate-half layout, the sine's sign folded in, as KeyRotation stores them. */
+static void rotate_key(const Args *a, int64_t seq, int64_t key, const float *row, float *out) {
     int half = a->dim / 2;
     const float *cos = a->rot_cos + (a->rot_starts[seq] + key) * half, *sin = a->rot_sin + (a->rot_starts[seq] + key) * half;
     for (int i = 0; i < half; i++) {
         float x = row[i], y = row[i + half];
-        row[i] = x * cos[i] - y * sin[i];
-        row[i + half] = y * cos[i] + x * sin[i];
+        out[i] = x * cos[i] - y * sin[i];
+        out[i + half] = y * cos[i] + x * sin[i];
     }
 }
 
-/* Keys and values kbegin .. kbegin + n - 1 of one KV head into float32 panels [LANES][dim], the
- * keys rotated where they move; missing keys are zeros. */
-static void load_panels(const Args *a, const Scratch *s, int64_t seq, int kv, int64_t kbegin, int n) {
+/* Keys and values kbegin .. kbegin + n - 1 of one KV head as float32 panels: key_rows and value_rows
+ * point at each one's [dim] floats. A float32 cache's rows are read where they are; a bf16 cache's
+ * are converted, and keys that move rotated, into the scratch rows. Missing keys read zeros.
+ * Copying every float32 row (two memcpy calls a key) took 11% of a warm RAG prompt's samples
+ * (perf, AMD EPYC Zen 3); without, its probe's and its relink's calls over 4k moved keys ran 5-9%
+ * faster, bit for bit the same. */
+static const float zero_row[512];
+
+static void load_panels(const Args *a, Scratch *s, int64_t seq, int kv, int64_t kbegin, int n) {
     for (int t = 0; t < LANES; t++) {
-        if (t < n) {
-            int64_t index = key_index(a, seq, kbegin + t, kv);
-            load_floats(a->k_cache, index, a->dim, a->kv_dtype, s->keys + t * a->dim);
-            load_floats(a->v_cache, index, a->dim, a->kv_dtype, s->values + t * a->dim);
-            rotate_key(a, seq, kbegin + t, s->keys + t * a->dim);
+        if (t >= n) {
+            s->key_rows[t] = s->value_rows[t] = zero_row;
+            continue;
+        }
+        int64_t index = key_index(a, seq, kbegin + t, kv);
+        float *key = s->keys + t * a->dim, *value = s->values + t * a->dim;
+        if (a->kv_dtype == 0) {
+            s->value_rows[t] = (const float *)a->v_cache + index;
+            s->key_rows[t] = (const float *)a->k_cache + index;
         } else {
-            memset(s->keys + t * a->dim, 0, a->dim * sizeof(float));
-            memset(s->values + t * a->dim, 0, a->dim * sizeof(float));
+            load_floats(a->v_cache, index, a->dim, a->kv_dtype, value);
+            load_floats(a->k_cache, index, a->dim, a->kv_dtype, key);
+            s->value_rows[t] = value;
+            s->key_rows[t] = key;
+        }
+        if (rotated(a, seq, kbegin + t)) {
+            rotate_key(a, seq, kbegin + t, s->key_rows[t], key);
+            s->key_rows[t] = key;
         }
     }
 }
@@ -190,7 +207,7 @@ static const int SCORE_KEYS[MAX_GROUPS + 1] = {0, 8, 4, 4}, VALUE_WIDTH[MAX_GROU
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* Scores of row groups [0, groups) against panel keys k0 .. k0 + keys - 1, into scores[g][key]. */
-ALWAYS_INLINE void score_keys(const vf *queries, const float *panel, int dim, int groups, int k0, int keys,
+ALWAYS_INLINE void score_keys(const vf *queries, const float *const *panel, int dim, int groups, int k0, int keys,
                               vf scores[MAX_GROUPS][LANES]) {
     vf sums[MAX_GROUPS][LANES];
 #pragma GCC unroll 4
@@ -203,7 +220,7 @@ ALWAYS_INLINE void score_keys(const vf *queries, const float *panel, int dim, in
         for (int g = 0; g < groups; g++) query[g] = in_register(queries[g * dim + d]);
 #pragma GCC unroll 16
         for (int j = 0; j < keys; j++) {
-            vf key = splat(panel[(k0 + j) * dim + d]);
+            vf key = splat(panel[k0 + j][d]);
 #pragma GCC unroll 4
             for (int g = 0; g < groups; g++) sums[g][j] += query[g] * key;
         }
@@ -251,7 +268,7 @@ ALWAYS_INLINE int softmax_step(vf scores[LANES], vi pos, int64_t min_pos, int64_
 /* Dimensions d0 .. d0 + width - 1 of each row group's sum of values: rescaled (if `rescaled`, a
  * constant where inlined), plus the LANES keys' weighted values (each value element broadcast once
  * for every row group). */
-ALWAYS_INLINE void weigh_values(const float *panel, int dim, int groups, int d0, int width,
+ALWAYS_INLINE void weigh_values(const float *const *panel, int dim, int groups, int d0, int width,
                                 vf weights[MAX_GROUPS][LANES], int rescaled, const vf *rescale, vf *state,
                                 int stride) {
     vf sums[MAX_GROUPS][8];
@@ -266,7 +283,7 @@ ALWAYS_INLINE void weigh_values(const float *panel, int dim, int groups, int d0,
         for (int g = 0; g < groups; g++) weight[g] = in_register(weights[g][t]);
 #pragma GCC unroll 8
         for (int j = 0; j < width; j++) {
-            vf value = splat(panel[t * dim + d0 + j]);
+            vf value = splat(panel[t][d0 + j]);
 #pragma GCC unroll 4
             for (int g = 0; g < groups; g++) sums[g][j] += weight[g] * value;
         }
@@ -277,7 +294,7 @@ ALWAYS_INLINE void weigh_values(const float *panel, int dim, int groups, int d0,
         for (int j = 0; j < width; j++) state[g * stride + d0 + j] = sums[g][j];
 }
 
-ALWAYS_INLINE void weigh_all_values(const float *panel, int dim, int groups, int width, vf weights[MAX_GROUPS][LANES],
+ALWAYS_INLINE void weigh_all_values(const float *const *panel, int dim, int groups, int width, vf weights[MAX_GROUPS][LANES],
                                     int rescaled, const vf *rescale, vf *state, int stride) {
     int d = 0;
     for (; d + width <= dim; d += width) weigh_values(panel, dim, groups, d, width, weights, rescaled, rescale, state, stride);
@@ -289,15 +306,15 @@ ALWAYS_INLINE void weigh_all_values(const float *panel, int dim, int groups, int
 ALWAYS_INLINE void step_groups(const Scratch *s, int g0, int groups, int64_t kbegin, int n, vf *state, int dim) {
     int stride = dim + 2, width = VALUE_WIDTH[groups], keys = SCORE_KEYS[groups]; /* keys: a divisor of LANES */
     vf scores[MAX_GROUPS][LANES], rescale[MAX_GROUPS];
-    for (int k0 = 0; k0 < LANES; k0 += keys) score_keys(s->queries + g0 * dim, s->keys, dim, groups, k0, keys, scores);
+    for (int k0 = 0; k0 < LANES; k0 += keys) score_keys(s->queries + g0 * dim, s->key_rows, dim, groups, k0, keys, scores);
     int moved = 0;
     for (int g = 0; g < groups; g++) {
         rescale[g] = splat(1.0f);
         moved |= softmax_step(scores[g], s->rows_pos[g0 + g], s->min_pos[g0 + g], kbegin, n,
                               state + g * stride + dim, state + g * stride + dim + 1, &rescale[g]);
     }
-    if (moved) weigh_all_values(s->values, dim, groups, width, scores, 1, rescale, state, stride);
-    else weigh_all_values(s->values, dim, groups, width, scores, 0, rescale, state, stride);
+    if (moved) weigh_all_values(s->value_rows, dim, groups, width, scores, 1, rescale, state, stride);
+    else weigh_all_values(s->value_rows, dim, groups, width, scores, 0, rescale, state, stride);
 }
 
 /* step_groups compiled for each count of row groups and the common head sizes, whose panels are
@@ -390,7 +407,7 @@ static void load_pair_panels(const Args *a, const Scratch *s, int64_t seq, int k
             continue;
         }
         load_floats(k_cache, index, dim, 1, row);
-        rotate_key(a, seq, kbegin + t, row);
+        rotate_key(a, seq, kbegin + t, row, row);
         for (int d2 = 0; d2 < half; d2++)
             key[d2] = float_to_bf16(row[2 * d2]) | (uint32_t)float_to_bf16(row[2 * d2 + 1]) << 16;
     }
@@ -514,10 +531,13 @@ static int seeing_groups(const Scratch *s, int row_groups, int64_t k, int *g) {
 }
 
 /* Ask for keys and values kbegin .. kbegin + LANES - 1 (before kend) of one KV head to be brought
- * into cache while the current panel is computed. A relinked prompt's pass reads each layer's
- * span keys once, from memory (a 4k-token prompt's 30 layers: 190 MB in float32), and perf put a
- * fifth of a warm RAG prompt's attention time on the panel copies (AMD EPYC Zen 3, float32). With
- * it, a question over 7.5k keys ran 1-4% faster (`bench prefill_attention --layers 30`). */
+ * into cache while earlier panels are computed. A relinked prompt's pass reads each layer's span
+ * keys once, from memory (a 4k-token prompt's 30 layers: 190 MB in float32). With it, a question
+ * over 7.5k keys ran 1-4% faster (`bench prefill_attention --layers 30`). The run task asks for
+ * the panel PREFETCH_AHEAD panels on: with one, a warm RAG prompt's probe calls (18 rows over 4k
+ * moved keys) still waited on the first read of a key (perf) and ran 1-6% slower than with two;
+ * four were no faster (AMD EPYC Zen 3). */
+#define PREFETCH_AHEAD 2
 static void prefetch_panel(const Args *a, int64_t seq, int kv, int64_t kbegin, int64_t kend) {
     const int64_t size = a->kv_dtype ? 2 : 4, bytes = a->dim * size;
     for (int64_t key = kbegin; key < kend && key < kbegin + LANES; key++) {
@@ -531,7 +551,7 @@ static void prefetch_panel(const Args *a, int64_t seq, int kv, int64_t kbegin, i
 }
 
 /* Task `task`: its unit's rows over keys [kbegin, kend), into state [row_groups][dim + 2]. */
-static void run_task(const Args *a, const Scratch *s, const Unit *u, const Task *task, vf *state) {
+static void run_task(const Args *a, Scratch *s, const Unit *u, const Task *task, vf *state) {
     int width = a->dim + 2, row_groups = (u->tokens * a->groups + LANES - 1) / LANES;
     load_positions(a, s, u);
 #if defined(PAIR_DOT)
@@ -547,7 +567,7 @@ static void run_task(const Args *a, const Scratch *s, const Unit *u, const Task 
     }
     for (int64_t k = task->kbegin; k < task->kend; k += LANES) { /* kend: past the unit's last position */
         int n = task->kend - k < LANES ? (int)(task->kend - k) : LANES, g = 0, run;
-        prefetch_panel(a, u->seq, u->kv_head, k + LANES, task->kend);
+        prefetch_panel(a, u->seq, u->kv_head, k + PREFETCH_AHEAD * LANES, task->kend);
 #if defined(PAIR_DOT)
         if (a->pairs) {
             load_pair_panels(a, s, u->seq, u->kv_head, k, n);
