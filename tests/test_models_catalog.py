@@ -128,6 +128,8 @@ def test_qwen2_gguf_without_vocab_size_takes_it_from_the_embedding(tiny_qwen2_pa
     config = json.loads((out / "config.json").read_text())
     expected = json.loads((tiny_qwen2_path / "config.json").read_text())["vocab_size"]
     assert config["vocab_size"] == expected and config["model_type"] == "qwen2"
+    # the class other servers pick the model by (as LlamaForCausalLM vLLM dropped the q/k/v biases)
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
 
     prompt = [1, 504, 3575, 2001, 77, 901, 12]
     ours = LLM(model=str(gguf_path), dtype="float32", num_blocks=16)

@@ -26,6 +26,9 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# The transformers class of each model type: what other servers (vLLM) read to pick a model (as
+# LlamaForCausalLM, a Qwen2 ran without its q/k/v biases there and answered noise).
+_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -94,7 +97,7 @@ def _hf_config(meta: dict, arch: str, tie: bool, vocab_size: int) -> dict:
     hidden = int(get("embedding_length"))
     config = {
         "model_type": _ARCHS[arch],
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": [_CLASSES[_ARCHS[arch]]],
         "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
