@@ -1,6 +1,6 @@
-"""A GGUF's Q4_1 and Q8_0 projections computed from the file's own blocks (models/gguf_blocks.py):
-the blocks read give back the file's weights exactly, and the engine built on them answers as the
-one built on their float copies."""
+"""A GGUF's quantized projections (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K) computed from the file's own
+blocks (models/gguf_blocks.py): the blocks read give back the file's weights exactly, and the
+engine built on them answers as the one built on their float copies."""
 
 from types import SimpleNamespace
 
@@ -37,18 +37,21 @@ def test_blocks_read_from_a_tensor_give_back_its_dequantized_weight_exactly(kind
     assert torch.equal(block_weight(parts["codes"], parts["scale"], parts.get("offset")), want)
 
 
-@pytest.mark.parametrize("kind_name, block_bytes", [("Q4_0", 18), ("Q5_0", 22), ("Q4_1", 20), ("Q8_0", 34)])
-def test_blocks_of_any_bytes_give_back_what_gguf_dequantizes(kind_name, block_bytes):
-    """Random blocks (every bit pattern of the codes and fifth bits) with finite float16 scales."""
+@pytest.mark.parametrize("kind_name, block_bytes, weights", [("Q4_0", 18, 32), ("Q5_0", 22, 32), ("Q4_1", 20, 32),
+                                                            ("Q8_0", 34, 32), ("Q4_K", 144, 256)])
+def test_blocks_of_any_bytes_give_back_what_gguf_dequantizes(kind_name, block_bytes, weights):
+    """Random blocks (every bit pattern of the codes, fifth bits and 6-bit scales) with finite
+    float16 scales: bit for bit what gguf's own dequantization gives."""
     from gguf import GGMLQuantizationType, quants
 
     kind, rng = getattr(GGMLQuantizationType, kind_name), np.random.default_rng(3)
     raw = rng.integers(0, 256, (12, 3, block_bytes), dtype=np.uint8)
-    halves = 2 if kind_name == "Q4_1" else 1  # the scale, and Q4_1's minimum
+    halves = 2 if kind_name in ("Q4_1", "Q4_K") else 1  # the scale, and the minimum's
     raw[..., : 2 * halves] = rng.standard_normal((12, 3, halves)).astype(np.float16).view(np.uint8)
     tensor = SimpleNamespace(tensor_type=kind, data=raw.reshape(12, -1))
-    parts = {name: torch.from_numpy(a) for name, a in gguf_blocks.blocks_of(tensor).items()}
-    want = torch.from_numpy(quants.dequantize(tensor.data, kind).reshape(12, 96))
+    parts = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in gguf_blocks.blocks_of(tensor).items()}
+    assert ("offset" in parts) == (kind_name in ("Q4_1", "Q4_K"))
+    want = torch.from_numpy(quants.dequantize(tensor.data, kind).reshape(12, 3 * weights))
     assert torch.equal(block_weight(parts["codes"], parts["scale"], parts.get("offset")), want)
 
 

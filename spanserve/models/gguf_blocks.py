@@ -8,10 +8,10 @@ file's exact weights from their own bytes: nothing is rounded, only the order of
 changes. The blocks are read from the file when it is converted (models/gguf.py), checked to give
 back exactly the weights the conversion wrote, and stored beside them.
 
-Kept: Q4_1 (4-bit codes, a scale and an offset), Q8_0, Q4_0 and Q5_0 (8-bit codes and a scale),
-whose values are code * scale + offset in one rounding, as the kernel reads them. The K-quants
-(some of Qwen2.5's projections) load as float32, as before. A fused projection (q/k/v, gate/up)
-keeps its blocks only when every part has them in one width.
+Kept: Q4_1 and Q4_K (4-bit codes, a scale and an offset per 32), Q8_0, Q4_0 and Q5_0 (8-bit
+codes and a scale), whose values are code * scale + offset in one rounding, as the kernel reads
+them. Q6_K (scales per 16 weights, which the kernel's groups of 32 do not hold) loads as float32.
+A fused projection (q/k/v, gate/up) keeps its blocks only when every part has them in one width.
 """
 
 import logging
@@ -41,10 +41,12 @@ def blocks_of(tensor) -> dict[str, np.ndarray] | None:
     m (float16) and 16 bytes holding elements j (low nibble) and 16 + j (high), 4-bit codes with
     an offset; Q8_0: 32 int8; Q4_0: 16 bytes of nibbles, q - 8; Q5_0: the elements' fifth bits
     (32 in 4 bytes), then the nibbles, q - 16. The last three are 8-bit codes without an offset:
-    d * code in one rounding, as the file's values are."""
+    d * code in one rounding, as the file's values are. Q4_K: _q4_k."""
     from gguf import GGMLQuantizationType as Kind
 
     kind, raw = tensor.tensor_type, np.asarray(tensor.data)
+    if kind == Kind.Q4_K:
+        return _q4_k(raw)
     if kind not in _BLOCK_BYTES:
         return None
     rows = raw.shape[0]
@@ -60,6 +62,23 @@ def blocks_of(tensor) -> dict[str, np.ndarray] | None:
     high = (blocks[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1  # Q5_0
     codes = (_nibbles(blocks[..., 6:]) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16
     return {"codes": codes.reshape(rows, -1), "scale": scale}
+
+
+def _q4_k(raw: np.ndarray) -> dict[str, np.ndarray]:
+    """Q4_K's super-blocks (256 weights in 144 bytes) as 4-bit codes with a scale and an offset per
+    32, as Q4_1's: each starts with d and dmin (float16), then 12 bytes of 6-bit scales and minimums
+    for its 8 groups, then 128 bytes, each 32 of them holding two groups (low nibbles, then high).
+    A group's weights are (d * scale) * code - dmin * minimum: both products are exact in float32
+    (11 by 6 bits), so the offset -(dmin * minimum) gives them in the one rounding gguf does."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 144)
+    d, dmin = (blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32) for at in (0, 2))
+    low, high, rest = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]  # scales, minimums, their top bits
+    scales = np.concatenate([low & 63, (rest & 15) | ((low >> 6) << 4)], axis=-1).astype(np.float32)
+    minimums = np.concatenate([high & 63, (rest >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
+    codes = _nibbles(blocks[..., 16:].reshape(rows, -1, 4, 32))  # [rows, super-blocks, 4, 64]: two groups each
+    return {"codes": codes.reshape(rows, -1), "scale": (d[..., None] * scales).reshape(rows, -1),
+            "offset": -(dmin[..., None] * minimums).reshape(rows, -1)}
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
