@@ -15,8 +15,7 @@ QWEN = "qwen2.5-coder-0.5b-instruct"
 def _installed(name: str) -> bool:
     from spanserve.models.catalog import CATALOG
 
-    model = CATALOG[name]
-    return all(model.part_path(i) is not None for i in range(1, model.num_parts + 1))
+    return CATALOG[name].installed()
 
 
 @pytest.fixture(scope="module", params=[None, QWEN], ids=["smollm2", "qwen0.5b"])

@@ -6,6 +6,7 @@ import torch
 
 from spanserve import LLM, SamplingParams
 from spanserve.kernels import cpu_kernel
+from spanserve.models.catalog import CATALOG
 from spanserve.models.fused_decode import FusedDecode
 
 pytestmark = pytest.mark.skipif(cpu_kernel.load("gemm") is None, reason="no C kernels on this machine")
@@ -30,9 +31,16 @@ def _answers(llm, prompts, max_tokens=24):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
 
 
+QWEN = "qwen2.5-coder-0.5b-instruct"  # Q4_K, Q5_0, Q6_K and Q8_0 blocks, and q/k/v biases
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
-def test_fused_layers_answer_to_the_bit_as_the_python_layers(default_model_path, kv_cache_dtype):
-    llm = LLM(model=str(default_model_path), dtype="float32", num_blocks=64, kv_cache_dtype=kv_cache_dtype)
+@pytest.mark.parametrize("name", ["smollm2", "qwen0.5b"])
+def test_fused_layers_answer_to_the_bit_as_the_python_layers(default_model_path, kv_cache_dtype, name):
+    if name == "qwen0.5b" and not CATALOG[QWEN].installed():
+        pytest.skip("needs `make models`")
+    model_name = str(default_model_path) if name == "smollm2" else QWEN
+    llm = LLM(model=model_name, dtype="float32", num_blocks=64, kv_cache_dtype=kv_cache_dtype)
     model = llm.engine.runner.model
     assert isinstance(model.fused_decode, FusedDecode)
     fused, taken = _counting(model)

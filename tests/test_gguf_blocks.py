@@ -1,4 +1,4 @@
-"""A GGUF's quantized projections (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K) computed from the file's own
+"""A GGUF's quantized projections (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) computed from the file's own
 blocks (models/gguf_blocks.py): the blocks read give back the file's weights exactly, and the
 engine built on them answers as the one built on their float copies."""
 
@@ -37,17 +37,22 @@ def test_blocks_read_from_a_tensor_give_back_its_dequantized_weight_exactly(kind
     assert torch.equal(block_weight(parts["codes"], parts["scale"], parts.get("offset")), want)
 
 
-@pytest.mark.parametrize("kind_name, block_bytes, weights", [("Q4_0", 18, 32), ("Q5_0", 22, 32), ("Q4_1", 20, 32),
-                                                            ("Q8_0", 34, 32), ("Q4_K", 144, 256)])
-def test_blocks_of_any_bytes_give_back_what_gguf_dequantizes(kind_name, block_bytes, weights):
-    """Random blocks (every bit pattern of the codes, fifth bits and 6-bit scales) with finite
-    float16 scales: bit for bit what gguf's own dequantization gives."""
+# each type's bytes per block, weights per block, and where its float16 scales (and minimums) sit
+_LAYOUTS = {"Q4_0": (18, 32, [0]), "Q5_0": (22, 32, [0]), "Q4_1": (20, 32, [0, 2]), "Q8_0": (34, 32, [0]),
+            "Q4_K": (144, 256, [0, 2]), "Q6_K": (210, 256, [208])}
+
+
+@pytest.mark.parametrize("kind_name", list(_LAYOUTS))
+def test_blocks_of_any_bytes_give_back_what_gguf_dequantizes(kind_name):
+    """Random blocks (every bit pattern of the codes, fifth or top bits and 6- or 8-bit scales) with
+    finite float16 scales: bit for bit what gguf's own dequantization gives."""
     from gguf import GGMLQuantizationType, quants
 
     kind, rng = getattr(GGMLQuantizationType, kind_name), np.random.default_rng(3)
+    block_bytes, weights, float16_at = _LAYOUTS[kind_name]
     raw = rng.integers(0, 256, (12, 3, block_bytes), dtype=np.uint8)
-    halves = 2 if kind_name in ("Q4_1", "Q4_K") else 1  # the scale, and the minimum's
-    raw[..., : 2 * halves] = rng.standard_normal((12, 3, halves)).astype(np.float16).view(np.uint8)
+    for at in float16_at:
+        raw[..., at:at + 2] = rng.standard_normal((12, 3, 1)).astype(np.float16).view(np.uint8)
     tensor = SimpleNamespace(tensor_type=kind, data=raw.reshape(12, -1))
     parts = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in gguf_blocks.blocks_of(tensor).items()}
     assert ("offset" in parts) == (kind_name in ("Q4_1", "Q4_K"))
@@ -58,8 +63,8 @@ def test_blocks_of_any_bytes_give_back_what_gguf_dequantizes(kind_name, block_by
 def test_other_types_are_not_kept():
     from gguf import GGMLQuantizationType
 
-    q6_k = np.zeros((8, 210), dtype=np.uint8)  # one super-block of 256 weights a row
-    assert gguf_blocks.blocks_of(SimpleNamespace(tensor_type=GGMLQuantizationType.Q6_K, data=q6_k)) is None
+    q5_k = np.zeros((8, 176), dtype=np.uint8)  # one super-block of 256 weights a row
+    assert gguf_blocks.blocks_of(SimpleNamespace(tensor_type=GGMLQuantizationType.Q5_K, data=q5_k)) is None
     weight = np.random.default_rng(1).standard_normal((8, 256)).astype(np.float32)
     assert gguf_blocks.blocks_of(SimpleNamespace(tensor_type=GGMLQuantizationType.F32, data=weight)) is None
 

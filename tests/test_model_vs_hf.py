@@ -188,8 +188,7 @@ def test_smollm2_chat_prompt_is_the_tokenized_chat_template(smollm2):
 def _installed(name: str) -> bool:
     from spanserve.models.catalog import CATALOG
 
-    model = CATALOG[name]
-    return all(model.part_path(i) is not None for i in range(1, model.num_parts + 1))
+    return CATALOG[name].installed()
 
 
 @pytest.mark.slow

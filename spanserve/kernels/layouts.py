@@ -2,10 +2,10 @@
 product's torch twin.
 
 block_gemm.c reads weights kept in a GGUF file's blocks, code * scale + offset per output channel
-and group of BLOCK_GROUP inputs, in panels of 16 output channels padded to F32_TILE: 4-bit codes
-two to a byte, [padded out / 16][in][8] (channel j's code the low nibble of byte j, channel
-8 + j's the high one), 8-bit codes [padded out / 16][in][16], scale and offset [padded out /
-16][in / BLOCK_GROUP][16] float32.
+and group of BLOCK_GROUP inputs (or 16, for 8-bit codes without an offset: Q6_K), in panels of 16
+output channels padded to F32_TILE: 4-bit codes two to a byte, [padded out / 16][in][8] (channel
+j's code the low nibble of byte j, channel 8 + j's the high one), 8-bit codes [padded out /
+16][in][16], scale and offset [padded out / 16][in / group][16] float32.
 
 f32_gemm.c (float32, int8 and bf16 weights) reads panels of 16 output channels, [padded out /
 16][in][16], padded to a tile of 48, and its bf16 dot products pairs of inputs in them, [padded out
@@ -24,7 +24,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 F32_TILE = 48  # output channels of one tile of f32_gemm.c (TILE_PANELS x PANEL): the padding unit
 W8A8_BLOCK = 64  # input channels sharing one activation scale (int8_gemm.c's QBLOCK)
 W8A8_TILE = 64  # output channels its kernel computes together (TILE_PANELS x PANEL)
-BLOCK_GROUP = 32  # input channels sharing a block's scale and offset (block_gemm.c)
+BLOCK_GROUP = 32  # input channels sharing a block's scale and offset (block_gemm.c), but Q6_K's 16
 
 
 def f32_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -98,7 +98,7 @@ def w8a8_twin(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
 def block_panels(codes: torch.Tensor, bits: int, scale: torch.Tensor,
                  offset: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Codes [out, in] (0..15 for 4 bits, int8 for 8), scale and offset [out, in / BLOCK_GROUP] as
+    """Codes [out, in] (0..15 for 4 bits, int8 for 8), scale and offset [out, in / group] as
     block_gemm.c reads them: (codes, scale, offset) in panels, padding channels zero."""
     padded = _tile_padded(codes)
     panels = padded.view(-1, 16, codes.shape[1]).transpose(1, 2)
@@ -115,6 +115,13 @@ def block_panels(codes: torch.Tensor, bits: int, scale: torch.Tensor,
 
 
 def block_weight(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
-    """The float32 weight [out, in] that blocks stand for: code * scale + offset, per group."""
-    weight = codes.float() * scale.float().repeat_interleave(BLOCK_GROUP, 1)
-    return weight if offset is None else weight + offset.float().repeat_interleave(BLOCK_GROUP, 1)
+    """The float32 weight [out, in] that blocks stand for: code * scale + offset, per group (its
+    size: in over the scales' columns)."""
+    group = block_group(codes, scale)
+    weight = codes.float() * scale.float().repeat_interleave(group, 1)
+    return weight if offset is None else weight + offset.float().repeat_interleave(group, 1)
+
+
+def block_group(codes: torch.Tensor, scale: torch.Tensor) -> int:
+    """How many input channels share each of the blocks' scales."""
+    return codes.shape[1] // scale.shape[1]

@@ -153,7 +153,7 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
         "f32_gemm_int8w": ([pointer] * 5 + [i64, i64, i64, i64], i32),
         "f32_gemm_bf16w": ([pointer] * 4 + [i64, i64, i64, i64], i32),
         "bf16_pairs_gemm": ([pointer] * 4 + [i64, i64, i64, i64], i32),
-        "block_gemm": ([pointer, pointer, i32] + [pointer] * 4 + [i64, i64, i64, i64], i32),
+        "block_gemm": ([pointer, pointer, i32, i32] + [pointer] * 4 + [i64, i64, i64, i64], i32),
         "decode_layers": ([pointer, i64, pointer, pointer, i64] + [pointer] * 6, i32),
         "rms_norm": ([pointer] * 3 + [i64, i64, f32, i32], i32),
         "silu_mul": ([pointer] * 2 + [i64, i64, i32], i32),

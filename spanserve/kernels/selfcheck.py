@@ -246,26 +246,27 @@ def _centroid_topk(lib, dtype) -> str:
 
 
 def _block_gemm(lib, dtype) -> str:
-    """4-bit codes with offsets and a bias, 8-bit codes with neither (GGUF's Q4_1 and Q8_0)."""
+    """4-bit codes with offsets and a bias, 8-bit codes with neither, per 32 or 16 inputs (GGUF's
+    Q4_1, Q8_0 and Q6_K)."""
     if dtype != torch.float32:
         return ""  # float32 activations only
     gen = torch.Generator().manual_seed(11)
-    for bits in (4, 8):
+    for bits, group in ((4, 32), (8, 32), (8, 16)):
         low, high = (0, 16) if bits == 4 else (-128, 128)
-        codes, scale = torch.randint(low, high, (50, 64), generator=gen), torch.rand(50, 2, generator=gen)
+        codes, scale = torch.randint(low, high, (50, 64), generator=gen), torch.rand(50, 64 // group, generator=gen)
         with_offset = bits == 4
         offset = torch.randn(50, 2, generator=gen) if with_offset else None
         bias = torch.randn(50, generator=gen) if with_offset else None
-        problem = _at_row_counts(functools.partial(_block_case, lib, gen, bits, codes, scale, offset, bias))
+        problem = _at_row_counts(functools.partial(_block_case, lib, gen, bits, group, codes, scale, offset, bias))
         if problem:
-            return f"{bits}-bit codes, {problem}"
+            return f"{bits}-bit codes in groups of {group}, {problem}"
     return ""
 
 
-def _block_case(lib, gen, bits, codes, scale, offset, bias, rows: int) -> str:
+def _block_case(lib, gen, bits, group, codes, scale, offset, bias, rows: int) -> str:
     packed, scales, offsets = block_panels(codes, bits, scale, offset)
     x, out = torch.randn(rows, 64, generator=gen), torch.empty(rows, 50)
-    status = lib.block_gemm(_ptr(x), _ptr(packed), bits, _ptr(scales), _ptr(offsets), _ptr(bias), _ptr(out),
+    status = lib.block_gemm(_ptr(x), _ptr(packed), bits, group, _ptr(scales), _ptr(offsets), _ptr(bias), _ptr(out),
                             rows, 50, scales.shape[0] * 16, 64)
     want = x @ block_weight(codes, scale, offset).t() + (0 if bias is None else bias)
     return f"status {status}" if status else _compare(out, want, 1e-5)

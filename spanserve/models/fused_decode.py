@@ -24,7 +24,7 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 class _Projection(ctypes.Structure):
     _fields_ = [("codes", _ptr), ("scale", _ptr), ("offset", _ptr), ("bias", _ptr), ("n", _i64), ("n_padded", _i64),
-                ("k", _i64), ("bits", _i64)]
+                ("k", _i64), ("bits", _i64), ("group", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -115,5 +115,5 @@ class FusedDecode:
 
 
 def _projection(p: BlockLinear) -> _Projection:
-    codes, bits, scale, offset, bias = p.kernel_args
-    return _Projection(codes, scale, offset, bias, p.out_features, p.padded_out, p.in_features, bits)
+    codes, bits, group, scale, offset, bias = p.kernel_args
+    return _Projection(codes, scale, offset, bias, p.out_features, p.padded_out, p.in_features, bits, group)

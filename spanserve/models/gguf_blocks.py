@@ -9,9 +9,9 @@ changes. The blocks are read from the file when it is converted (models/gguf.py)
 back exactly the weights the conversion wrote, and stored beside them.
 
 Kept: Q4_1 and Q4_K (4-bit codes, a scale and an offset per 32), Q8_0, Q4_0 and Q5_0 (8-bit
-codes and a scale), whose values are code * scale + offset in one rounding, as the kernel reads
-them. Q6_K (scales per 16 weights, which the kernel's groups of 32 do not hold) loads as float32.
-A fused projection (q/k/v, gate/up) keeps its blocks only when every part has them in one width.
+codes and a scale per 32), Q6_K (8-bit codes and a scale per 16), whose values are code * scale +
+offset in one rounding, as the kernel reads them. A fused projection (q/k/v, gate/up) keeps its
+blocks only when every part has them in one width and group.
 """
 
 import logging
@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from spanserve.kernels import cpu_kernel
-from spanserve.kernels.layouts import BLOCK_GROUP, block_panels, block_weight
+from spanserve.kernels.layouts import block_group, block_panels, block_weight
 from spanserve.models import layout
 from spanserve.models.layer_ops import records_grad
 
@@ -47,6 +47,8 @@ def blocks_of(tensor) -> dict[str, np.ndarray] | None:
     kind, raw = tensor.tensor_type, np.asarray(tensor.data)
     if kind == Kind.Q4_K:
         return _q4_k(raw)
+    if kind == Kind.Q6_K:
+        return _q6_k(raw)
     if kind not in _BLOCK_BYTES:
         return None
     rows = raw.shape[0]
@@ -79,6 +81,22 @@ def _q4_k(raw: np.ndarray) -> dict[str, np.ndarray]:
     codes = _nibbles(blocks[..., 16:].reshape(rows, -1, 4, 32))  # [rows, super-blocks, 4, 64]: two groups each
     return {"codes": codes.reshape(rows, -1), "scale": (d[..., None] * scales).reshape(rows, -1),
             "offset": -(dmin[..., None] * minimums).reshape(rows, -1)}
+
+
+def _q6_k(raw: np.ndarray) -> dict[str, np.ndarray]:
+    """Q6_K's super-blocks (256 weights in 210 bytes) as 8-bit codes with a scale per 16: each holds
+    the codes' low 4 bits (128 bytes: per half, 64 bytes of low then high nibbles), their top 2 bits
+    (64 bytes: per half, 32 bytes of four 2-bit fields), 16 int8 scales, then d (float16). A
+    weight is (d * scale) * (code - 32): d * scale is exact in float32 (11 by 8 bits), so the one
+    rounding gguf does."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 210)
+    low = blocks[..., :128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+    top = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    codes = ((low & 15).reshape(rows, -1, 256) | ((top & 3).reshape(rows, -1, 256) << 4)).astype(np.int8) - 32
+    scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
+    return {"codes": codes.reshape(rows, -1), "scale": (d * scales).reshape(rows, -1)}
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
@@ -114,7 +132,7 @@ class BlockLinear(nn.Linear):
     past layout.PACKED_MAX_ROWS (BF16_MAX_ROWS under a bf16 model), where MKL's GEMM on it is
     faster than widening the blocks (2,048 rows of SmolLM2: 3% of the prefill)."""
 
-    def __init__(self, linear: nn.Linear, parts: list[dict[str, torch.Tensor]], bits: int):
+    def __init__(self, linear: nn.Linear, parts: list[dict[str, torch.Tensor]], bits: int, group: int):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias, self.bits = linear.weight, linear.bias, bits
@@ -126,8 +144,8 @@ class BlockLinear(nn.Linear):
         # Plain attributes, not buffers: read on every call without nn.Module's lookup (a decode step
         # makes 121 calls), and never moved or cast by Module.to (the kernel reads float32 on CPU).
         self.blocks = (packed, scale, offset, bias)
-        self.kernel_args = (packed.data_ptr(), bits, scale.data_ptr(), None if offset is None else offset.data_ptr(),
-                            None if bias is None else bias.data_ptr())
+        self.kernel_args = (packed.data_ptr(), bits, group, scale.data_ptr(),
+                            None if offset is None else offset.data_ptr(), None if bias is None else bias.data_ptr())
         self.padded_out = scale.shape[0] * 16
         self.max_rows = BF16_MAX_ROWS if linear.weight.dtype == torch.bfloat16 else layout.PACKED_MAX_ROWS
         self.weight_version = linear.weight._version
@@ -169,12 +187,14 @@ def keep_blocks(model: nn.Module, model_dir: Path) -> int:
     for owner, name, sources in _projections(model):
         parts = [_parts(stored, source) for source in sources]
         linear = getattr(owner, name)
-        if type(linear) is not nn.Linear or any(p is None for p in parts) or linear.in_features % BLOCK_GROUP:
+        if type(linear) is not nn.Linear or any(p is None for p in parts):
             continue
-        widths = {4 if "offset" in p else 8 for p in parts}  # Q4_1 has an offset, Q8_0 none
-        if len(widths) != 1:
+        # 4-bit codes come with an offset (Q4_1, Q4_K), 8-bit ones without; a group of 32 or 16 (Q6_K)
+        kinds = {(4 if "offset" in p else 8, block_group(p["codes"], p["scale"])) for p in parts}
+        if len(kinds) != 1:
             continue
-        setattr(owner, name, BlockLinear(linear, parts, widths.pop()))
+        bits, group = kinds.pop()
+        setattr(owner, name, BlockLinear(linear, parts, bits, group))
         kept += 1
     if kept:
         log.info("%d projections compute from the GGUF's own blocks", kept)

@@ -1,6 +1,7 @@
 /* Projections over weights kept as a GGUF file stores them: 4- or 8-bit codes with a scale and an
- * offset per output channel and group of 32 inputs, which hold Q4_1 (4-bit codes) and Q4_0,
- * Q5_0 and Q8_0 (8-bit codes) exactly. A model shipped as such a file then computes with its own
+ * offset per output channel and group of 32 inputs, which hold Q4_1 and Q4_K (4-bit codes) and
+ * Q4_0, Q5_0 and Q8_0 (8-bit codes) exactly; or 8-bit codes with a scale per 16 inputs and no
+ * offset, which hold Q6_K. A model shipped as such a file then computes with its own
  * weights from about a fifth (4-bit) or a quarter (8-bit) of float32's bytes, and a decode step
  * is its weight bytes.
  *
@@ -10,11 +11,11 @@
  * while every row passes over them (block_widen).
  *
  * Layouts: x [M, K] and out [M, N] float32; W[c][i] = code * scale + offset per output channel c
- * and group of BLOCK_GROUP inputs i, in panels of 16 output channels: 4-bit codes (0..15)
- * [panels][K][8] bytes, channel j's code the low nibble of byte j and channel 8 + j's the high
- * one; 8-bit codes (-128..127) [panels][K][16]; scale and offset [panels][K / BLOCK_GROUP][16]
- * float32, offset NULL for none; bias [N] float32 or NULL. N_padded is a multiple of TILE
- * (f32_gemm.c's tile), K of BLOCK_GROUP.
+ * and group of `group` inputs i (32, or 16 for 8-bit codes without an offset), in panels of 16
+ * output channels: 4-bit codes (0..15) [panels][K][8] bytes, channel j's code the low nibble of
+ * byte j and channel 8 + j's the high one; 8-bit codes (-128..127) [panels][K][16]; scale and
+ * offset [panels][K / group][16] float32, offset NULL for none; bias [N] float32 or NULL.
+ * N_padded is a multiple of TILE (f32_gemm.c's tile), K of the group.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -23,7 +24,6 @@
 #include "decode_kernels.h"
 #include "f32_gemm.h"
 
-#define BLOCK_GROUP 32    /* input channels sharing a scale and an offset */
 #define PANEL 16          /* output channels of a panel */
 #define TILE 48           /* f32_gemm.c's tile, the padding unit of N */
 #define PASS_ROWS 4       /* rows one pass over a panel's codes multiplies */
@@ -34,11 +34,11 @@ typedef struct {
     const uint8_t *codes;
     const float *scale, *offset;
     int64_t k;
-    int bits;
+    int bits, group; /* group: input channels sharing a scale and an offset */
 } BlockWeights;
 
 typedef struct {
-    const float *x, *xsum, *bias; /* xsum [M][K / BLOCK_GROUP]: each group's sum of x */
+    const float *x, *xsum, *bias; /* xsum [M][K / group]: each group's sum of x */
     const BlockWeights *b;
     float *out;
     int64_t n;
@@ -73,18 +73,18 @@ static inline __attribute__((always_inline)) __m512 decode(const uint8_t *c, con
 /* One pass of `rows` rows over panel p: per group, the sums of codes times x in two chains (even
  * and odd inputs), then scaled and offset into the totals. */
 static inline __attribute__((always_inline)) void direct_pass(const Direct *d, int64_t p, int64_t r0, const int rows,
-                                                              const int bits) {
+                                                              const int bits, const int group) {
     const BlockWeights *b = d->b;
-    const int64_t k = b->k, groups = k / BLOCK_GROUP;
+    const int64_t k = b->k, groups = k / group;
     __m512 total[PASS_ROWS];
     for (int r = 0; r < rows; r++) total[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m512 acc[2][PASS_ROWS];
         for (int r = 0; r < rows; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
-        const float *x = d->x + r0 * k + g * BLOCK_GROUP;
+        const float *x = d->x + r0 * k + g * group;
 #pragma GCC unroll 32
-        for (int i = 0; i < BLOCK_GROUP; i++) {
-            const __m512 w = decode(codes_at(b, p, g * BLOCK_GROUP + i, bits), bits);
+        for (int i = 0; i < group; i++) {
+            const __m512 w = decode(codes_at(b, p, g * group + i, bits), bits);
             for (int r = 0; r < rows; r++) acc[i & 1][r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * k + i]), acc[i & 1][r]);
         }
         const __m512 scale = _mm512_loadu_ps(b->scale + (p * groups + g) * PANEL);
@@ -103,9 +103,9 @@ static inline __attribute__((always_inline)) void direct_pass(const Direct *d, i
 /* f32_gemm.h's WidenSlice for blocks: code * scale + offset. */
 static void block_widen(const void *weights, int64_t p, int64_t i0, int64_t count, float *dst) {
     const BlockWeights *b = weights;
-    const int64_t groups = b->k / BLOCK_GROUP;
+    const int64_t groups = b->k / b->group;
     for (int64_t i = i0; i < i0 + count; i++) {
-        const int64_t at = (p * groups + i / BLOCK_GROUP) * PANEL;
+        const int64_t at = (p * groups + i / b->group) * PANEL;
         __m512 w = b->bits == 4 ? decode(codes_at(b, p, i, 4), 4) : decode(codes_at(b, p, i, 8), 8);
         w = _mm512_mul_ps(w, _mm512_loadu_ps(b->scale + at));
         if (b->offset) w = _mm512_add_ps(w, _mm512_loadu_ps(b->offset + at));
@@ -128,9 +128,9 @@ static inline __attribute__((always_inline)) void decode(const uint8_t *c, const
 /* As the AVX-512 pass, in registers: 2 chains x 2 rows x 2 halves of sums up to two rows, one
  * chain from three (8 sums for four rows). */
 static inline __attribute__((always_inline)) void direct_pass(const Direct *d, int64_t p, int64_t r0, const int rows,
-                                                              const int bits) {
+                                                              const int bits, const int group) {
     const BlockWeights *b = d->b;
-    const int64_t k = b->k, groups = k / BLOCK_GROUP;
+    const int64_t k = b->k, groups = k / group;
     const int chains = rows <= 2 ? 2 : 1;
     float total[PASS_ROWS][PANEL] = {{0}};
     for (int64_t g = 0; g < groups; g++) {
@@ -138,11 +138,11 @@ static inline __attribute__((always_inline)) void direct_pass(const Direct *d, i
         for (int c = 0; c < chains; c++)
             for (int r = 0; r < rows; r++)
                 for (int h = 0; h < 2; h++) acc[c][r][h] = _mm256_setzero_ps();
-        const float *x = d->x + r0 * k + g * BLOCK_GROUP;
+        const float *x = d->x + r0 * k + g * group;
 #pragma GCC unroll 32
-        for (int i = 0; i < BLOCK_GROUP; i++) {
+        for (int i = 0; i < group; i++) {
             __m256 lo, hi;
-            decode(codes_at(b, p, g * BLOCK_GROUP + i, bits), bits, &lo, &hi);
+            decode(codes_at(b, p, g * group + i, bits), bits, &lo, &hi);
             const int c = i % chains;
             for (int r = 0; r < rows; r++) {
                 const __m256 xb = _mm256_broadcast_ss(x + r * k + i);
@@ -167,9 +167,9 @@ static inline __attribute__((always_inline)) void direct_pass(const Direct *d, i
 /* f32_gemm.h's WidenSlice for blocks: code * scale + offset. */
 static void block_widen(const void *weights, int64_t p, int64_t i0, int64_t count, float *dst) {
     const BlockWeights *b = weights;
-    const int64_t groups = b->k / BLOCK_GROUP;
+    const int64_t groups = b->k / b->group;
     for (int64_t i = i0; i < i0 + count; i++) {
-        const int64_t at = (p * groups + i / BLOCK_GROUP) * PANEL;
+        const int64_t at = (p * groups + i / b->group) * PANEL;
         __m256 w[2];
         if (b->bits == 4)
             decode(codes_at(b, p, i, 4), 4, &w[0], &w[1]);
@@ -189,16 +189,17 @@ static inline void decode(const uint8_t *c, const int bits, float w[PANEL]) {
         w[j] = bits == 4 ? (float)(j < 8 ? c[j] & 15 : c[j - 8] >> 4) : (float)(int8_t)c[j];
 }
 
-static inline void direct_pass(const Direct *d, int64_t p, int64_t r0, const int rows, const int bits) {
+static inline void direct_pass(const Direct *d, int64_t p, int64_t r0, const int rows, const int bits,
+                               const int group) {
     const BlockWeights *b = d->b;
-    const int64_t k = b->k, groups = k / BLOCK_GROUP;
+    const int64_t k = b->k, groups = k / group;
     float total[PASS_ROWS][PANEL] = {{0}};
     for (int64_t g = 0; g < groups; g++) {
         float acc[2][PASS_ROWS][PANEL] = {{{0}}};
-        const float *x = d->x + r0 * k + g * BLOCK_GROUP;
-        for (int i = 0; i < BLOCK_GROUP; i++) {
+        const float *x = d->x + r0 * k + g * group;
+        for (int i = 0; i < group; i++) {
             float w[PANEL];
-            decode(codes_at(b, p, g * BLOCK_GROUP + i, bits), bits, w);
+            decode(codes_at(b, p, g * group + i, bits), bits, w);
             for (int r = 0; r < rows; r++)
                 for (int j = 0; j < PANEL; j++) acc[i & 1][r][j] += w[j] * x[r * k + i];
         }
@@ -215,9 +216,9 @@ static inline void direct_pass(const Direct *d, int64_t p, int64_t r0, const int
 /* f32_gemm.h's WidenSlice for blocks: code * scale + offset. */
 static void block_widen(const void *weights, int64_t p, int64_t i0, int64_t count, float *dst) {
     const BlockWeights *b = weights;
-    const int64_t groups = b->k / BLOCK_GROUP;
+    const int64_t groups = b->k / b->group;
     for (int64_t i = i0; i < i0 + count; i++) {
-        const int64_t at = (p * groups + i / BLOCK_GROUP) * PANEL;
+        const int64_t at = (p * groups + i / b->group) * PANEL;
         float w[PANEL];
         decode(codes_at(b, p, i, b->bits), b->bits, w);
         for (int j = 0; j < PANEL; j++) dst[(i - i0) * PANEL + j] = w[j] * b->scale[at + j] + (b->offset ? b->offset[at + j] : 0.0f);
@@ -226,36 +227,40 @@ static void block_widen(const void *weights, int64_t p, int64_t i0, int64_t coun
 #endif
 
 static inline __attribute__((always_inline)) void rows_pass(const Direct *d, int64_t p, int64_t r0, int rows,
-                                                            const int bits) {
+                                                            const int bits, const int group) {
     switch (rows) {
-        case 1: direct_pass(d, p, r0, 1, bits); break;
-        case 2: direct_pass(d, p, r0, 2, bits); break;
-        case 3: direct_pass(d, p, r0, 3, bits); break;
-        default: direct_pass(d, p, r0, 4, bits); break;
+        case 1: direct_pass(d, p, r0, 1, bits, group); break;
+        case 2: direct_pass(d, p, r0, 2, bits, group); break;
+        case 3: direct_pass(d, p, r0, 3, bits, group); break;
+        default: direct_pass(d, p, r0, 4, bits, group); break;
     }
 }
 
-/* Every row of out for panel p, PASS_ROWS at a time, each row count and code width compiled on its own. */
+/* Every row of out for panel p, PASS_ROWS at a time, each row count, code width and group compiled
+ * on its own. */
 static void direct_panel(const Direct *d, int64_t p, int64_t m) {
     for (int64_t r0 = 0; r0 < m; r0 += PASS_ROWS) {
         const int64_t rows = m - r0 < PASS_ROWS ? m - r0 : PASS_ROWS;
         if (d->b->bits == 4)
-            rows_pass(d, p, r0, (int)rows, 4);
+            rows_pass(d, p, r0, (int)rows, 4, 32);
+        else if (d->b->group == 32)
+            rows_pass(d, p, r0, (int)rows, 8, 32);
         else
-            rows_pass(d, p, r0, (int)rows, 8);
+            rows_pass(d, p, r0, (int)rows, 8, 16);
     }
 }
 
 /* out [m, n] = x [m, k] W^T + bias, W in blocks (above); 0, -1 for shapes it does not take,
  * -3 out of memory. */
-int block_gemm(const float *x, const uint8_t *codes, int bits, const float *scale, const float *offset,
+int block_gemm(const float *x, const uint8_t *codes, int bits, int group, const float *scale, const float *offset,
                const float *bias, float *out, int64_t m, int64_t n, int64_t n_padded, int64_t k) {
-    if (m < 0 || n <= 0 || k <= 0 || k % BLOCK_GROUP || n_padded < n || n_padded % TILE || (bits != 4 && bits != 8))
+    const int grouped = group == 32 || (group == 16 && bits == 8 && offset == NULL);
+    if (m < 0 || n <= 0 || k <= 0 || !grouped || k % group || n_padded < n || n_padded % TILE || (bits != 4 && bits != 8))
         return -1;
     if (m == 0) return 0;
-    const BlockWeights b = {codes, scale, offset, k, bits};
+    const BlockWeights b = {codes, scale, offset, k, bits, group};
     if (m > DIRECT_MAX_ROWS) return f32_gemm_widened(x, block_widen, &b, bias, out, m, n, n_padded, k);
-    const int64_t groups = k / BLOCK_GROUP;
+    const int64_t groups = k / group;
     float *xsum = NULL;
     if (offset) {
         xsum = malloc(m * groups * sizeof(float));
@@ -263,7 +268,7 @@ int block_gemm(const float *x, const uint8_t *codes, int bits, const float *scal
         for (int64_t r = 0; r < m; r++)
             for (int64_t g = 0; g < groups; g++) {
                 float sum = 0.0f;
-                for (int i = 0; i < BLOCK_GROUP; i++) sum += x[r * k + g * BLOCK_GROUP + i];
+                for (int i = 0; i < group; i++) sum += x[r * k + g * group + i];
                 xsum[r * groups + g] = sum;
             }
     }

@@ -17,7 +17,7 @@ typedef struct { /* one projection's blocks, as block_gemm takes them */
     const uint8_t *codes;
     const float *scale, *offset, *bias;
     int64_t n, n_padded, k;
-    int64_t bits;
+    int64_t bits, group;
 } Projection;
 
 typedef struct {
@@ -33,7 +33,8 @@ typedef struct {
 } Shape;
 
 static int project(const Projection *p, const float *x, float *out, int64_t rows) {
-    return block_gemm(x, p->codes, (int)p->bits, p->scale, p->offset, p->bias, out, rows, p->n, p->n_padded, p->k);
+    return block_gemm(x, p->codes, (int)p->bits, (int)p->group, p->scale, p->offset, p->bias, out, rows, p->n,
+                      p->n_padded, p->k);
 }
 
 static void add_into(float *x, const float *y, int64_t count) {
