@@ -41,7 +41,7 @@ def blocks_of(tensor) -> dict[str, np.ndarray] | None:
     m (float16) and 16 bytes holding elements j (low nibble) and 16 + j (high), 4-bit codes with
     an offset; Q8_0: 32 int8; Q4_0: 16 bytes of nibbles, q - 8; Q5_0: the elements' fifth bits
     (32 in 4 bytes), then the nibbles, q - 16. The last three are 8-bit codes without an offset:
-    d * code in one rounding, as the file's values are. Q4_K: _q4_k."""
+    d * code in one rounding, as the file's values are. Q4_K and Q6_K: _q4_k and _q6_k."""
     from gguf import GGMLQuantizationType as Kind
 
     kind, raw = tensor.tensor_type, np.asarray(tensor.data)
@@ -191,7 +191,7 @@ def keep_blocks(model: nn.Module, model_dir: Path) -> int:
             continue
         # 4-bit codes come with an offset (Q4_1, Q4_K), 8-bit ones without; a group of 32 or 16 (Q6_K)
         kinds = {(4 if "offset" in p else 8, block_group(p["codes"], p["scale"])) for p in parts}
-        if len(kinds) != 1:
+        if len(kinds) != 1 or linear.in_features % next(iter(kinds))[1]:
             continue
         bits, group = kinds.pop()
         setattr(owner, name, BlockLinear(linear, parts, bits, group))
