@@ -36,7 +36,7 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 
 def blocks_of(tensor) -> dict[str, np.ndarray] | None:
-    """A GGUF tensor's blocks as (codes, scale[, offset]) [rows, in] and [rows, in / 32], or None for
+    """A GGUF tensor's blocks as (codes, scale[, offset]) [rows, in] and [rows, in / group], or None for
     a type that is not kept. Each block starts with its scale d (float16). Q4_1: then the minimum
     m (float16) and 16 bytes holding elements j (low nibble) and 16 + j (high), 4-bit codes with
     an offset; Q8_0: 32 int8; Q4_0: 16 bytes of nibbles, q - 8; Q5_0: the elements' fifth bits
@@ -53,11 +53,11 @@ def blocks_of(tensor) -> dict[str, np.ndarray] | None:
         return None
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, _BLOCK_BYTES[kind])
-    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    scale = _float16(blocks, 0)
     if kind == Kind.Q8_0:
         return {"codes": blocks[..., 2:].copy().view(np.int8).reshape(rows, -1), "scale": scale}
     if kind == Kind.Q4_1:
-        offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        offset = _float16(blocks, 2)
         return {"codes": _nibbles(blocks[..., 4:]).reshape(rows, -1), "scale": scale, "offset": offset}
     if kind == Kind.Q4_0:
         return {"codes": (_nibbles(blocks[..., 2:]).astype(np.int8) - 8).reshape(rows, -1), "scale": scale}
@@ -74,7 +74,7 @@ def _q4_k(raw: np.ndarray) -> dict[str, np.ndarray]:
     (11 by 6 bits), so the offset -(dmin * minimum) gives them in the one rounding gguf does."""
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, 144)
-    d, dmin = (blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32) for at in (0, 2))
+    d, dmin = _float16(blocks, 0), _float16(blocks, 2)
     low, high, rest = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]  # scales, minimums, their top bits
     scales = np.concatenate([low & 63, (rest & 15) | ((low >> 6) << 4)], axis=-1).astype(np.float32)
     minimums = np.concatenate([high & 63, (rest >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
@@ -95,8 +95,12 @@ def _q6_k(raw: np.ndarray) -> dict[str, np.ndarray]:
     top = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
     codes = ((low & 15).reshape(rows, -1, 256) | ((top & 3).reshape(rows, -1, 256) << 4)).astype(np.int8) - 32
     scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
-    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
-    return {"codes": codes.reshape(rows, -1), "scale": (d * scales).reshape(rows, -1)}
+    return {"codes": codes.reshape(rows, -1), "scale": (_float16(blocks, 208)[..., None] * scales).reshape(rows, -1)}
+
+
+def _float16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """Each block's float16 at byte `at`, as float32."""
+    return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
@@ -138,7 +142,7 @@ class BlockLinear(nn.Linear):
         self.weight, self.bias, self.bits = linear.weight, linear.bias, bits
         codes = torch.cat([p["codes"] for p in parts])
         scale = torch.cat([p["scale"] for p in parts])
-        offset = torch.cat([p["offset"] for p in parts]) if bits == 4 else None  # Q4_1's minimum; 8-bit codes have none
+        offset = torch.cat([p["offset"] for p in parts]) if bits == 4 else None  # Q4_1's, Q4_K's; 8-bit codes have none
         packed, scale, offset = block_panels(codes, bits, scale, offset)
         bias = None if self.bias is None else self.bias.detach().float()
         # Plain attributes, not buffers: read on every call without nn.Module's lookup (a decode step
@@ -191,9 +195,11 @@ def keep_blocks(model: nn.Module, model_dir: Path) -> int:
             continue
         # 4-bit codes come with an offset (Q4_1, Q4_K), 8-bit ones without; a group of 32 or 16 (Q6_K)
         kinds = {(4 if "offset" in p else 8, block_group(p["codes"], p["scale"])) for p in parts}
-        if len(kinds) != 1 or linear.in_features % next(iter(kinds))[1]:
+        if len(kinds) != 1:
             continue
         bits, group = kinds.pop()
+        if linear.in_features % group:
+            continue
         setattr(owner, name, BlockLinear(linear, parts, bits, group))
         kept += 1
     if kept:
