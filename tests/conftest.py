@@ -89,6 +89,51 @@ def tiny_qwen2_path(tmp_path_factory, tokenizer_dir) -> Path:
     return _save_random_model(config, tokenizer_dir, tmp_path_factory.mktemp("tiny-qwen2"))
 
 
+# Each projection's blocks in tiny_qwen2_blocks: (code bits, inputs per scale); q, k and v, and
+# gate and up, are fused into one projection each, so each of those holds two kinds of blocks.
+_BLOCK_KINDS = {"q_proj": (4, 32), "k_proj": (4, 32), "v_proj": (8, 16), "o_proj": (8, 32), "gate_proj": (8, 32),
+                "up_proj": (4, 32), "down_proj": (4, 32)}
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_blocks_path(tmp_path_factory, tiny_qwen2_path) -> Path:
+    """tiny_qwen2 with its projections rounded to blocks as a GGUF's (4-bit codes with a scale and an
+    offset per 32 inputs, as Q4_1 and Q4_K; 8-bit codes with a scale per 32, as Q8_0, or per 16, as
+    Q6_K), and the blocks stored beside the weights as a converted GGUF's (models/gguf_blocks.py)."""
+    from safetensors.torch import load_file, save_file
+
+    from spanserve.kernels.layouts import block_weight
+    from spanserve.models import gguf_blocks
+
+    out = tmp_path_factory.mktemp("tiny-qwen2-blocks")
+    for f in tiny_qwen2_path.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    weights = load_file(str(out / "model.safetensors"))
+    blocks = {}
+    for name, weight in weights.items():
+        kind = _BLOCK_KINDS.get(name.split(".")[-2]) if name.endswith("proj.weight") else None
+        if kind is not None:
+            blocks[name] = _rounded_to_blocks(weight, *kind)
+            weights[name] = block_weight(*(blocks[name].get(part) for part in ("codes", "scale", "offset")))
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    numpy_blocks = {name: {part: t.numpy() for part, t in parts.items()} for name, parts in blocks.items()}
+    assert gguf_blocks.save_blocks(numpy_blocks, {n: w.numpy() for n, w in weights.items()}, out) == len(blocks)
+    return out
+
+
+def _rounded_to_blocks(weight: torch.Tensor, bits: int, group: int) -> dict[str, torch.Tensor]:
+    """weight [out, in] as codes and a scale (and for 4 bits an offset, the least weight) per group."""
+    grouped = weight.reshape(weight.shape[0], -1, group)
+    if bits == 4:
+        low, high = grouped.amin(-1), grouped.amax(-1)
+        scale = (high - low) / 15
+        codes = ((grouped - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+        return {"codes": codes.reshape(weight.shape).to(torch.uint8), "scale": scale, "offset": low}
+    scale = grouped.abs().amax(-1) / 127
+    codes = (grouped / scale[..., None]).round().clamp(-127, 127)
+    return {"codes": codes.reshape(weight.shape).to(torch.int8), "scale": scale}
+
+
 # A chat template that renders tools, assistant calls and tool results (as Qwen2.5's does), for a
 # tokenizer with <tool_call> and </tool_call> as tokens of their own (as Qwen2.5's has).
 TOOLS_TEMPLATE = """{%- if messages[0].role == 'system' %}<|im_start|>system

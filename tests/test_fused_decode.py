@@ -118,3 +118,20 @@ def test_a_weight_edited_in_place_is_used_as_edited(default_model_path):
     llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0))
     assert taken and not any(taken)
     model.fused_decode = fused
+
+
+def test_projections_of_several_kinds_of_blocks_take_the_fused_layers(tiny_qwen2_blocks_path):
+    """q and k in 4-bit codes with v in 8-bit codes per 16 (Qwen2.5-1.5B's Q4_K beside Q6_K), gate
+    and up in two kinds too: each piece its own kernel call, the same on both paths."""
+    llm = LLM(model=str(tiny_qwen2_blocks_path), dtype="float32", num_blocks=64)
+    model = llm.engine.runner.model
+    assert llm.engine.gguf_block_projections == 2 * 4
+    assert model.layers[0].self_attn.qkv_proj.kinds == ((4, 32), (8, 16))
+    assert model.layers[0].mlp.gate_up_proj.kinds == ((8, 32), (4, 32))
+    assert isinstance(model.fused_decode, FusedDecode)
+    fused, taken = _counting(model)
+    ours = _answers(llm, PROMPTS)
+    assert taken == [True] * 23
+    model.fused_decode = None
+    assert _answers(llm, PROMPTS) == ours
+    model.fused_decode = fused

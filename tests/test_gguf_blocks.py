@@ -94,7 +94,7 @@ def test_the_engine_on_blocks_answers_as_on_the_float_weights(smollm2_llm, defau
     engine = smollm2_llm.engine
     assert engine.gguf_block_projections == 121  # 30 layers x (qkv, o, gate_up, down) and the LM head
     head = engine.runner.model.lm_head
-    assert isinstance(head, gguf_blocks.BlockLinear) and head.bits == 8
+    assert isinstance(head, gguf_blocks.BlockLinear) and head.kinds == ((8, 32),)
     float_llm = LLM(model=str(default_model_path), dtype="float32", num_blocks=64, gguf_blocks=False)
     assert float_llm.engine.gguf_block_projections == 0
     prompts = ["The capital of France is", "def fibonacci(n):", "Three colours of the rainbow are",
@@ -112,12 +112,28 @@ def test_block_projections_match_their_float_copies_at_every_path(smollm2_llm):
     """One row (direct codes), 24 (the direct path's last), 100 (widened slices), 600 (MKL on the float copy)."""
     layer = smollm2_llm.engine.runner.model.layers[3].mlp
     for module in (layer.gate_up_proj, layer.down_proj):
-        assert isinstance(module, gguf_blocks.BlockLinear) and module.bits == 4
+        assert isinstance(module, gguf_blocks.BlockLinear) and module.kinds == ((4, 32),)
         for rows in (1, 24, 100, 600):
             x = torch.randn(rows, module.in_features)
             want = x.double() @ module.weight.double().t()
             got = module(x)
             assert (got.double() - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@needs_kernels
+def test_a_projection_of_several_kinds_of_blocks_matches_its_float_copy(tiny_qwen2_blocks_path):
+    """A fused projection whose parts come in different code widths and groups (and a bias): each
+    run of alike parts computed in its own call, into its own columns, at every path."""
+    llm = LLM(model=str(tiny_qwen2_blocks_path), dtype="float32", num_blocks=16)
+    attn = llm.engine.runner.model.layers[1].self_attn
+    module = attn.qkv_proj
+    assert module.kinds == ((4, 32), (8, 16)) and module.bias is not None
+    assert [(p.first, p.n) for p in module.pieces] == [(0, 64 + 32), (96, 32)]  # q and k, then v
+    for rows in (1, 5, 24, 100):
+        x = torch.randn(rows, module.in_features)
+        want = x.double() @ module.weight.double().t() + module.bias.double()
+        got = module(x)
+        assert (got.double() - want).abs().max() <= 1e-4 * want.abs().max()
 
 
 def test_a_model_without_blocks_keeps_its_projections(tiny_llama_path):

@@ -23,8 +23,12 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 class _Projection(ctypes.Structure):
-    _fields_ = [("codes", _ptr), ("scale", _ptr), ("offset", _ptr), ("bias", _ptr), ("n", _i64), ("n_padded", _i64),
-                ("k", _i64), ("bits", _i64), ("group", _i64)]
+    pass
+
+
+_Projection._fields_ = [("codes", _ptr), ("scale", _ptr), ("offset", _ptr), ("bias", _ptr), ("n", _i64),
+                        ("n_padded", _i64), ("k", _i64), ("bits", _i64), ("group", _i64),
+                        ("next", ctypes.POINTER(_Projection))]
 
 
 class _Layer(ctypes.Structure):
@@ -99,13 +103,12 @@ class FusedDecode:
     def _bind(self, caches: torch.Tensor) -> None:
         """The layers' weights and caches as C structs (pointers: the tensors stay the model's)."""
         model, cfg = self.model, self.model.cfg
-        layers = []
+        layers, self.later_pieces = [], []  # the structs a projection's `next` points at, kept alive
         for layer in model.layers:
             attn, mlp, cache = layer.self_attn, layer.mlp, layer.self_attn.kv_cache
             norms = (layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr())
-            layers.append(_Layer(*norms, _projection(attn.qkv_proj), _projection(attn.o_proj),
-                                 _projection(mlp.gate_up_proj), _projection(mlp.down_proj), cache[0].data_ptr(),
-                                 cache[1].data_ptr()))
+            projections = [self._projection(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            layers.append(_Layer(*norms, *projections, cache[0].data_ptr(), cache[1].data_ptr()))
         self.layers = (_Layer * len(layers))(*layers)
         attn = model.layers[0].self_attn
         self.shape = _Shape(cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
@@ -113,7 +116,12 @@ class FusedDecode:
                             model.layers[0].input_layernorm.eps, attn.scale, native.DTYPES[caches.dtype])
         self.bound_cache = caches.data_ptr()
 
-
-def _projection(p: BlockLinear) -> _Projection:
-    codes, bits, group, scale, offset, bias = p.kernel_args
-    return _Projection(codes, scale, offset, bias, p.out_features, p.padded_out, p.in_features, bits, group)
+    def _projection(self, p: BlockLinear) -> _Projection:
+        """p's first piece, chained to the others (decode_layers.c computes each into its columns)."""
+        head = None
+        for piece in reversed(p.pieces):
+            codes, bits, group, scale, offset, bias = piece.kernel_args
+            later = None if head is None else ctypes.pointer(head)
+            head = _Projection(codes, scale, offset, bias, piece.n, piece.padded_out, p.in_features, bits, group, later)
+            self.later_pieces.append(head)
+        return head

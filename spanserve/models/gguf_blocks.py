@@ -10,12 +10,15 @@ back exactly the weights the conversion wrote, and stored beside them.
 
 Kept: Q4_1 and Q4_K (4-bit codes, a scale and an offset per 32), Q8_0, Q4_0 and Q5_0 (8-bit
 codes and a scale per 32), Q6_K (8-bit codes and a scale per 16), whose values are code * scale +
-offset in one rounding, as the kernel reads them. A fused projection (q/k/v, gate/up) keeps its
-blocks only when every part has them in one width and group.
+offset in one rounding, as the kernel reads them. A fused projection (q/k/v, gate/up) whose parts
+come in different widths or groups (Qwen2.5-1.5B's Q4_K q and k beside a Q6_K v) computes each
+run of alike parts in its own call.
 """
 
+import itertools
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -130,27 +133,47 @@ def save_blocks(blocks: dict[str, dict[str, np.ndarray]], weights: dict[str, np.
 BF16_MAX_ROWS = 24
 
 
+class _Piece(NamedTuple):
+    """Output channels first .. first + n - 1 of a projection, in one width and group of codes, as
+    block_gemm takes them."""
+    first: int
+    n: int
+    padded_out: int
+    kernel_args: tuple  # codes, bits, group, scale, offset, bias: pointers into `tensors`
+    tensors: tuple  # packed codes, scale, offset, bias: kept alive for the pointers
+
+
+def _piece(parts: list[dict[str, torch.Tensor]], bits: int, group: int, bias: torch.Tensor | None,
+           first: int) -> _Piece:
+    codes = torch.cat([p["codes"] for p in parts])
+    scale = torch.cat([p["scale"] for p in parts])
+    offset = torch.cat([p["offset"] for p in parts]) if bits == 4 else None  # Q4_1's, Q4_K's; 8-bit codes have none
+    packed, scale, offset = block_panels(codes, bits, scale, offset)
+    n = codes.shape[0]
+    bias = None if bias is None else bias.detach().float()[first:first + n].contiguous()
+    args = (packed.data_ptr(), bits, group, scale.data_ptr(), None if offset is None else offset.data_ptr(),
+            None if bias is None else bias.data_ptr())
+    return _Piece(first, n, scale.shape[0] * 16, args, (packed, scale, offset, bias))
+
+
 class BlockLinear(nn.Linear):
     """A projection computed from a GGUF's blocks (block_gemm.c) on CPU. The float `weight` stays
     for autograd, a tied embedding, a build without the C library and the rows of a prefill chunk
     past layout.PACKED_MAX_ROWS (BF16_MAX_ROWS under a bf16 model), where MKL's GEMM on it is
-    faster than widening the blocks (2,048 rows of SmolLM2: 3% of the prefill)."""
+    faster than widening the blocks (2,048 rows of SmolLM2: 3% of the prefill). `runs` are its
+    parts' blocks, (parts, bits, group) for each run of output channels alike in both."""
 
-    def __init__(self, linear: nn.Linear, parts: list[dict[str, torch.Tensor]], bits: int, group: int):
+    def __init__(self, linear: nn.Linear, runs: list[tuple[list[dict[str, torch.Tensor]], int, int]]):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias, self.bits = linear.weight, linear.bias, bits
-        codes = torch.cat([p["codes"] for p in parts])
-        scale = torch.cat([p["scale"] for p in parts])
-        offset = torch.cat([p["offset"] for p in parts]) if bits == 4 else None  # Q4_1's, Q4_K's; 8-bit codes have none
-        packed, scale, offset = block_panels(codes, bits, scale, offset)
-        bias = None if self.bias is None else self.bias.detach().float()
+        self.weight, self.bias = linear.weight, linear.bias
         # Plain attributes, not buffers: read on every call without nn.Module's lookup (a decode step
         # makes 121 calls), and never moved or cast by Module.to (the kernel reads float32 on CPU).
-        self.blocks = (packed, scale, offset, bias)
-        self.kernel_args = (packed.data_ptr(), bits, group, scale.data_ptr(),
-                            None if offset is None else offset.data_ptr(), None if bias is None else bias.data_ptr())
-        self.padded_out = scale.shape[0] * 16
+        self.pieces: list[_Piece] = []
+        for parts, bits, group in runs:
+            first = self.pieces[-1].first + self.pieces[-1].n if self.pieces else 0
+            self.pieces.append(_piece(parts, bits, group, self.bias, first))
+        self.kinds = tuple((bits, group) for _, bits, group in runs)
         self.max_rows = BF16_MAX_ROWS if linear.weight.dtype == torch.bfloat16 else layout.PACKED_MAX_ROWS
         self.weight_version = linear.weight._version
 
@@ -166,13 +189,20 @@ class BlockLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(rows, self.in_features)
         x2 = (x2 if x.dtype == torch.float32 else x2.float()).contiguous()
-        out = torch.empty(rows, self.out_features, dtype=torch.float32)
-        status = kernel.block_gemm(x2.data_ptr(), *self.kernel_args, out.data_ptr(), rows, self.out_features,
-                                   self.padded_out, self.in_features)
-        if status != 0:  # -1 shapes (checked when kept), -3 out of memory
-            raise RuntimeError(f"block_gemm failed ({status}) for {tuple(x2.shape)} x {self.out_features}")
+        if len(self.pieces) == 1:
+            out = self._run(kernel, self.pieces[0], x2)
+        else:  # each piece into its own columns: block_gemm writes whole rows
+            out = torch.cat([self._run(kernel, piece, x2) for piece in self.pieces], dim=1)
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _run(self, kernel, piece: _Piece, x2: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x2.shape[0], piece.n, dtype=torch.float32)
+        status = kernel.block_gemm(x2.data_ptr(), *piece.kernel_args, out.data_ptr(), x2.shape[0], piece.n,
+                                   piece.padded_out, self.in_features)
+        if status != 0:  # -1 shapes (checked when kept), -3 out of memory
+            raise RuntimeError(f"block_gemm failed ({status}) for {tuple(x2.shape)} x {piece.n}")
+        return out
 
     def sizes_team(self, rows: int) -> bool:
         """Whether `rows` rows run in its C kernel, which starts the threads its work pays for (threads.py)."""
@@ -194,13 +224,12 @@ def keep_blocks(model: nn.Module, model_dir: Path) -> int:
         if type(linear) is not nn.Linear or any(p is None for p in parts):
             continue
         # 4-bit codes come with an offset (Q4_1, Q4_K), 8-bit ones without; a group of 32 or 16 (Q6_K)
-        kinds = {(4 if "offset" in p else 8, block_group(p["codes"], p["scale"])) for p in parts}
-        if len(kinds) != 1:
+        kinds = [(4 if "offset" in p else 8, block_group(p["codes"], p["scale"])) for p in parts]
+        if any(linear.in_features % group for _, group in kinds):
             continue
-        bits, group = kinds.pop()
-        if linear.in_features % group:
-            continue
-        setattr(owner, name, BlockLinear(linear, parts, bits, group))
+        alike = itertools.groupby(zip(kinds, parts), key=lambda kind_part: kind_part[0])
+        runs = [([p for _, p in run], *kind) for kind, run in alike]
+        setattr(owner, name, BlockLinear(linear, runs))
         kept += 1
     if kept:
         log.info("%d projections compute from the GGUF's own blocks", kept)

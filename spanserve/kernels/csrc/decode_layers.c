@@ -10,14 +10,16 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "decode_kernels.h"
 
-typedef struct { /* one projection's blocks, as block_gemm takes them */
+typedef struct Projection { /* one projection's blocks, as block_gemm takes them */
     const uint8_t *codes;
     const float *scale, *offset, *bias;
     int64_t n, n_padded, k;
     int64_t bits, group;
+    const struct Projection *next; /* the next output channels, in another width or group; NULL for none */
 } Projection;
 
 typedef struct {
@@ -32,9 +34,30 @@ typedef struct {
     int64_t kv_dtype;
 } Shape;
 
-static int project(const Projection *p, const float *x, float *out, int64_t rows) {
+/* Output channels of a projection, over all its pieces. */
+static int64_t width(const Projection *p) {
+    int64_t n = 0;
+    for (; p != NULL; p = p->next) n += p->n;
+    return n;
+}
+
+static int piece_gemm(const Projection *p, const float *x, float *out, int64_t rows) {
     return block_gemm(x, p->codes, (int)p->bits, (int)p->group, p->scale, p->offset, p->bias, out, rows, p->n,
                       p->n_padded, p->k);
+}
+
+/* out [rows][width(p)] = x p: block_gemm writes whole rows, so a projection of several pieces
+ * (BlockLinear's) computes each into `part` and copies it into its columns. */
+static int project(const Projection *p, const float *x, float *out, int64_t rows, float *part) {
+    if (p->next == NULL) return piece_gemm(p, x, out, rows);
+    const int64_t n = width(p);
+    int64_t first = 0;
+    for (; p != NULL; first += p->n, p = p->next) {
+        int status = piece_gemm(p, x, part, rows);
+        if (status) return status;
+        for (int64_t r = 0; r < rows; r++) memcpy(out + r * n + first, part + r * p->n, p->n * sizeof(float));
+    }
+    return 0;
 }
 
 static void add_into(float *x, const float *y, int64_t count) {
@@ -46,9 +69,11 @@ static int layer(const Layer *l, const Shape *s, float *x, int64_t rows, const i
                  const float *sin, const int64_t *slots, const int64_t *tables, const int64_t *lens, float *work) {
     const int64_t q_size = s->heads * s->dim, kv_size = s->kv_heads * s->dim, qkv_width = q_size + 2 * kv_size;
     float *h = work, *qkv = h + rows * s->hidden, *q = qkv + rows * qkv_width, *k = q + rows * q_size;
-    float *attended = k + rows * kv_size, *wide = attended + rows * q_size, *act = wide + rows * l->gate_up.n;
+    const int64_t wide_width = width(&l->gate_up);
+    float *attended = k + rows * kv_size, *wide = attended + rows * q_size, *act = wide + rows * wide_width;
+    float *part = act + rows * (wide_width / 2); /* a piece's output, for projections of several */
     int status = rms_norm(x, l->input_norm, h, rows, s->hidden, s->eps, 0);
-    if (!status) status = project(&l->qkv, h, qkv, rows);
+    if (!status) status = project(&l->qkv, h, qkv, rows, part);
     if (!status)
         status = rope_store(qkv, qkv + q_size, qkv + q_size + kv_size, qkv_width, qkv_width, qkv_width, positions,
                             cos, sin, s->max_position, q, k, l->k_cache, l->v_cache, slots, s->num_slots, rows,
@@ -56,13 +81,13 @@ static int layer(const Layer *l, const Shape *s, float *x, int64_t rows, const i
     if (!status)
         status = paged_decode(q, l->k_cache, l->v_cache, attended, tables, lens, rows, s->max_blocks, (int)s->heads,
                               (int)s->kv_heads, (int)s->dim, (int)s->block_size, s->scale, 0, (int)s->kv_dtype);
-    if (!status) status = project(&l->o, attended, h, rows);
+    if (!status) status = project(&l->o, attended, h, rows, part);
     if (status) return status;
     add_into(x, h, rows * s->hidden);
     status = rms_norm(x, l->post_norm, h, rows, s->hidden, s->eps, 0);
-    if (!status) status = project(&l->gate_up, h, wide, rows);
-    if (!status) status = silu_mul(wide, act, rows, l->gate_up.n / 2, 0);
-    if (!status) status = project(&l->down, act, h, rows);
+    if (!status) status = project(&l->gate_up, h, wide, rows, part);
+    if (!status) status = silu_mul(wide, act, rows, wide_width / 2, 0);
+    if (!status) status = project(&l->down, act, h, rows, part);
     if (status) return status;
     add_into(x, h, rows * s->hidden);
     return 0;
@@ -76,10 +101,12 @@ int decode_layers(const Layer *layers, int64_t count, const Shape *s, float *x, 
                   const int64_t *lens) {
     if (count < 0 || rows < 0) return -1;
     if (rows == 0 || count == 0) return 0;
-    int64_t widest = 0;
-    for (int64_t i = 0; i < count; i++) widest = layers[i].gate_up.n > widest ? layers[i].gate_up.n : widest;
     const int64_t qkv_width = (s->heads + 2 * s->kv_heads) * s->dim;
-    const int64_t per_row = s->hidden + qkv_width + 2 * s->heads * s->dim + s->kv_heads * s->dim + widest + widest / 2;
+    int64_t widest = 0, largest = qkv_width > s->hidden ? qkv_width : s->hidden; /* gate/up's; any projection's */
+    for (int64_t i = 0; i < count; i++) widest = width(&layers[i].gate_up) > widest ? width(&layers[i].gate_up) : widest;
+    largest = widest > largest ? widest : largest;
+    const int64_t per_row = s->hidden + qkv_width + 2 * s->heads * s->dim + s->kv_heads * s->dim + widest + widest / 2
+                            + largest;
     float *work = malloc(rows * per_row * sizeof(float));
     if (work == NULL) return -3;
     int status = 0;
