@@ -1,6 +1,6 @@
-"""A GGUF's quantized projections (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) computed from the file's own
-blocks (models/gguf_blocks.py): the blocks read give back the file's weights exactly, and the
-engine built on them answers as the one built on their float copies."""
+"""A GGUF's quantized projections (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) computed from the
+file's own blocks (models/gguf_blocks.py): the blocks read give back the file's weights exactly,
+and the engine built on them answers as the one built on their float copies."""
 
 from types import SimpleNamespace
 
@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from spanserve import LLM, SamplingParams
 from spanserve.cli import build_parser, engine_config
 from spanserve.kernels import cpu_kernel
-from spanserve.kernels.layouts import block_weight
+from spanserve.kernels.layouts import block_bits, block_weight
 from spanserve.models import gguf_blocks
 
 needs_kernels = pytest.mark.skipif(cpu_kernel.load("gemm") is None, reason="no C kernels on this machine")
@@ -38,8 +38,8 @@ def test_blocks_read_from_a_tensor_give_back_its_dequantized_weight_exactly(kind
 
 
 # each type's bytes per block, weights per block, and where its float16 scales (and minimums) sit
-_LAYOUTS = {"Q4_0": (18, 32, [0]), "Q5_0": (22, 32, [0]), "Q4_1": (20, 32, [0, 2]), "Q8_0": (34, 32, [0]),
-            "Q4_K": (144, 256, [0, 2]), "Q6_K": (210, 256, [208])}
+_LAYOUTS = {"Q4_0": (18, 32, [0]), "Q5_0": (22, 32, [0]), "Q4_1": (20, 32, [0, 2]), "Q5_1": (24, 32, [0, 2]),
+            "Q8_0": (34, 32, [0]), "Q4_K": (144, 256, [0, 2]), "Q6_K": (210, 256, [208])}
 
 
 @pytest.mark.parametrize("kind_name", list(_LAYOUTS))
@@ -55,7 +55,8 @@ def test_blocks_of_any_bytes_give_back_what_gguf_dequantizes(kind_name):
         raw[..., at:at + 2] = rng.standard_normal((12, 3, 1)).astype(np.float16).view(np.uint8)
     tensor = SimpleNamespace(tensor_type=kind, data=raw.reshape(12, -1))
     parts = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in gguf_blocks.blocks_of(tensor).items()}
-    assert ("offset" in parts) == (kind_name in ("Q4_1", "Q4_K"))
+    assert ("offset" in parts) == (kind_name not in ("Q8_0", "Q6_K"))  # q - 8, q - 16: offsets of -8 d, -16 d
+    assert block_bits(parts["codes"]) == {"Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q6_K": 8}.get(kind_name, 4)
     want = torch.from_numpy(quants.dequantize(tensor.data, kind).reshape(12, 3 * weights))
     assert torch.equal(block_weight(parts["codes"], parts["scale"], parts.get("offset")), want)
 

@@ -180,16 +180,17 @@ def test_f32_gemm_is_the_matmul(lib, seed, shape, n_threads, with_bias):
 
 @PROPERTY
 @given(seed=seeds, rows=st.integers(1, 80), groups=st.integers(1, 8), n=st.integers(1, 120),
-       kind=st.sampled_from([(4, 32), (8, 32), (8, 16)]), with_offset=st.booleans(), with_bias=st.booleans(),
+       kind=st.sampled_from([(4, 32), (5, 32), (8, 32), (8, 16)]), with_offset=st.booleans(), with_bias=st.booleans(),
        n_threads=threads)
 def test_block_gemm_is_the_matmul_of_its_blocks(lib, seed, rows, groups, n, kind, with_offset, with_bias, n_threads):
     """Rows to 80 take both the direct path and the widened slices (block_gemm.c, DIRECT_MAX_ROWS);
-    8-bit codes in groups of 16 (Q6_K's) come without an offset."""
+    5-bit codes every fifth bit pattern (Q5_0's, Q5_1's); 8-bit codes in groups of 16 (Q6_K's) come
+    without an offset."""
     torch.manual_seed(seed)
     (bits, group), with_offset = kind, with_offset and kind[1] == BLOCK_GROUP
     k = groups * group
     x = torch.randn(rows, k)
-    codes = torch.randint(0, 16, (n, k)) if bits == 4 else torch.randint(-128, 128, (n, k))
+    codes = torch.randint(0, 1 << bits, (n, k)) if bits < 8 else torch.randint(-128, 128, (n, k))
     scale = torch.rand(n, groups) / 8
     offset = torch.randn(n, groups) if with_offset else None
     bias = torch.randn(n) if with_bias else None
@@ -210,7 +211,8 @@ def test_block_gemm_refuses_what_it_does_not_take(lib):
     out = torch.empty(2, 40)
     call = functools.partial(lib.block_gemm, x.data_ptr(), codes.data_ptr())
     assert call(4, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64) == 0
-    assert call(5, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64) == -1  # 5-bit codes
+    assert call(6, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64) == -1  # 6-bit codes
+    assert call(5, 16, scale.data_ptr(), scale.data_ptr(), None, out.data_ptr(), 2, 40, 48, 64) == -1  # 5-bit by 16
     assert call(4, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 60) == -1  # k not a multiple of 32
     assert call(4, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 32, 64) == -1  # n_padded not a tile
     assert call(8, 16, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64) == 0

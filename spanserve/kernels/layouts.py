@@ -4,8 +4,10 @@ product's torch twin.
 block_gemm.c reads weights kept in a GGUF file's blocks, code * scale + offset per output channel
 and group of BLOCK_GROUP inputs (or 16, for 8-bit codes without an offset: Q6_K), in panels of 16
 output channels padded to F32_TILE: 4-bit codes two to a byte, [padded out / 16][in][8] (channel
-j's code the low nibble of byte j, channel 8 + j's the high one), 8-bit codes [padded out /
-16][in][16], scale and offset [padded out / 16][in / group][16] float32.
+j's code the low nibble of byte j, channel 8 + j's the high one); 5-bit codes their low 4 bits
+so, then their fifth bits as [padded out / 16][in / 32][16] uint32 (bit i of word j: input 32 g +
+i of channel j); 8-bit codes [padded out / 16][in][16]; scale and offset [padded out / 16][in /
+group][16] float32.
 
 f32_gemm.c (float32, int8 and bf16 weights) reads panels of 16 output channels, [padded out /
 16][in][16], padded to a tile of 48, and its bf16 dot products pairs of inputs in them, [padded out
@@ -98,13 +100,18 @@ def w8a8_twin(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
 def block_panels(codes: torch.Tensor, bits: int, scale: torch.Tensor,
                  offset: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Codes [out, in] (0..15 for 4 bits, int8 for 8), scale and offset [out, in / group] as
-    block_gemm.c reads them: (codes, scale, offset) in panels, padding channels zero."""
+    """Codes [out, in] (0..15 for 4 bits, 0..31 for 5, int8 for 8), scale and offset [out, in / group]
+    as block_gemm.c reads them: (codes, scale, offset) in panels, padding channels zero; 5-bit
+    codes flat, their low bits' panels then their fifth bits'."""
     padded = _tile_padded(codes)
     panels = padded.view(-1, 16, codes.shape[1]).transpose(1, 2)
-    if bits == 4:
-        nibbles = panels.to(torch.uint8)
+    if bits in (4, 5):
+        nibbles = panels.to(torch.uint8) & 15
         packed = (nibbles[..., :8] | (nibbles[..., 8:] << 4)).contiguous()
+        if bits == 5:  # [panels][in / 32][16] words, bit i from input 32 g + i
+            fifth = (panels.to(torch.int64) >> 4 & 1).view(panels.shape[0], -1, BLOCK_GROUP, 16)
+            words = (fifth << torch.arange(BLOCK_GROUP).view(1, 1, -1, 1)).sum(2).to(torch.int32)
+            packed = torch.cat([packed.flatten(), words.contiguous().view(torch.uint8).flatten()])
     else:
         packed = panels.to(torch.int8).contiguous().view(torch.uint8)
 
@@ -125,3 +132,11 @@ def block_weight(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor 
 def block_group(codes: torch.Tensor, scale: torch.Tensor) -> int:
     """How many input channels share each of the blocks' scales."""
     return codes.shape[1] // scale.shape[1]
+
+
+def block_bits(codes: torch.Tensor) -> int:
+    """How many bits block_gemm.c reads each code in: 8 for signed codes (int8, without an offset),
+    else 4 or 5, the fewest that hold them."""
+    if codes.dtype == torch.int8:
+        return 8
+    return 4 if int(codes.max()) < 16 else 5

@@ -246,15 +246,15 @@ def _centroid_topk(lib, dtype) -> str:
 
 
 def _block_gemm(lib, dtype) -> str:
-    """4-bit codes with offsets and a bias, 8-bit codes with neither, per 32 or 16 inputs (GGUF's
-    Q4_1, Q8_0 and Q6_K)."""
+    """4- and 5-bit codes with offsets and a bias, 8-bit codes with neither, per 32 or 16 inputs
+    (GGUF's Q4_1, Q5_1, Q8_0 and Q6_K)."""
     if dtype != torch.float32:
         return ""  # float32 activations only
     gen = torch.Generator().manual_seed(11)
-    for bits, group in ((4, 32), (8, 32), (8, 16)):
-        low, high = (0, 16) if bits == 4 else (-128, 128)
+    for bits, group in ((4, 32), (5, 32), (8, 32), (8, 16)):
+        low, high = (0, 1 << bits) if bits < 8 else (-128, 128)
         codes, scale = torch.randint(low, high, (50, 64), generator=gen), torch.rand(50, 64 // group, generator=gen)
-        with_offset = bits == 4
+        with_offset = bits < 8
         offset = torch.randn(50, 2, generator=gen) if with_offset else None
         bias = torch.randn(50, generator=gen) if with_offset else None
         problem = _at_row_counts(functools.partial(_block_case, lib, gen, bits, group, codes, scale, offset, bias))

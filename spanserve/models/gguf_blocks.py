@@ -8,11 +8,11 @@ file's exact weights from their own bytes: nothing is rounded, only the order of
 changes. The blocks are read from the file when it is converted (models/gguf.py), checked to give
 back exactly the weights the conversion wrote, and stored beside them.
 
-Kept: Q4_1 and Q4_K (4-bit codes, a scale and an offset per 32), Q8_0, Q4_0 and Q5_0 (8-bit
-codes and a scale per 32), Q6_K (8-bit codes and a scale per 16), whose values are code * scale +
-offset in one rounding, as the kernel reads them. A fused projection (q/k/v, gate/up) whose parts
-come in different widths or groups (Qwen2.5-1.5B's Q4_K q and k beside a Q6_K v) computes each
-run of alike parts in its own call.
+Kept: Q4_0, Q4_1 and Q4_K (4-bit codes, a scale and an offset per 32), Q5_0 and Q5_1 (5-bit
+codes so), Q8_0 (8-bit codes and a scale per 32), Q6_K (8-bit codes and a scale per 16), whose
+values are code * scale + offset in one rounding, as the kernel reads them. A fused projection
+(q/k/v, gate/up) whose parts come in different widths or groups (Qwen2.5-1.5B's Q4_K q and k
+beside a Q6_K v) computes each run of alike parts in its own call.
 """
 
 import itertools
@@ -27,24 +27,26 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from spanserve.kernels import cpu_kernel
-from spanserve.kernels.layouts import block_group, block_panels, block_weight
+from spanserve.kernels.layouts import block_bits, block_group, block_panels, block_weight
 from spanserve.models import layout
 from spanserve.models.layer_ops import records_grad
 
 log = logging.getLogger(__name__)
 
 BLOCKS_FILE = Path("gguf") / "blocks.safetensors"  # under the converted model's folder, out of *.safetensors' way
-_BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 8: 34}  # per 32 weights, by GGMLQuantizationType: Q4_0, Q4_1, Q5_0, Q8_0
+# bytes per 32 weights, by GGMLQuantizationType: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+_BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34}
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def blocks_of(tensor) -> dict[str, np.ndarray] | None:
     """A GGUF tensor's blocks as (codes, scale[, offset]) [rows, in] and [rows, in / group], or None for
-    a type that is not kept. Each block starts with its scale d (float16). Q4_1: then the minimum
-    m (float16) and 16 bytes holding elements j (low nibble) and 16 + j (high), 4-bit codes with
-    an offset; Q8_0: 32 int8; Q4_0: 16 bytes of nibbles, q - 8; Q5_0: the elements' fifth bits
-    (32 in 4 bytes), then the nibbles, q - 16. The last three are 8-bit codes without an offset:
-    d * code in one rounding, as the file's values are. Q4_K and Q6_K: _q4_k and _q6_k."""
+    a type that is not kept. Each block starts with its scale d (float16). Q8_0: then 32 int8, 8-bit
+    codes without an offset. Q4_1 and Q5_1: then the minimum m (float16), the offset; Q5_*: then the
+    elements' fifth bits (32 in 4 bytes); then 16 bytes holding elements j (low nibble) and 16 + j
+    (high). Q4_0 and Q5_0 have no minimum: their codes are q - 8 and q - 16, so their offset is -8 d
+    or -16 d (exact, as is d * q: 11 by 5 bits), and code * d + offset is the file's value in its
+    one rounding. Q4_K and Q6_K: _q4_k and _q6_k."""
     from gguf import GGMLQuantizationType as Kind
 
     kind, raw = tensor.tensor_type, np.asarray(tensor.data)
@@ -59,14 +61,14 @@ def blocks_of(tensor) -> dict[str, np.ndarray] | None:
     scale = _float16(blocks, 0)
     if kind == Kind.Q8_0:
         return {"codes": blocks[..., 2:].copy().view(np.int8).reshape(rows, -1), "scale": scale}
-    if kind == Kind.Q4_1:
-        offset = _float16(blocks, 2)
-        return {"codes": _nibbles(blocks[..., 4:]).reshape(rows, -1), "scale": scale, "offset": offset}
-    if kind == Kind.Q4_0:
-        return {"codes": (_nibbles(blocks[..., 2:]).astype(np.int8) - 8).reshape(rows, -1), "scale": scale}
-    high = (blocks[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1  # Q5_0
-    codes = (_nibbles(blocks[..., 6:]) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16
-    return {"codes": codes.reshape(rows, -1), "scale": scale}
+    with_minimum = kind in (Kind.Q4_1, Kind.Q5_1)
+    offset = _float16(blocks, 2) if with_minimum else scale * np.float32(-16 if kind == Kind.Q5_0 else -8)
+    at = 4 if with_minimum else 2
+    codes = _nibbles(blocks[..., -16:])
+    if kind in (Kind.Q5_0, Kind.Q5_1):
+        high = (blocks[..., at:at + 4].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+        codes |= high.astype(np.uint8) << 4
+    return {"codes": codes.reshape(rows, -1), "scale": scale, "offset": offset}
 
 
 def _q4_k(raw: np.ndarray) -> dict[str, np.ndarray]:
@@ -147,7 +149,7 @@ def _piece(parts: list[dict[str, torch.Tensor]], bits: int, group: int, bias: to
            first: int) -> _Piece:
     codes = torch.cat([p["codes"] for p in parts])
     scale = torch.cat([p["scale"] for p in parts])
-    offset = torch.cat([p["offset"] for p in parts]) if bits == 4 else None  # Q4_1's, Q4_K's; 8-bit codes have none
+    offset = torch.cat([p["offset"] for p in parts]) if bits < 8 else None  # 8-bit codes have none
     packed, scale, offset = block_panels(codes, bits, scale, offset)
     n = codes.shape[0]
     bias = None if bias is None else bias.detach().float()[first:first + n].contiguous()
@@ -223,8 +225,8 @@ def keep_blocks(model: nn.Module, model_dir: Path) -> int:
         linear = getattr(owner, name)
         if type(linear) is not nn.Linear or any(p is None for p in parts):
             continue
-        # 4-bit codes come with an offset (Q4_1, Q4_K), 8-bit ones without; a group of 32 or 16 (Q6_K)
-        kinds = [(4 if "offset" in p else 8, block_group(p["codes"], p["scale"])) for p in parts]
+        # 4- and 5-bit codes come with an offset, 8-bit ones without; a group of 32, or 16 (Q6_K)
+        kinds = [(block_bits(p["codes"]), block_group(p["codes"], p["scale"])) for p in parts]
         if any(linear.in_features % group for _, group in kinds):
             continue
         alike = itertools.groupby(zip(kinds, parts), key=lambda kind_part: kind_part[0])

@@ -1,9 +1,9 @@
-/* Projections over weights kept as a GGUF file stores them: 4- or 8-bit codes with a scale and an
- * offset per output channel and group of 32 inputs, which hold Q4_1 and Q4_K (4-bit codes) and
- * Q4_0, Q5_0 and Q8_0 (8-bit codes) exactly; or 8-bit codes with a scale per 16 inputs and no
- * offset, which hold Q6_K. A model shipped as such a file then computes with its own
- * weights from about a fifth (4-bit) or a quarter (8-bit) of float32's bytes, and a decode step
- * is its weight bytes.
+/* Projections over weights kept as a GGUF file stores them: 4-, 5- or 8-bit codes with a scale and
+ * an offset per output channel and group of 32 inputs, which hold Q4_1 and Q4_K (4-bit codes),
+ * Q5_0 and Q5_1 (5-bit) and Q4_0 and Q8_0 (8-bit) exactly; or 8-bit codes with a scale per 16
+ * inputs and no offset, which hold Q6_K. A model shipped as such a file then computes with its
+ * own weights from about a fifth (4-bit) to a quarter (8-bit) of float32's bytes, and a decode
+ * step is its weight bytes.
  *
  * A few rows multiply each group's codes as they are, converted to float32 in registers, and
  * scale the group's sums once: out = sum over groups of scale * (codes . x) + offset * sum(x).
@@ -13,8 +13,10 @@
  * Layouts: x [M, K] and out [M, N] float32; W[c][i] = code * scale + offset per output channel c
  * and group of `group` inputs i (32, or 16 for 8-bit codes without an offset), in panels of 16
  * output channels: 4-bit codes (0..15) [panels][K][8] bytes, channel j's code the low nibble of
- * byte j and channel 8 + j's the high one; 8-bit codes (-128..127) [panels][K][16]; scale and
- * offset [panels][K / group][16] float32, offset NULL for none; bias [N] float32 or NULL.
+ * byte j and channel 8 + j's the high one; 5-bit codes (0..31) their low 4 bits so, then their
+ * fifth bits [panels][K / 32][16] uint32, bit i of word j input 32 g + i of channel j (Q5_0's own
+ * layout); 8-bit codes (-128..127) [panels][K][16]; scale and offset [panels][K / group][16]
+ * float32, offset NULL for none; bias [N] float32 or NULL.
  * N_padded is a multiple of TILE (f32_gemm.c's tile), K of the group.
  */
 #include <omp.h>
@@ -32,6 +34,7 @@
 
 typedef struct {
     const uint8_t *codes;
+    const uint32_t *high; /* 5-bit codes' fifth bits, else NULL */
     const float *scale, *offset;
     int64_t k;
     int bits, group; /* group: input channels sharing a scale and an offset */
@@ -44,9 +47,14 @@ typedef struct {
     int64_t n;
 } Direct;
 
-/* The codes of panel p for input i: 16 codes in 2 * bits bytes. */
+/* The codes of panel p for input i: 16 codes in 16 bytes (8-bit) or 8 (4-bit, and 5-bit's low bits). */
 static inline const uint8_t *codes_at(const BlockWeights *b, int64_t p, int64_t i, const int bits) {
-    return b->codes + (p * b->k + i) * 2 * bits;
+    return b->codes + (p * b->k + i) * (bits == 8 ? 16 : 8);
+}
+
+/* The fifth bits of panel p's group g: 16 words, one a channel. */
+static inline const uint32_t *high_at(const BlockWeights *b, int64_t p, int64_t g) {
+    return b->high + (p * (b->k / 32) + g) * PANEL;
 }
 
 /* Rows r0 .. r0 + rows - 1 of out for panel p, from the panel's sums. */
@@ -58,16 +66,19 @@ static void store_rows(const Direct *d, int64_t p, int64_t r0, int rows, float t
 }
 
 #if defined(__AVX512F__) && LANES == 16
-/* A panel's 16 codes for one input as float32: a 4-bit code's byte is copied to two lanes, the
- * upper 8 of which shift out the low nibble. */
-static inline __attribute__((always_inline)) __m512 decode(const uint8_t *c, const int bits) {
-    if (bits == 4) {
-        const __m128i bytes = _mm_loadl_epi64((const __m128i *)c);
-        const __m512i shift = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
-        __m512i v = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(bytes, bytes)), shift);
-        return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-    }
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+/* A panel's 16 codes for input i of its group as float32: a 4-bit code's byte is copied to two
+ * lanes, the upper 8 of which shift out the low nibble; a 5-bit code adds bit i of its channel's
+ * word of `high` as 16. */
+static inline __attribute__((always_inline)) __m512 decode(const uint8_t *c, const int bits, __m512i high, int i) {
+    if (bits == 8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)c);
+    const __m512i shift = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512i v = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(bytes, bytes)), shift),
+                                 _mm512_set1_epi32(15));
+    if (bits == 5) /* bit i to bit 4 */
+        v = _mm512_or_si512(v, _mm512_and_si512(_mm512_rolv_epi32(high, _mm512_set1_epi32((36 - i) & 31)),
+                                                _mm512_set1_epi32(16)));
+    return _mm512_cvtepi32_ps(v);
 }
 
 /* One pass of `rows` rows over panel p: per group, the sums of codes times x in two chains (even
@@ -82,9 +93,10 @@ static inline __attribute__((always_inline)) void direct_pass(const Direct *d, i
         __m512 acc[2][PASS_ROWS];
         for (int r = 0; r < rows; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
         const float *x = d->x + r0 * k + g * group;
+        const __m512i high = bits == 5 ? _mm512_loadu_si512(high_at(b, p, g)) : _mm512_setzero_si512();
 #pragma GCC unroll 32
         for (int i = 0; i < group; i++) {
-            const __m512 w = decode(codes_at(b, p, g * group + i, bits), bits);
+            const __m512 w = decode(codes_at(b, p, g * group + i, bits), bits, high, i);
             for (int r = 0; r < rows; r++) acc[i & 1][r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * k + i]), acc[i & 1][r]);
         }
         const __m512 scale = _mm512_loadu_ps(b->scale + (p * groups + g) * PANEL);
@@ -106,23 +118,39 @@ static void block_widen(const void *weights, int64_t p, int64_t i0, int64_t coun
     const int64_t groups = b->k / b->group;
     for (int64_t i = i0; i < i0 + count; i++) {
         const int64_t at = (p * groups + i / b->group) * PANEL;
-        __m512 w = b->bits == 4 ? decode(codes_at(b, p, i, 4), 4) : decode(codes_at(b, p, i, 8), 8);
+        __m512 w;
+        if (b->bits == 5) w = decode(codes_at(b, p, i, 5), 5, _mm512_loadu_si512(high_at(b, p, i / 32)), (int)(i % 32));
+        else if (b->bits == 4) w = decode(codes_at(b, p, i, 4), 4, _mm512_setzero_si512(), 0);
+        else w = decode(codes_at(b, p, i, 8), 8, _mm512_setzero_si512(), 0);
         w = _mm512_mul_ps(w, _mm512_loadu_ps(b->scale + at));
         if (b->offset) w = _mm512_add_ps(w, _mm512_loadu_ps(b->offset + at));
         _mm512_storeu_ps(dst + (i - i0) * PANEL, w);
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-/* A panel's 16 codes for one input as two vectors of float32: channels 0-7 and 8-15. */
-static inline __attribute__((always_inline)) void decode(const uint8_t *c, const int bits, __m256 *lo, __m256 *hi) {
-    if (bits == 4) {
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
-        *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-        *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-    } else {
+/* Bit i of each word as 16: a shift by a constant where i is one (an unrolled loop's). */
+static inline __attribute__((always_inline)) __m256i fifth_bit(__m256i words, int i) {
+    const __m256i moved = i >= 4 ? _mm256_srli_epi32(words, i - 4) : _mm256_slli_epi32(words, 4 - i);
+    return _mm256_and_si256(moved, _mm256_set1_epi32(16));
+}
+
+/* A panel's 16 codes for input i of its group as two vectors of float32, channels 0-7 and 8-15;
+ * a 5-bit code's fifth bit from its channel's word of high[0] (channels 0-7) or high[1]. */
+static inline __attribute__((always_inline)) void decode(const uint8_t *c, const int bits, const __m256i high[2],
+                                                         int i, __m256 *lo, __m256 *hi) {
+    if (bits == 8) {
         *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
         *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8))));
+        return;
     }
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+    __m256i low = _mm256_and_si256(v, _mm256_set1_epi32(15)), upper = _mm256_srli_epi32(v, 4);
+    if (bits == 5) {
+        low = _mm256_or_si256(low, fifth_bit(high[0], i));
+        upper = _mm256_or_si256(upper, fifth_bit(high[1], i));
+    }
+    *lo = _mm256_cvtepi32_ps(low);
+    *hi = _mm256_cvtepi32_ps(upper);
 }
 
 /* As the AVX-512 pass, in registers: 2 chains x 2 rows x 2 halves of sums up to two rows, one
@@ -139,10 +167,13 @@ static inline __attribute__((always_inline)) void direct_pass(const Direct *d, i
             for (int r = 0; r < rows; r++)
                 for (int h = 0; h < 2; h++) acc[c][r][h] = _mm256_setzero_ps();
         const float *x = d->x + r0 * k + g * group;
+        __m256i high[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        if (bits == 5)
+            for (int h = 0; h < 2; h++) high[h] = _mm256_loadu_si256((const __m256i *)(high_at(b, p, g) + 8 * h));
 #pragma GCC unroll 32
         for (int i = 0; i < group; i++) {
             __m256 lo, hi;
-            decode(codes_at(b, p, g * group + i, bits), bits, &lo, &hi);
+            decode(codes_at(b, p, g * group + i, bits), bits, high, i, &lo, &hi);
             const int c = i % chains;
             for (int r = 0; r < rows; r++) {
                 const __m256 xb = _mm256_broadcast_ss(x + r * k + i);
@@ -171,10 +202,18 @@ static void block_widen(const void *weights, int64_t p, int64_t i0, int64_t coun
     for (int64_t i = i0; i < i0 + count; i++) {
         const int64_t at = (p * groups + i / b->group) * PANEL;
         __m256 w[2];
-        if (b->bits == 4)
-            decode(codes_at(b, p, i, 4), 4, &w[0], &w[1]);
+        __m256i high[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        if (b->bits == 5) { /* bit i % 32 to bit 4, by a shift the loop cannot make constant */
+            const __m128i right = _mm_cvtsi32_si128((int)(i % 32));
+            for (int h = 0; h < 2; h++) {
+                const __m256i words = _mm256_loadu_si256((const __m256i *)(high_at(b, p, i / 32) + 8 * h));
+                high[h] = _mm256_slli_epi32(_mm256_srl_epi32(words, right), 4);
+            }
+            decode(codes_at(b, p, i, 5), 5, high, 4, &w[0], &w[1]);
+        } else if (b->bits == 4)
+            decode(codes_at(b, p, i, 4), 4, high, 0, &w[0], &w[1]);
         else
-            decode(codes_at(b, p, i, 8), 8, &w[0], &w[1]);
+            decode(codes_at(b, p, i, 8), 8, high, 0, &w[0], &w[1]);
         for (int h = 0; h < 2; h++) {
             __m256 v = _mm256_mul_ps(w[h], _mm256_loadu_ps(b->scale + at + 8 * h));
             if (b->offset) v = _mm256_add_ps(v, _mm256_loadu_ps(b->offset + at + 8 * h));
@@ -184,9 +223,11 @@ static void block_widen(const void *weights, int64_t p, int64_t i0, int64_t coun
 }
 #else
 /* The same in plain C, for CPUs with neither. */
-static inline void decode(const uint8_t *c, const int bits, float w[PANEL]) {
-    for (int j = 0; j < PANEL; j++)
-        w[j] = bits == 4 ? (float)(j < 8 ? c[j] & 15 : c[j - 8] >> 4) : (float)(int8_t)c[j];
+static inline void decode(const uint8_t *c, const int bits, const uint32_t *high, int i, float w[PANEL]) {
+    for (int j = 0; j < PANEL; j++) {
+        int code = bits == 8 ? (int8_t)c[j] : (j < 8 ? c[j] & 15 : c[j - 8] >> 4);
+        w[j] = (float)(bits == 5 ? code | (int)((high[j] >> i) & 1) << 4 : code);
+    }
 }
 
 static inline void direct_pass(const Direct *d, int64_t p, int64_t r0, const int rows, const int bits,
@@ -199,7 +240,7 @@ static inline void direct_pass(const Direct *d, int64_t p, int64_t r0, const int
         const float *x = d->x + r0 * k + g * group;
         for (int i = 0; i < group; i++) {
             float w[PANEL];
-            decode(codes_at(b, p, g * group + i, bits), bits, w);
+            decode(codes_at(b, p, g * group + i, bits), bits, bits == 5 ? high_at(b, p, g) : NULL, i, w);
             for (int r = 0; r < rows; r++)
                 for (int j = 0; j < PANEL; j++) acc[i & 1][r][j] += w[j] * x[r * k + i];
         }
@@ -220,7 +261,7 @@ static void block_widen(const void *weights, int64_t p, int64_t i0, int64_t coun
     for (int64_t i = i0; i < i0 + count; i++) {
         const int64_t at = (p * groups + i / b->group) * PANEL;
         float w[PANEL];
-        decode(codes_at(b, p, i, b->bits), b->bits, w);
+        decode(codes_at(b, p, i, b->bits), b->bits, b->bits == 5 ? high_at(b, p, i / 32) : NULL, (int)(i % 32), w);
         for (int j = 0; j < PANEL; j++) dst[(i - i0) * PANEL + j] = w[j] * b->scale[at + j] + (b->offset ? b->offset[at + j] : 0.0f);
     }
 }
@@ -243,6 +284,8 @@ static void direct_panel(const Direct *d, int64_t p, int64_t m) {
         const int64_t rows = m - r0 < PASS_ROWS ? m - r0 : PASS_ROWS;
         if (d->b->bits == 4)
             rows_pass(d, p, r0, (int)rows, 4, 32);
+        else if (d->b->bits == 5)
+            rows_pass(d, p, r0, (int)rows, 5, 32);
         else if (d->b->group == 32)
             rows_pass(d, p, r0, (int)rows, 8, 32);
         else
@@ -255,10 +298,12 @@ static void direct_panel(const Direct *d, int64_t p, int64_t m) {
 int block_gemm(const float *x, const uint8_t *codes, int bits, int group, const float *scale, const float *offset,
                const float *bias, float *out, int64_t m, int64_t n, int64_t n_padded, int64_t k) {
     const int grouped = group == 32 || (group == 16 && bits == 8 && offset == NULL);
-    if (m < 0 || n <= 0 || k <= 0 || !grouped || k % group || n_padded < n || n_padded % TILE || (bits != 4 && bits != 8))
+    if (m < 0 || n <= 0 || k <= 0 || !grouped || k % group || n_padded < n || n_padded % TILE ||
+        (bits != 4 && bits != 5 && bits != 8))
         return -1;
     if (m == 0) return 0;
-    const BlockWeights b = {codes, scale, offset, k, bits, group};
+    const uint32_t *high = bits == 5 ? (const uint32_t *)(codes + n_padded * k / 2) : NULL; /* after the low bits */
+    const BlockWeights b = {codes, high, scale, offset, k, bits, group};
     if (m > DIRECT_MAX_ROWS) return f32_gemm_widened(x, block_widen, &b, bias, out, m, n, n_padded, k);
     const int64_t groups = k / group;
     float *xsum = NULL;
