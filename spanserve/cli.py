@@ -75,7 +75,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="int8 or int4: weight-only quantized projections and LM head (CPU; faster decode); "
                         "w8a8: int8 weights and activations per block of 64 (CPU, our C kernel; fastest with VNNI)")
     g.add_argument("--no-gguf-blocks", action="store_true",
-                   help="CPU: compute a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q6_K/Q8_0 projections from float copies, "
+                   help="CPU: compute a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q6_K/Q8_0 projections from float copies, "
                         "not the file's own blocks")
 
 

@@ -57,7 +57,7 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no decode graphs (as vLLM's flag)
     load_format: str = "auto"  # dummy: random weights of the model's shape, for benchmarks (as vLLM's)
     quantization: str | None = None  # int8, int4 (weight-only) or w8a8: quantized projections on CPU (models/quant.py)
-    # CPU, no `quantization`: a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q6_K/Q8_0 projections compute from the file's own
+    # CPU, no `quantization`: a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q6_K/Q8_0 projections compute from the file's own
     # blocks (models/gguf_blocks.py), its exact weights in a fifth of float32's bytes; False: from
     # their float copies, as on CUDA.
     gguf_blocks: bool = True
