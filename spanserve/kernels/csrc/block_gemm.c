@@ -1,6 +1,6 @@
 /* Projections over weights kept as a GGUF file stores them: 4-, 5- or 8-bit codes with a scale and
- * an offset per output channel and group of 32 inputs, which hold Q4_1 and Q4_K (4-bit codes),
- * Q5_0 and Q5_1 (5-bit) and Q4_0 and Q8_0 (8-bit) exactly; or 8-bit codes with a scale per 16
+ * an offset per output channel and group of 32 inputs, which hold Q4_0, Q4_1 and Q4_K (4-bit
+ * codes), Q5_0 and Q5_1 (5-bit) and Q8_0 (8-bit) exactly; or 8-bit codes with a scale per 16
  * inputs and no offset, which hold Q6_K. A model shipped as such a file then computes with its
  * own weights from about a fifth (4-bit) to a quarter (8-bit) of float32's bytes, and a decode
  * step is its weight bytes.
