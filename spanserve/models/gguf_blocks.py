@@ -175,9 +175,13 @@ class BlockLinear(nn.Linear):
         for parts, bits, group in runs:
             first = self.pieces[-1].first + self.pieces[-1].n if self.pieces else 0
             self.pieces.append(_piece(parts, bits, group, self.bias, first))
-        self.kinds = tuple((bits, group) for _, bits, group in runs)
         self.max_rows = BF16_MAX_ROWS if linear.weight.dtype == torch.bfloat16 else layout.PACKED_MAX_ROWS
         self.weight_version = linear.weight._version
+
+    @property
+    def kinds(self) -> tuple[tuple[int, int], ...]:
+        """(code bits, inputs per scale) of each piece, in output order."""
+        return tuple(piece.kernel_args[1:3] for piece in self.pieces)
 
     @property
     def stale(self) -> bool:

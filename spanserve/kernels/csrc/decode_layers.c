@@ -103,7 +103,10 @@ int decode_layers(const Layer *layers, int64_t count, const Shape *s, float *x, 
     if (rows == 0 || count == 0) return 0;
     const int64_t qkv_width = (s->heads + 2 * s->kv_heads) * s->dim;
     int64_t widest = 0, largest = qkv_width > s->hidden ? qkv_width : s->hidden; /* gate/up's; any projection's */
-    for (int64_t i = 0; i < count; i++) widest = width(&layers[i].gate_up) > widest ? width(&layers[i].gate_up) : widest;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t wide_width = width(&layers[i].gate_up);
+        widest = wide_width > widest ? wide_width : widest;
+    }
     largest = widest > largest ? widest : largest;
     const int64_t per_row = s->hidden + qkv_width + 2 * s->heads * s->dim + s->kv_heads * s->dim + widest + widest / 2
                             + largest;
