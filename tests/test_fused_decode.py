@@ -135,3 +135,29 @@ def test_projections_of_several_kinds_of_blocks_take_the_fused_layers(tiny_qwen2
     model.fused_decode = None
     assert _answers(llm, PROMPTS) == ours
     model.fused_decode = fused
+
+
+@pytest.mark.parametrize("threads,batch", [(1, 4), (3, 4), (2, 30)])
+def test_the_step_team_answers_as_the_python_layers(tiny_qwen2_blocks_path, threads, batch):
+    """Up to 24 rows a step runs as one team of threads (decode_layers.c, team.h), one thread or
+    more threads than cores; past it, each kernel on its own threads. Both to the bit."""
+    llm = LLM(model=str(tiny_qwen2_blocks_path), dtype="float32", num_blocks=256)
+    model = llm.engine.runner.model
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(batch)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused, rows = model.fused_decode, []
+
+        def counted(x, *args):
+            out = fused(x, *args)
+            rows.append(x.shape[0] if out is not None else None)
+            return out
+        model.fused_decode = counted
+        ours = _answers(llm, prompts, max_tokens=6)
+        assert None not in rows and max(rows) == batch  # every step fused, the widest with every row
+        model.fused_decode = None
+        assert _answers(llm, prompts, max_tokens=6) == ours
+        model.fused_decode = fused
+    finally:
+        torch.set_num_threads(before)

@@ -20,6 +20,7 @@ from spanserve.attention import torch_ref
 from spanserve.attention.backend import KeyRotation
 from spanserve.kernels import cpu_kernel, native, selfcheck, variants
 from spanserve.kernels.layouts import (
+    BLOCK_DIRECT_ROWS,
     BLOCK_GROUP,
     W8A8_BLOCK,
     block_panels,
@@ -181,11 +182,13 @@ def test_f32_gemm_is_the_matmul(lib, seed, shape, n_threads, with_bias):
 @PROPERTY
 @given(seed=seeds, rows=st.integers(1, 80), groups=st.integers(1, 8), n=st.integers(1, 120),
        kind=st.sampled_from([(4, 32), (5, 32), (8, 32), (8, 16)]), with_offset=st.booleans(), with_bias=st.booleans(),
-       n_threads=threads)
-def test_block_gemm_is_the_matmul_of_its_blocks(lib, seed, rows, groups, n, kind, with_offset, with_bias, n_threads):
+       n_threads=threads, parts=st.integers(1, 5))
+def test_block_gemm_is_the_matmul_of_its_blocks(lib, seed, rows, groups, n, kind, with_offset, with_bias, n_threads,
+                                                parts):
     """Rows to 80 take both the direct path and the widened slices (block_gemm.c, DIRECT_MAX_ROWS);
     5-bit codes every fifth bit pattern (Q5_0's, Q5_1's); 8-bit codes in groups of 16 (Q6_K's) come
-    without an offset."""
+    without an offset. A team's parts (block_gemm_part, up to DIRECT_MAX_ROWS rows) give the same
+    sums to the bit, into columns of wider rows, and leave the columns beside untouched."""
     torch.manual_seed(seed)
     (bits, group), with_offset = kind, with_offset and kind[1] == BLOCK_GROUP
     k = groups * group
@@ -204,6 +207,16 @@ def test_block_gemm_is_the_matmul_of_its_blocks(lib, seed, rows, groups, n, kind
     assert status == 0
     want = x.double() @ block_weight(codes, scale, offset).double().t() + (0 if bias is None else bias.double())
     _close(out, want, torch.float32, scale=k ** 0.5)
+    if rows <= BLOCK_DIRECT_ROWS:
+        wide = torch.full((rows, n + 5), 7.0)
+        for part in range(parts):
+            status = lib.block_gemm_part(x.data_ptr(), packed.data_ptr(), bits, group, scales.data_ptr(),
+                                         None if offsets is None else offsets.data_ptr(),
+                                         None if bias is None else bias.data_ptr(), wide[:, 2:].data_ptr(), n + 5,
+                                         rows, n, scales.shape[0] * 16, k, part, parts)
+            assert status == 0
+        assert torch.equal(wide[:, 2:n + 2], out)
+        assert (wide[:, :2] == 7).all() and (wide[:, n + 2:] == 7).all()
 
 
 def test_block_gemm_refuses_what_it_does_not_take(lib):
@@ -211,6 +224,11 @@ def test_block_gemm_refuses_what_it_does_not_take(lib):
     out = torch.empty(2, 40)
     call = functools.partial(lib.block_gemm, x.data_ptr(), codes.data_ptr())
     assert call(4, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64) == 0
+    part = functools.partial(lib.block_gemm_part, x.data_ptr(), codes.data_ptr(), 4, 32, scale.data_ptr(), None, None,
+                             out.data_ptr())
+    assert part(40, 2, 40, 48, 64, 0, 1) == 0
+    assert part(39, 2, 40, 48, 64, 0, 1) == -1  # rows narrower than its columns
+    assert part(40, BLOCK_DIRECT_ROWS + 1, 40, 48, 64, 0, 1) == -1  # past the direct path: no parts
     assert call(6, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64) == -1  # 6-bit codes
     assert call(5, 16, scale.data_ptr(), scale.data_ptr(), None, out.data_ptr(), 2, 40, 48, 64) == -1  # 5-bit by 16
     assert call(4, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 60) == -1  # k not a multiple of 32

@@ -27,6 +27,7 @@ F32_TILE = 48  # output channels of one tile of f32_gemm.c (TILE_PANELS x PANEL)
 W8A8_BLOCK = 64  # input channels sharing one activation scale (int8_gemm.c's QBLOCK)
 W8A8_TILE = 64  # output channels its kernel computes together (TILE_PANELS x PANEL)
 BLOCK_GROUP = 32  # input channels sharing a block's scale and offset (block_gemm.c), but Q6_K's 16
+BLOCK_DIRECT_ROWS = 24  # up to this many rows block_gemm.c multiplies the codes directly (DIRECT_MAX_ROWS)
 
 
 def f32_panels(weight: torch.Tensor) -> torch.Tensor:

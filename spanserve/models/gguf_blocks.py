@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from spanserve.kernels import cpu_kernel
-from spanserve.kernels.layouts import block_bits, block_group, block_panels, block_weight
+from spanserve.kernels.layouts import BLOCK_DIRECT_ROWS, block_bits, block_group, block_panels, block_weight
 from spanserve.models import layout
 from spanserve.models.layer_ops import records_grad
 
@@ -132,7 +132,7 @@ def save_blocks(blocks: dict[str, dict[str, np.ndarray]], weights: dict[str, np.
 # The most rows a bf16 model's projections take from the blocks: block_gemm.c's direct path, whose
 # few rows read a fifth of bf16's bytes. More rows keep oneDNN's bf16 GEMM on the bf16 weight (AMX
 # tiles where the CPU has them), which the widened blocks are not measured against.
-BF16_MAX_ROWS = 24
+BF16_MAX_ROWS = BLOCK_DIRECT_ROWS
 
 
 class _Piece(NamedTuple):

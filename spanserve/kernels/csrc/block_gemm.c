@@ -25,6 +25,7 @@
 #include "common.h"
 #include "decode_kernels.h"
 #include "f32_gemm.h"
+#include "team.h"
 
 #define PANEL 16          /* output channels of a panel */
 #define TILE 48           /* f32_gemm.c's tile, the padding unit of N */
@@ -44,7 +45,7 @@ typedef struct {
     const float *x, *xsum, *bias; /* xsum [M][K / group]: each group's sum of x */
     const BlockWeights *b;
     float *out;
-    int64_t n;
+    int64_t n, ld; /* ld: out's row stride (n, or more for a piece of wider rows) */
 } Direct;
 
 /* The codes of panel p for input i: 16 codes in 16 bytes (8-bit) or 8 (4-bit, and 5-bit's low bits). */
@@ -62,7 +63,7 @@ static void store_rows(const Direct *d, int64_t p, int64_t r0, int rows, float t
     const int64_t first = p * PANEL, count = d->n - first < PANEL ? d->n - first : PANEL;
     for (int r = 0; r < rows; r++)
         for (int64_t c = 0; c < count; c++)
-            d->out[(r0 + r) * d->n + first + c] = total[r][c] + (d->bias ? d->bias[first + c] : 0.0f);
+            d->out[(r0 + r) * d->ld + first + c] = total[r][c] + (d->bias ? d->bias[first + c] : 0.0f);
 }
 
 #if defined(__AVX512F__) && LANES == 16
@@ -293,35 +294,68 @@ static void direct_panel(const Direct *d, int64_t p, int64_t m) {
     }
 }
 
+/* Whether block_gemm takes these shapes: codes of 4, 5 or 8 bits in groups of 32, or 8-bit ones
+ * without an offset in groups of 16; N_padded and K as the layouts need them. */
+static int takes(int bits, int group, const float *offset, int64_t m, int64_t n, int64_t n_padded, int64_t k) {
+    const int grouped = group == 32 || (group == 16 && bits == 8 && offset == NULL);
+    return m >= 0 && n > 0 && k > 0 && grouped && k % group == 0 && n_padded >= n && n_padded % TILE == 0 &&
+           (bits == 4 || bits == 5 || bits == 8);
+}
+
+static BlockWeights weights(const uint8_t *codes, int bits, int group, const float *scale, const float *offset,
+                            int64_t n_padded, int64_t k) {
+    const uint32_t *high = bits == 5 ? (const uint32_t *)(codes + n_padded * k / 2) : NULL; /* after the low bits */
+    return (BlockWeights){codes, high, scale, offset, k, bits, group};
+}
+
+/* Each group's sum of x [m][k] for the offsets' share: [m][k / group], NULL out of memory. */
+static float *group_sums(const float *x, int64_t m, int64_t k, int group) {
+    const int64_t groups = k / group;
+    float *xsum = malloc(m * groups * sizeof(float));
+    if (xsum == NULL) return NULL;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (int i = 0; i < group; i++) sum += x[r * k + g * group + i];
+            xsum[r * groups + g] = sum;
+        }
+    return xsum;
+}
+
 /* out [m, n] = x [m, k] W^T + bias, W in blocks (above); 0, -1 for shapes it does not take,
  * -3 out of memory. */
 int block_gemm(const float *x, const uint8_t *codes, int bits, int group, const float *scale, const float *offset,
                const float *bias, float *out, int64_t m, int64_t n, int64_t n_padded, int64_t k) {
-    const int grouped = group == 32 || (group == 16 && bits == 8 && offset == NULL);
-    if (m < 0 || n <= 0 || k <= 0 || !grouped || k % group || n_padded < n || n_padded % TILE ||
-        (bits != 4 && bits != 5 && bits != 8))
-        return -1;
+    if (!takes(bits, group, offset, m, n, n_padded, k)) return -1;
     if (m == 0) return 0;
-    const uint32_t *high = bits == 5 ? (const uint32_t *)(codes + n_padded * k / 2) : NULL; /* after the low bits */
-    const BlockWeights b = {codes, high, scale, offset, k, bits, group};
+    const BlockWeights b = weights(codes, bits, group, scale, offset, n_padded, k);
     if (m > DIRECT_MAX_ROWS) return f32_gemm_widened(x, block_widen, &b, bias, out, m, n, n_padded, k);
-    const int64_t groups = k / group;
-    float *xsum = NULL;
-    if (offset) {
-        xsum = malloc(m * groups * sizeof(float));
-        if (xsum == NULL) return -3;
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t g = 0; g < groups; g++) {
-                float sum = 0.0f;
-                for (int i = 0; i < group; i++) sum += x[r * k + g * group + i];
-                xsum[r * groups + g] = sum;
-            }
-    }
-    const Direct d = {x, xsum, bias, &b, out, n};
+    float *xsum = offset ? group_sums(x, m, k, group) : NULL;
+    if (offset && xsum == NULL) return -3;
+    const Direct d = {x, xsum, bias, &b, out, n, n};
     const int64_t panels = (n + PANEL - 1) / PANEL, work = m * n_padded * k / WORK_PER_THREAD + 1;
     const int threads = work < omp_get_max_threads() ? (int)work : omp_get_max_threads();
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < panels; p++) direct_panel(&d, p, m);
+    free(xsum);
+    return 0;
+}
+
+/* Part `part` of `parts` of block_gemm, for a team (team.h), up to DIRECT_MAX_ROWS rows: its share of
+ * the panels, into out's rows of stride `ld` (a piece's columns of a wider output). The same sums
+ * as block_gemm, to the bit. 0, -1 for shapes it does not take, -3 out of memory. */
+int block_gemm_part(const float *x, const uint8_t *codes, int bits, int group, const float *scale,
+                    const float *offset, const float *bias, float *out, int64_t ld, int64_t m, int64_t n,
+                    int64_t n_padded, int64_t k, int part, int parts) {
+    if (!takes(bits, group, offset, m, n, n_padded, k) || m > DIRECT_MAX_ROWS || ld < n) return -1;
+    const BlockWeights b = weights(codes, bits, group, scale, offset, n_padded, k);
+    int64_t first, end;
+    team_share((n + PANEL - 1) / PANEL, part, parts, &first, &end);
+    if (m == 0 || first == end) return 0;
+    float *xsum = offset ? group_sums(x, m, k, group) : NULL;
+    if (offset && xsum == NULL) return -3;
+    const Direct d = {x, xsum, bias, &b, out, n, ld};
+    for (int64_t p = first; p < end; p++) direct_panel(&d, p, m);
     free(xsum);
     return 0;
 }

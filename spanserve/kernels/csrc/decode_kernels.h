@@ -5,8 +5,13 @@
 
 #include <stdint.h>
 
+#include "team.h"
+
 int block_gemm(const float *x, const uint8_t *codes, int bits, int group, const float *scale, const float *offset,
                const float *bias, float *out, int64_t m, int64_t n, int64_t n_padded, int64_t k);
+int block_gemm_part(const float *x, const uint8_t *codes, int bits, int group, const float *scale,
+                    const float *offset, const float *bias, float *out, int64_t ld, int64_t m, int64_t n,
+                    int64_t n_padded, int64_t k, int part, int parts);
 int rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t dim, float eps, int dtype);
 int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dtype);
 int rope_store(const void *q, const void *k, const void *v, int64_t q_stride, int64_t k_stride, int64_t v_stride,
@@ -16,5 +21,9 @@ int rope_store(const void *q, const void *k, const void *v, int64_t q_stride, in
 int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *out, const int64_t *block_tables,
                  const int64_t *context_lens, int64_t num_seqs, int64_t max_blocks, int heads, int kv_heads, int dim,
                  int block_size, float scale, int dtype, int kv_dtype);
+int paged_decode_part(const void *q, const void *k_cache, const void *v_cache, void *out,
+                      const int64_t *block_tables, const int64_t *context_lens, int64_t num_seqs, int64_t max_blocks,
+                      int heads, int kv_heads, int dim, int block_size, float scale, int dtype, int kv_dtype,
+                      Team *team, int part);
 
 #endif

@@ -7,12 +7,23 @@
  *
  * Per layer: h = rms_norm(x); qkv = h Wqkv; q, k rotated and k, v stored (rope_store); attention
  * over the cache (paged_decode); x += attn Wo; h = rms_norm(x); x += silu_mul(h Wgate_up) Wdown.
+ *
+ * Up to TEAM_MAX_ROWS rows the whole step is one parallel region (team.h): each thread takes its
+ * share of every projection and of attention, the small row-wise kernels run on one, and the
+ * threads wait for each other between kernels, so a step wakes sleeping threads once rather than
+ * at each of its some 120 kernels (`spanserve bench throughput`'s batch-1 decode: docs/cpu.md).
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "decode_kernels.h"
+#include "team.h"
+
+/* Up to this many rows a step runs as one team (block_gemm_part's direct path): past it, the
+ * kernels' own parallel regions (the projections' widened tiles). */
+#define TEAM_MAX_ROWS 24
 
 typedef struct Projection { /* one projection's blocks, as block_gemm takes them */
     const uint8_t *codes;
@@ -60,6 +71,17 @@ static int project(const Projection *p, const float *x, float *out, int64_t rows
     return 0;
 }
 
+/* Part `part` of project for a team: its share of each piece's panels, straight into the piece's
+ * columns (block_gemm_part's row stride). */
+static int project_part(const Projection *p, const float *x, float *out, int64_t rows, int part, int parts) {
+    const int64_t n = width(p);
+    int status = 0;
+    for (int64_t first = 0; p != NULL && !status; first += p->n, p = p->next)
+        status = block_gemm_part(x, p->codes, (int)p->bits, (int)p->group, p->scale, p->offset, p->bias, out + first,
+                                 n, rows, p->n, p->n_padded, p->k, part, parts);
+    return status;
+}
+
 static void add_into(float *x, const float *y, int64_t count) {
     for (int64_t i = 0; i < count; i++) x[i] = x[i] + y[i];
 }
@@ -93,6 +115,45 @@ static int layer(const Layer *l, const Shape *s, float *x, int64_t rows, const i
     return 0;
 }
 
+/* layer() for a team: the projections and attention in parts, the small row-wise kernels on part 0
+ * while the others wait; a barrier after each kernel. The same kernels' sums as layer(), to the bit.
+ * Returns the team's status, the same for every part. */
+static int layer_part(const Layer *l, const Shape *s, float *x, int64_t rows, const int64_t *positions,
+                      const float *cos, const float *sin, const int64_t *slots, const int64_t *tables,
+                      const int64_t *lens, float *work, Team *team, int part) {
+    const int64_t q_size = s->heads * s->dim, kv_size = s->kv_heads * s->dim, qkv_width = q_size + 2 * kv_size;
+    float *h = work, *qkv = h + rows * s->hidden, *q = qkv + rows * qkv_width, *k = q + rows * q_size;
+    const int64_t wide_width = width(&l->gate_up);
+    float *attended = k + rows * kv_size, *wide = attended + rows * q_size, *act = wide + rows * wide_width;
+    const int first = part == 0, parts = team_parts(team);
+    int status = team_wait(team, first ? rms_norm(x, l->input_norm, h, rows, s->hidden, s->eps, 0) : 0);
+    if (!status) status = team_wait(team, project_part(&l->qkv, h, qkv, rows, part, parts));
+    if (!status)
+        status = team_wait(team, !first ? 0 : rope_store(qkv, qkv + q_size, qkv + q_size + kv_size, qkv_width,
+                                                         qkv_width, qkv_width, positions, cos, sin, s->max_position,
+                                                         q, k, l->k_cache, l->v_cache, slots, s->num_slots, rows,
+                                                         (int)s->heads, (int)s->kv_heads, (int)s->dim, 0,
+                                                         (int)s->kv_dtype));
+    if (!status)
+        status = paged_decode_part(q, l->k_cache, l->v_cache, attended, tables, lens, rows, s->max_blocks,
+                                   (int)s->heads, (int)s->kv_heads, (int)s->dim, (int)s->block_size, s->scale, 0,
+                                   (int)s->kv_dtype, team, part);
+    if (!status) status = team_wait(team, project_part(&l->o, attended, h, rows, part, parts));
+    if (!status) {
+        int mine = 0;
+        if (first) {
+            add_into(x, h, rows * s->hidden);
+            mine = rms_norm(x, l->post_norm, h, rows, s->hidden, s->eps, 0);
+        }
+        status = team_wait(team, mine);
+    }
+    if (!status) status = team_wait(team, project_part(&l->gate_up, h, wide, rows, part, parts));
+    if (!status) status = team_wait(team, first ? silu_mul(wide, act, rows, wide_width / 2, 0) : 0);
+    if (!status) status = team_wait(team, project_part(&l->down, act, h, rows, part, parts));
+    if (!status && first) add_into(x, h, rows * s->hidden); /* read next by part 0 alone, before a barrier */
+    return status;
+}
+
 /* Layers 0 .. count - 1 over x [rows][hidden] (one decoding token per sequence, row r of sequence
  * r) in place: 0, or the first failing kernel's status (-1 shapes, -2 positions or slots, -3 out
  * of memory). */
@@ -113,8 +174,21 @@ int decode_layers(const Layer *layers, int64_t count, const Shape *s, float *x, 
     float *work = malloc(rows * per_row * sizeof(float));
     if (work == NULL) return -3;
     int status = 0;
-    for (int64_t i = 0; i < count && !status; i++)
-        status = layer(&layers[i], s, x, rows, positions, cos, sin, slots, tables, lens, work);
+    if (rows <= TEAM_MAX_ROWS) { /* one parallel region for the step (team.h) */
+        Team team = {0};
+#pragma omp parallel
+        {
+            atomic_store_explicit(&team.parts, omp_get_num_threads(), memory_order_relaxed); /* each the same */
+            const int part = omp_get_thread_num();
+            int failed = 0;
+            for (int64_t i = 0; i < count && !failed; i++)
+                failed = layer_part(&layers[i], s, x, rows, positions, cos, sin, slots, tables, lens, work, &team, part);
+            if (part == 0) status = failed;
+        }
+    } else {
+        for (int64_t i = 0; i < count && !status; i++)
+            status = layer(&layers[i], s, x, rows, positions, cos, sin, slots, tables, lens, work);
+    }
     free(work);
     return status;
 }

@@ -20,6 +20,7 @@
 
 #include "common.h"
 #include "decode_kernels.h"
+#include "team.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && LANES == 16 /* its sums are 16-lane vf */
 #include <immintrin.h>
@@ -329,59 +330,137 @@ static void merge(const Args *a, int64_t seq, const float *states, int64_t num_c
     }
 }
 
+/* The first chunk of each sequence and one past the last [num_seqs + 1], NULL with *status -2 for a
+ * context length the tables cannot hold, -3 out of memory. */
+static int64_t *chunk_starts(const Args *a, int64_t num_seqs, int *status) {
+    const int64_t span = (int64_t)CHUNK_BLOCKS * a->block_size;
+    int64_t *first_chunk = malloc((num_seqs + 1) * sizeof(int64_t));
+    *status = first_chunk == NULL ? -3 : 0;
+    if (first_chunk == NULL) return NULL;
+    first_chunk[0] = 0;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        if (a->context_lens[b] <= 0 || a->context_lens[b] > a->max_blocks * a->block_size) {
+            free(first_chunk);
+            *status = -2;
+            return NULL;
+        }
+        first_chunk[b + 1] = first_chunk[b] + (a->context_lens[b] + span - 1) / span;
+    }
+    return first_chunk;
+}
+
+/* One thread's scratch; 0, or -3 out of memory (what was allocated is freed by scratch_free). */
+static int scratch_alloc(const Args *a, Scratch *s) {
+    const int row = a->kv_heads * a->dim;
+    const size_t vectors = ((size_t)a->heads * a->dim * sizeof(float) + sizeof(vf) - 1) / sizeof(vf) * sizeof(vf);
+    const size_t weights = (size_t)a->heads * ((a->block_size + LANES - 1) / LANES) * sizeof(vf); /* [heads][block rounded up] */
+    *s = (Scratch){aligned_alloc(sizeof(vf), vectors), malloc(a->block_size * row * sizeof(float)),
+                   malloc(a->block_size * row * sizeof(float)), aligned_alloc(sizeof(vf), weights),
+                   aligned_alloc(sizeof(vf), vectors)};
+    return s->query && s->key && s->value && s->weight && s->sums ? 0 : -3;
+}
+
+static void scratch_free(Scratch *s) {
+    free(s->query);
+    free(s->key);
+    free(s->value);
+    free(s->weight);
+    free(s->sums);
+}
+
+/* Chunk c's online softmax into its state; *seq: a sequence near c's, moved to c's. */
+static void run_chunk(const Args *a, Scratch *s, const int64_t *first_chunk, float *states, int64_t c, int64_t *seq) {
+    const int64_t span = (int64_t)CHUNK_BLOCKS * a->block_size;
+    while (first_chunk[*seq + 1] <= c) (*seq)++;
+    while (first_chunk[*seq] > c) (*seq)--;
+    const int64_t start = (c - first_chunk[*seq]) * span, len = a->context_lens[*seq];
+    const int64_t end = start + span < len ? start + span : len;
+    (LANES_PATH(a) ? chunk_lanes : chunk)(a, s, *seq, start, end, states + c * a->heads * (a->dim + 2));
+}
+
+static int takes(int heads, int kv_heads, int dim, int block_size, int dtype, int kv_dtype) {
+    return kv_heads > 0 && heads % kv_heads == 0 && dim > 0 && dim <= 512 && block_size > 0 &&
+           (dtype == 0 || dtype == 1) && (kv_dtype == 0 || kv_dtype == 1);
+}
+
 int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *out,
                  const int64_t *block_tables, const int64_t *context_lens, int64_t num_seqs,
                  int64_t max_blocks, int heads, int kv_heads, int dim, int block_size, float scale,
                  int dtype, int kv_dtype) {
-    if (kv_heads <= 0 || heads % kv_heads || dim <= 0 || dim > 512 || block_size <= 0 || (dtype != 0 && dtype != 1) ||
-        (kv_dtype != 0 && kv_dtype != 1))
-        return -1;
-    Args a = {q, k_cache, v_cache, out, block_tables, context_lens, max_blocks,
-              heads, kv_heads, dim, block_size, dtype, kv_dtype, scale};
-    int64_t span = (int64_t)CHUNK_BLOCKS * block_size, *first_chunk = malloc((num_seqs + 1) * sizeof(int64_t));
-    if (first_chunk == NULL) return -3;
-    first_chunk[0] = 0;
-    for (int64_t b = 0; b < num_seqs; b++) {
-        if (context_lens[b] <= 0 || context_lens[b] > max_blocks * block_size) {
-            free(first_chunk);
-            return -2;
-        }
-        first_chunk[b + 1] = first_chunk[b] + (context_lens[b] + span - 1) / span;
-    }
-    int64_t num_chunks = first_chunk[num_seqs];
+    if (!takes(heads, kv_heads, dim, block_size, dtype, kv_dtype)) return -1;
+    const Args a = {q, k_cache, v_cache, out, block_tables, context_lens, max_blocks,
+                    heads, kv_heads, dim, block_size, dtype, kv_dtype, scale};
+    int status;
+    int64_t *first_chunk = chunk_starts(&a, num_seqs, &status);
+    if (first_chunk == NULL) return status;
+    const int64_t num_chunks = first_chunk[num_seqs];
     float *states = malloc((size_t)num_chunks * heads * (dim + 2) * sizeof(float));
     int failed = states == NULL; /* out of memory: nothing is computed, the caller raises */
 #pragma omp parallel if (!failed)
     {
         FLUSH_DENORMALS_BEGIN
-        int row = kv_heads * dim;
-        size_t vectors = ((size_t)heads * dim * sizeof(float) + sizeof(vf) - 1) / sizeof(vf) * sizeof(vf);
-        size_t weights = (size_t)heads * ((block_size + LANES - 1) / LANES) * sizeof(vf); /* [heads][block rounded up] */
-        Scratch s = {aligned_alloc(sizeof(vf), vectors), malloc(block_size * row * sizeof(float)),
-                     malloc(block_size * row * sizeof(float)), aligned_alloc(sizeof(vf), weights),
-                     aligned_alloc(sizeof(vf), vectors)};
+        Scratch s;
         int64_t seq = 0;
-        if (!s.query || !s.key || !s.value || !s.weight || !s.sums) failed = 1;
+        if (scratch_alloc(&a, &s)) failed = 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t c = 0; c < num_chunks; c++) {
-            if (failed) continue;
-            while (first_chunk[seq + 1] <= c) seq++;
-            while (first_chunk[seq] > c) seq--;
-            int64_t start = (c - first_chunk[seq]) * span;
-            int64_t end = start + span < context_lens[seq] ? start + span : context_lens[seq];
-            (LANES_PATH(&a) ? chunk_lanes : chunk)(&a, &s, seq, start, end, states + c * heads * (dim + 2));
-        }
+        for (int64_t c = 0; c < num_chunks; c++)
+            if (!failed) run_chunk(&a, &s, first_chunk, states, c, &seq);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_seqs; b++)
             if (!failed) merge(&a, b, states + first_chunk[b] * heads * (dim + 2), first_chunk[b + 1] - first_chunk[b]);
-        free(s.query);
-        free(s.key);
-        free(s.value);
-        free(s.weight);
-        free(s.sums);
+        scratch_free(&s);
         FLUSH_DENORMALS_END
     }
     free(states);
     free(first_chunk);
     return failed ? -3 : 0;
+}
+
+typedef struct { /* what part 0 plans for the team (team.h) */
+    int64_t *first_chunk;
+    float *states;
+} Plan;
+
+/* Part `part` of paged_decode for a team (team.h): every part calls it, with the same arguments;
+ * each takes its share of the chunks, then of the merges. The same sums as paged_decode, to the
+ * bit. Returns the team's status, the same for every part (it waits for the team before it returns). */
+int paged_decode_part(const void *q, const void *k_cache, const void *v_cache, void *out,
+                      const int64_t *block_tables, const int64_t *context_lens, int64_t num_seqs, int64_t max_blocks,
+                      int heads, int kv_heads, int dim, int block_size, float scale, int dtype, int kv_dtype,
+                      Team *team, int part) {
+    const Args a = {q, k_cache, v_cache, out, block_tables, context_lens, max_blocks,
+                    heads, kv_heads, dim, block_size, dtype, kv_dtype, scale};
+    Plan plan = {NULL, NULL};
+    int status = takes(heads, kv_heads, dim, block_size, dtype, kv_dtype) ? 0 : -1;
+    if (part == 0 && !status) {
+        plan.first_chunk = chunk_starts(&a, num_seqs, &status);
+        if (plan.first_chunk != NULL) {
+            plan.states = malloc((size_t)plan.first_chunk[num_seqs] * heads * (dim + 2) * sizeof(float));
+            status = plan.states == NULL ? -3 : 0;
+        }
+        team->shared = &plan;
+    }
+    status = team_wait(team, status);
+    const Plan *shared = team->shared;
+    if (!status) {
+        FLUSH_DENORMALS_BEGIN
+        Scratch s;
+        status = scratch_alloc(&a, &s);
+        int64_t first, end, seq = 0;
+        team_share(shared->first_chunk[num_seqs], part, team_parts(team), &first, &end);
+        for (int64_t c = first; c < end && !status; c++) run_chunk(&a, &s, shared->first_chunk, shared->states, c, &seq);
+        scratch_free(&s);
+        status = team_wait(team, status);
+        team_share(num_seqs, part, team_parts(team), &first, &end);
+        for (int64_t b = first; b < end && !status; b++)
+            merge(&a, b, shared->states + shared->first_chunk[b] * heads * (dim + 2),
+                  shared->first_chunk[b + 1] - shared->first_chunk[b]);
+        FLUSH_DENORMALS_END
+    }
+    status = team_wait(team, status);
+    if (part == 0) {
+        free(plan.states);
+        free(plan.first_chunk);
+    }
+    return status;
 }
