@@ -8,8 +8,9 @@ the mean |logprob difference| of the first answer token (both read the same prom
     spanserve bench quant [--model M] [--methods int8,int4]
 
 A method is a quantization, kv-bf16 (the KV cache in bf16: kv_cache_dtype), gguf-blocks (a GGUF's
-projections computed from the file's own blocks, the CPU default: models/gguf_blocks.py), or some
-of them joined by + (w8a8+kv-bf16, gguf-blocks+kv-bf16). The reference computes from float
+projections computed from the file's own blocks, the CPU default: models/gguf_blocks.py), a8 (with
+gguf-blocks, decode's activations rounded to int8 over 4-bit codes: gguf_block_activations), or
+some of them joined by + (w8a8+kv-bf16, gguf-blocks+kv-bf16, gguf-blocks+a8). The reference computes from float
 weights, and so does every method that does not name gguf-blocks.
 """
 
@@ -93,6 +94,8 @@ def engine_options(method: str) -> dict:
     for part in method.split("+"):
         if part == "gguf-blocks":
             key, value = "gguf_blocks", True
+        elif part == "a8":  # with gguf-blocks: decode's activations rounded to int8
+            key, value = "gguf_block_activations", "int8"
         else:
             key, value = ("kv_cache_dtype", part[3:]) if part.startswith("kv-") else ("quantization", part)
         if key in options:

@@ -79,12 +79,12 @@ class SpanserveRunner:
     name = "spanserve"
 
     def __init__(self, model: str | None, dtype: str, max_batched_tokens: int, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", gguf_blocks: bool = True):
+                 kv_cache_dtype: str = "auto", gguf_blocks: bool = True, gguf_block_activations: str = "float32"):
         from spanserve import LLM
 
         self.llm = LLM(model=model, dtype=dtype, max_num_batched_tokens=max_batched_tokens,
                        kv_cache_memory_gb=1.0, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                       gguf_blocks=gguf_blocks)
+                       gguf_blocks=gguf_blocks, gguf_block_activations=gguf_block_activations)
         self.vocab_size = self.llm.engine.model_config.vocab_size
 
     def _params(self, n: int):
@@ -280,6 +280,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="our KV cache: auto (the dtype's) or bfloat16")
     parser.add_argument("--no-gguf-blocks", action="store_true",
                         help="our projections from float weights, not the GGUF's own blocks (the CPU default)")
+    parser.add_argument("--gguf-block-activations", default="float32", choices=("float32", "int8"),
+                        help="int8: decode's activations rounded to int8 over the GGUF's 4-bit blocks")
     parser.add_argument("--no-chart", action="store_true")
 
 
@@ -302,7 +304,7 @@ def run(args: argparse.Namespace) -> dict:
     for dtype in dtypes:
         log(f"[{dtype}] loading")
         ours = SpanserveRunner(args.model, DTYPES[dtype], args.max_batched_tokens, args.quantization,
-                               args.kv_cache_dtype, not args.no_gguf_blocks)
+                               args.kv_cache_dtype, not args.no_gguf_blocks, args.gguf_block_activations)
         block_projections[dtype] = ours.llm.engine.gguf_block_projections
         runners = [ours]
         if not args.no_hf:
@@ -343,6 +345,7 @@ def run(args: argparse.Namespace) -> dict:
         "quick": args.quick,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "gguf_block_activations": args.gguf_block_activations,
         "gguf_block_projections": block_projections,
         "plan": plan.__dict__,
         "machine": harness.machine_info(),

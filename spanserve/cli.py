@@ -74,6 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None,
                    help="int8 or int4: weight-only quantized projections and LM head (CPU; faster decode); "
                         "w8a8: int8 weights and activations per block of 64 (CPU, our C kernel; fastest with VNNI)")
+    g.add_argument("--gguf-block-activations", default="float32", choices=("float32", "int8"),
+                   help="int8: decode multiplies a GGUF's 4-bit blocks by activations rounded to int8 per 32 "
+                        "inputs, as llama.cpp does (faster where arithmetic bounds decode; answers drift a little)")
     g.add_argument("--no-gguf-blocks", action="store_true",
                    help="CPU: compute a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q6_K/Q8_0 projections from float copies, "
                         "not the file's own blocks")
@@ -92,7 +95,8 @@ def engine_config(args) -> EngineConfig:
         ape_temperature=args.ape_temperature, ape_scale=args.ape_scale, focus_spans=args.focus_spans,
         focus_tokens=args.focus_tokens,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager, load_format=args.load_format,
-        quantization=args.quantization, gguf_blocks=not args.no_gguf_blocks, speculative_config=args.speculative_config,
+        quantization=args.quantization, gguf_blocks=not args.no_gguf_blocks,
+        gguf_block_activations=args.gguf_block_activations, speculative_config=args.speculative_config,
     )
 
 

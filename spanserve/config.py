@@ -61,6 +61,9 @@ class EngineConfig:
     # blocks (models/gguf_blocks.py), its exact weights in a fifth of float32's bytes; False: from
     # their float copies, as on CUDA.
     gguf_blocks: bool = True
+    # int8: with gguf_blocks, steps of up to 24 rows (decode) multiply 4-bit codes by activations rounded
+    # to int8 per 32 inputs, as llama.cpp does: fewer instructions a weight, answers drift a little
+    gguf_block_activations: str = "float32"
     seed: int = 0
     # Defaults for requests with position-independent spans (pic/link.py).
     # auto: comb where an encoder plug-in ships for the model (or comb_plugin names one), else none,
@@ -119,6 +122,12 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise InvalidRequestError(f"unknown quantization {self.quantization!r}; available: "
                                       f"{', '.join(QUANTIZATIONS)}")
+        if self.gguf_block_activations not in ("float32", "int8"):
+            raise InvalidRequestError(f"unknown gguf_block_activations {self.gguf_block_activations!r}; "
+                                      "use float32 or int8")
+        if self.gguf_block_activations == "int8" and (not self.gguf_blocks or self.quantization):
+            raise InvalidRequestError("gguf_block_activations='int8' needs a GGUF's own blocks: "
+                                      "gguf_blocks on and no quantization")
         if self.load_format not in LOAD_FORMATS:
             raise InvalidRequestError(f"unknown load_format {self.load_format!r}; use auto or dummy")
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -161,3 +161,24 @@ def test_the_step_team_answers_as_the_python_layers(tiny_qwen2_blocks_path, thre
         model.fused_decode = fused
     finally:
         torch.set_num_threads(before)
+
+
+def test_int8_activations_take_the_same_kernels_on_both_paths(tiny_qwen2_blocks_path):
+    """gguf_block_activations='int8': the fused layers and the Python layers both round x to int8
+    over 4-bit codes (the same block_gemm calls), so they answer alike; the float activations'
+    logprobs differ, a little."""
+    llm = LLM(model=str(tiny_qwen2_blocks_path), dtype="float32", num_blocks=64, gguf_block_activations="int8")
+    model = llm.engine.runner.model
+    assert model.layers[0].self_attn.qkv_proj.int8_activations
+    fused, taken = _counting(model)
+    ours = _answers(llm, PROMPTS)
+    assert taken == [True] * 23
+    model.fused_decode = None
+    assert _answers(llm, PROMPTS) == ours
+    model.fused_decode = fused
+    floats = _answers(LLM(model=str(tiny_qwen2_blocks_path), dtype="float32", num_blocks=64), PROMPTS, max_tokens=1)
+    first = [(tokens[:1], logprobs[:1]) for tokens, logprobs in ours]
+    assert first != floats
+    for (_, a), (_, b) in zip(first, floats):
+        shared = [t for t in a[0] if t in b[0]]  # tokens in both top-3s
+        assert shared and all(abs(a[0][t] - b[0][t]) < 0.05 for t in shared)

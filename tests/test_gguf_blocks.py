@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from spanserve import LLM, SamplingParams
+from spanserve import LLM, EngineConfig, InvalidRequestError, SamplingParams
 from spanserve.cli import build_parser, engine_config
 from spanserve.kernels import cpu_kernel
 from spanserve.kernels.layouts import block_bits, block_weight
@@ -143,10 +143,45 @@ def test_a_model_without_blocks_keeps_its_projections(tiny_llama_path):
     assert not any(isinstance(m, gguf_blocks.BlockLinear) for m in llm.engine.runner.model.modules())
 
 
-def test_the_cli_turns_blocks_off():
+def test_the_cli_turns_blocks_off_and_rounds_their_activations():
     parser = build_parser()
     assert engine_config(parser.parse_args(["serve"])).gguf_blocks is True
     assert engine_config(parser.parse_args(["serve", "--no-gguf-blocks"])).gguf_blocks is False
+    assert engine_config(parser.parse_args(["serve"])).gguf_block_activations == "float32"
+    rounded = engine_config(parser.parse_args(["serve", "--gguf-block-activations", "int8"]))
+    assert rounded.gguf_block_activations == "int8"
+
+
+@pytest.mark.parametrize("options,error", [
+    ({"gguf_block_activations": "int4"}, "unknown gguf_block_activations 'int4'"),
+    ({"gguf_block_activations": "int8", "gguf_blocks": False}, "needs a GGUF's own blocks"),
+    ({"gguf_block_activations": "int8", "quantization": "int8"}, "needs a GGUF's own blocks"),
+])
+def test_int8_activations_without_blocks_to_round_for_are_refused(options, error):
+    with pytest.raises(InvalidRequestError, match=error):
+        EngineConfig(**options)
+
+
+@needs_kernels
+def test_int8_activations_round_decode_rows_over_4_bit_blocks(default_model_path):
+    """gguf_block_activations='int8': up to 24 rows, a projection over 4-bit codes multiplies x
+    rounded to int8 per 32 inputs (its torch twin's sums); more rows take x as it is."""
+    from spanserve.kernels.layouts import block_int8_twin
+
+    llm = LLM(model=str(default_model_path), dtype="float32", num_blocks=16, gguf_block_activations="int8")
+    module = llm.engine.runner.model.layers[0].mlp.down_proj
+    assert module.int8_activations and module.kinds == ((4, 32),)
+    stored = load_file(str(default_model_path / gguf_blocks.BLOCKS_FILE))
+    name = "model.layers.0.mlp.down_proj.weight"
+    codes, scale, offset = (stored[f"{name}.{part}"] for part in ("codes", "scale", "offset"))
+    x = torch.randn(30, module.in_features)
+    with torch.no_grad():
+        few, many = module(x[:24]), module(x)
+    twin = block_int8_twin(x[:24], codes, scale, offset)
+    assert (few.double() - twin).abs().max() <= 1e-5 * twin.abs().max()
+    want = x.double() @ module.weight.double().t()
+    assert (many[24:].double() - want[24:]).abs().max() <= 1e-5 * want.abs().max()
+    assert not torch.equal(few, many[:24]) and (few.double() - want[:24]).abs().max() <= 2e-2 * want.abs().max()
 
 
 @needs_kernels

@@ -23,6 +23,7 @@ from spanserve.kernels.layouts import (
     BLOCK_DIRECT_ROWS,
     BLOCK_GROUP,
     W8A8_BLOCK,
+    block_int8_twin,
     block_panels,
     block_weight,
     f32_panels,
@@ -203,40 +204,62 @@ def test_block_gemm_is_the_matmul_of_its_blocks(lib, seed, rows, groups, n, kind
         status = lib.block_gemm(x.data_ptr(), packed.data_ptr(), bits, group, scales.data_ptr(),
                                 None if offsets is None else offsets.data_ptr(),
                                 None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n,
-                                scales.shape[0] * 16, k)
+                                scales.shape[0] * 16, k, 0)
     assert status == 0
     want = x.double() @ block_weight(codes, scale, offset).double().t() + (0 if bias is None else bias.double())
     _close(out, want, torch.float32, scale=k ** 0.5)
-    if rows <= BLOCK_DIRECT_ROWS:
-        wide = torch.full((rows, n + 5), 7.0)
-        for part in range(parts):
-            status = lib.block_gemm_part(x.data_ptr(), packed.data_ptr(), bits, group, scales.data_ptr(),
-                                         None if offsets is None else offsets.data_ptr(),
-                                         None if bias is None else bias.data_ptr(), wide[:, 2:].data_ptr(), n + 5,
-                                         rows, n, scales.shape[0] * 16, k, part, parts)
-            assert status == 0
-        assert torch.equal(wide[:, 2:n + 2], out)
-        assert (wide[:, :2] == 7).all() and (wide[:, n + 2:] == 7).all()
+    _block_gemm_parts(lib, x, packed, bits, group, scales, offsets, bias, out, k, 0, parts)
+    if bits == 4:  # x rounded to int8 (int8_x): its twin up to the direct path's rows, else as before
+        rounded = torch.empty(rows, n)
+        with _threads(n_threads):
+            status = lib.block_gemm(x.data_ptr(), packed.data_ptr(), bits, group, scales.data_ptr(),
+                                    None if offsets is None else offsets.data_ptr(),
+                                    None if bias is None else bias.data_ptr(), rounded.data_ptr(), rows, n,
+                                    scales.shape[0] * 16, k, 1)
+        assert status == 0
+        if rows > BLOCK_DIRECT_ROWS:
+            assert torch.equal(rounded, out)
+        else:
+            twin = block_int8_twin(x, codes, scale, offset) + (0 if bias is None else bias.double())
+            _close(rounded, twin, torch.float32, scale=k ** 0.5)
+            _block_gemm_parts(lib, x, packed, bits, group, scales, offsets, bias, rounded, k, 1, parts)
+
+
+def _block_gemm_parts(lib, x, packed, bits, group, scales, offsets, bias, whole, k, int8_x, parts):
+    """block_gemm_part's `parts` parts, into columns of wider rows, give `whole` to the bit and leave
+    the columns beside untouched (a team's, up to the direct path's rows)."""
+    rows, n = whole.shape
+    if rows > BLOCK_DIRECT_ROWS:
+        return
+    wide = torch.full((rows, n + 5), 7.0)
+    for part in range(parts):
+        status = lib.block_gemm_part(x.data_ptr(), packed.data_ptr(), bits, group, scales.data_ptr(),
+                                     None if offsets is None else offsets.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), wide[:, 2:].data_ptr(), n + 5,
+                                     rows, n, scales.shape[0] * 16, k, int8_x, part, parts)
+        assert status == 0
+    assert torch.equal(wide[:, 2:n + 2], whole)
+    assert (wide[:, :2] == 7).all() and (wide[:, n + 2:] == 7).all()
 
 
 def test_block_gemm_refuses_what_it_does_not_take(lib):
     x, codes, scale = torch.randn(2, 64), torch.zeros(48, 64, 8, dtype=torch.uint8), torch.ones(48, 2, 16)
     out = torch.empty(2, 40)
     call = functools.partial(lib.block_gemm, x.data_ptr(), codes.data_ptr())
-    assert call(4, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64) == 0
+    assert call(4, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64, 0) == 0
     part = functools.partial(lib.block_gemm_part, x.data_ptr(), codes.data_ptr(), 4, 32, scale.data_ptr(), None, None,
                              out.data_ptr())
-    assert part(40, 2, 40, 48, 64, 0, 1) == 0
-    assert part(39, 2, 40, 48, 64, 0, 1) == -1  # rows narrower than its columns
-    assert part(40, BLOCK_DIRECT_ROWS + 1, 40, 48, 64, 0, 1) == -1  # past the direct path: no parts
-    assert call(6, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64) == -1  # 6-bit codes
-    assert call(5, 16, scale.data_ptr(), scale.data_ptr(), None, out.data_ptr(), 2, 40, 48, 64) == -1  # 5-bit by 16
-    assert call(4, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 60) == -1  # k not a multiple of 32
-    assert call(4, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 32, 64) == -1  # n_padded not a tile
-    assert call(8, 16, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64) == 0
-    assert call(8, 16, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 56) == -1  # k not a multiple of 16
-    assert call(4, 16, scale.data_ptr(), scale.data_ptr(), None, out.data_ptr(), 2, 40, 48, 64) == -1  # 4-bit by 16
-    assert call(8, 64, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64) == -1  # no such group
+    assert part(40, 2, 40, 48, 64, 0, 0, 1) == 0
+    assert part(39, 2, 40, 48, 64, 0, 0, 1) == -1  # rows narrower than its columns
+    assert part(40, BLOCK_DIRECT_ROWS + 1, 40, 48, 64, 0, 0, 1) == -1  # past the direct path: no parts
+    assert call(6, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64, 0) == -1  # 6-bit codes
+    assert call(5, 16, scale.data_ptr(), scale.data_ptr(), None, out.data_ptr(), 2, 40, 48, 64, 0) == -1  # 5-bit by 16
+    assert call(4, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 60, 0) == -1  # k not a multiple of 32
+    assert call(4, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 32, 64, 0) == -1  # n_padded not a tile
+    assert call(8, 16, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64, 0) == 0
+    assert call(8, 16, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 56, 0) == -1  # k not a multiple of 16
+    assert call(4, 16, scale.data_ptr(), scale.data_ptr(), None, out.data_ptr(), 2, 40, 48, 64, 0) == -1  # 4-bit by 16
+    assert call(8, 64, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64, 0) == -1  # no such group
 
 
 @PROPERTY

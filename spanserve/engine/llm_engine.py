@@ -152,7 +152,8 @@ class LLMEngine:
         if config.quantization:
             quant.quantize(model, config.quantization)
         elif config.gguf_blocks and self.device.type == "cpu" and config.load_format != "dummy":
-            self.gguf_block_projections = gguf_blocks.keep_blocks(model, path)
+            int8 = config.gguf_block_activations == "int8"
+            self.gguf_block_projections = gguf_blocks.keep_blocks(model, path, int8_activations=int8)
             model.fused_decode = FusedDecode.of(model)  # a plain decode step's layers in one C call
         if layout.wants_input_major(self.dtype, self.device):
             layout.store_weights(model, input_major=True)  # after quantize, which leaves no float32 Linear

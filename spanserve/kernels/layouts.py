@@ -130,6 +130,23 @@ def block_weight(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor 
     return weight if offset is None else weight + offset.float().repeat_interleave(group, 1)
 
 
+def block_int8_twin(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+                    ) -> torch.Tensor:
+    """What block_gemm.c computes over 4-bit codes (groups of 32) with x rounded to int8 (int8_x):
+    per row and group, q = round(x * 127 / max |x|) and step max |x| / 127; out = sum over groups of
+    (codes . q) * scale * step + offset * sum(x), in float64 (the integer sums are exact)."""
+    rows, k = x.shape
+    groups = x.float().view(rows, k // 32, 32)
+    largest = groups.abs().amax(dim=2, keepdim=True)
+    inverse = torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest))
+    q, step = torch.round(groups * inverse).double(), (largest / 127.0).double()
+    sums = torch.einsum("rgi,ngi->rng", q, codes.double().view(-1, k // 32, 32))  # [rows, n, groups]
+    out = (sums * scale.double().unsqueeze(0) * step.squeeze(2).unsqueeze(1)).sum(dim=2)
+    if offset is not None:
+        out += groups.sum(dim=2).double() @ offset.double().t()
+    return out
+
+
 def block_group(codes: torch.Tensor, scale: torch.Tensor) -> int:
     """How many input channels share each of the blocks' scales."""
     return codes.shape[1] // scale.shape[1]

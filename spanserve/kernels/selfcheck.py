@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from spanserve.kernels.layouts import (
+    BLOCK_DIRECT_ROWS,
     DTYPES,
+    block_int8_twin,
     block_panels,
     block_weight,
     f32_panels,
@@ -267,9 +269,16 @@ def _block_case(lib, gen, bits, group, codes, scale, offset, bias, rows: int) ->
     packed, scales, offsets = block_panels(codes, bits, scale, offset)
     x, out = torch.randn(rows, 64, generator=gen), torch.empty(rows, 50)
     status = lib.block_gemm(_ptr(x), _ptr(packed), bits, group, _ptr(scales), _ptr(offsets), _ptr(bias), _ptr(out),
-                            rows, 50, scales.shape[0] * 16, 64)
+                            rows, 50, scales.shape[0] * 16, 64, 0)
     want = x @ block_weight(codes, scale, offset).t() + (0 if bias is None else bias)
-    return f"status {status}" if status else _compare(out, want, 1e-5)
+    problem = f"status {status}" if status else _compare(out, want, 1e-5)
+    if bits == 4 and not problem:  # and with x rounded to int8, up to the direct path's rows
+        status = lib.block_gemm(_ptr(x), _ptr(packed), bits, group, _ptr(scales), _ptr(offsets), _ptr(bias),
+                                _ptr(out), rows, 50, scales.shape[0] * 16, 64, 1)
+        if rows <= BLOCK_DIRECT_ROWS:
+            want = block_int8_twin(x, codes, scale, offset).float() + (0 if bias is None else bias)
+        problem = f"int8 x: status {status}" if status else _compare(out, want, 1e-5)
+    return problem
 
 
 CASES: dict[str, Callable[[ctypes.CDLL, torch.dtype], str]] = {

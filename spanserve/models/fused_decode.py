@@ -27,7 +27,7 @@ class _Projection(ctypes.Structure):
 
 
 _Projection._fields_ = [("codes", _ptr), ("scale", _ptr), ("offset", _ptr), ("bias", _ptr), ("n", _i64),
-                        ("n_padded", _i64), ("k", _i64), ("bits", _i64), ("group", _i64),
+                        ("n_padded", _i64), ("k", _i64), ("bits", _i64), ("group", _i64), ("int8_x", _i64),
                         ("next", ctypes.POINTER(_Projection))]
 
 
@@ -122,6 +122,7 @@ class FusedDecode:
         for piece in reversed(p.pieces):
             codes, bits, group, scale, offset, bias = piece.kernel_args
             later = None if head is None else ctypes.pointer(head)
-            head = _Projection(codes, scale, offset, bias, piece.n, piece.padded_out, p.in_features, bits, group, later)
+            head = _Projection(codes, scale, offset, bias, piece.n, piece.padded_out, p.in_features, bits, group,
+                               int(p.int8_activations), later)
             self.later_pieces.append(head)
         return head

@@ -165,7 +165,8 @@ class BlockLinear(nn.Linear):
     faster than widening the blocks (2,048 rows of SmolLM2: 3% of the prefill). `runs` are its
     parts' blocks, (parts, bits, group) for each run of output channels alike in both."""
 
-    def __init__(self, linear: nn.Linear, runs: list[tuple[list[dict[str, torch.Tensor]], int, int]]):
+    def __init__(self, linear: nn.Linear, runs: list[tuple[list[dict[str, torch.Tensor]], int, int]],
+                 int8_activations: bool = False):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
@@ -177,6 +178,8 @@ class BlockLinear(nn.Linear):
             self.pieces.append(_piece(parts, bits, group, self.bias, first))
         self.max_rows = BF16_MAX_ROWS if linear.weight.dtype == torch.bfloat16 else layout.PACKED_MAX_ROWS
         self.weight_version = linear.weight._version
+        # Up to BLOCK_DIRECT_ROWS rows, 4-bit codes multiply x rounded to int8 per 32 inputs (block_gemm.c)
+        self.int8_activations = int8_activations
 
     @property
     def kinds(self) -> tuple[tuple[int, int], ...]:
@@ -205,7 +208,7 @@ class BlockLinear(nn.Linear):
     def _run(self, kernel, piece: _Piece, x2: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x2.shape[0], piece.n, dtype=torch.float32)
         status = kernel.block_gemm(x2.data_ptr(), *piece.kernel_args, out.data_ptr(), x2.shape[0], piece.n,
-                                   piece.padded_out, self.in_features)
+                                   piece.padded_out, self.in_features, int(self.int8_activations))
         if status != 0:  # -1 shapes (checked when kept), -3 out of memory
             raise RuntimeError(f"block_gemm failed ({status}) for {tuple(x2.shape)} x {piece.n}")
         return out
@@ -216,9 +219,10 @@ class BlockLinear(nn.Linear):
 
 
 @torch.no_grad()
-def keep_blocks(model: nn.Module, model_dir: Path) -> int:
+def keep_blocks(model: nn.Module, model_dir: Path, int8_activations: bool = False) -> int:
     """Give the decoder's projections and the LM head whose checkpoint came in kept blocks a
-    BlockLinear; how many. Nothing without the blocks file or the C library."""
+    BlockLinear (`int8_activations`: BlockLinear's); how many. Nothing without the blocks file or
+    the C library."""
     path = model_dir / BLOCKS_FILE
     if not path.exists() or cpu_kernel.load("gemm") is None:
         return 0
@@ -235,7 +239,7 @@ def keep_blocks(model: nn.Module, model_dir: Path) -> int:
             continue
         alike = itertools.groupby(zip(kinds, parts), key=lambda kind_part: kind_part[0])
         runs = [([p for _, p in run], *kind) for kind, run in alike]
-        setattr(owner, name, BlockLinear(linear, runs))
+        setattr(owner, name, BlockLinear(linear, runs, int8_activations))
         kept += 1
     if kept:
         log.info("%d projections compute from the GGUF's own blocks", kept)

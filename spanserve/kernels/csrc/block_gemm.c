@@ -8,7 +8,8 @@
  * A few rows multiply each group's codes as they are, converted to float32 in registers, and
  * scale the group's sums once: out = sum over groups of scale * (codes . x) + offset * sum(x).
  * More rows go to f32_gemm.c's tiles, over the codes widened to float32 slices that stay in L1
- * while every row passes over them (block_widen).
+ * while every row passes over them (block_widen). With int8_x, a few rows over 4-bit codes are
+ * rounded to int8 per 32 inputs and multiplied as bytes (int8_pass), as llama.cpp does.
  *
  * Layouts: x [M, K] and out [M, N] float32; W[c][i] = code * scale + offset per output channel c
  * and group of `group` inputs i (32, or 16 for 8-bit codes without an offset), in panels of 16
@@ -19,6 +20,7 @@
  * float32, offset NULL for none; bias [N] float32 or NULL.
  * N_padded is a multiple of TILE (f32_gemm.c's tile), K of the group.
  */
+#include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 
@@ -43,6 +45,8 @@ typedef struct {
 
 typedef struct {
     const float *x, *xsum, *bias; /* xsum [M][K / group]: each group's sum of x */
+    const int8_t *xq;             /* x rounded to int8 [M][K] (int8_x), or NULL: x as it is */
+    const float *xstep;           /* [M][K / 32]: each group's step, max |x| / 127 */
     const BlockWeights *b;
     float *out;
     int64_t n, ld; /* ld: out's row stride (n, or more for a piece of wider rows) */
@@ -268,6 +272,98 @@ static void block_widen(const void *weights, int64_t p, int64_t i0, int64_t coun
 }
 #endif
 
+/* 4-bit codes times activations rounded to int8 (`xq`): the integer sums of 32 products per group,
+ * scaled by the group's scale times x's step. AVX2 multiplies 32 pairs of bytes per instruction
+ * (vpmaddubsw: the unsigned codes by the signed activations, into int16 sums of two) where the
+ * float path converts and multiplies 8 codes: a decode step's projections are bound by that
+ * arithmetic on a CPU without AVX-512 sooner than by the weights' bytes. */
+#if defined(__AVX2__) && defined(__FMA__)
+/* The codes of inputs i .. i + 3 (32 bytes: 8 per input) reordered so that each int16 lane pairs
+ * one channel's codes for two inputs: i and i + 1 in the low 128 bits, i + 2 and i + 3 in the high;
+ * the 8 low nibbles are channels 0-7, the high ones 8-15. */
+static inline __attribute__((always_inline)) void pair_codes(const uint8_t *c, __m256i *lo, __m256i *hi) {
+    const __m256i order = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                           0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)c), order), nibble = _mm256_set1_epi8(15);
+    *lo = _mm256_and_si256(v, nibble);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+}
+
+/* x's int8 values for inputs i .. i + 3 as pair_codes pairs them: (i, i + 1) 8 times, then (i + 2, i + 3). */
+static inline __attribute__((always_inline)) __m256i pair_x(const int8_t *x) {
+    const __m256i order = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    int32_t four;
+    memcpy(&four, x, sizeof four);
+    return _mm256_shuffle_epi8(_mm256_set1_epi32(four), order);
+}
+
+/* The int16 sums of both halves (inputs i, i + 1 and i + 2, i + 3) added as int32: 8 channels. */
+static inline __attribute__((always_inline)) __m256 halves_sum(__m256i sums) {
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(sums)),
+                                               _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sums, 1))));
+}
+
+/* As direct_pass for 4-bit codes and int8 x. A group's int16 sums hold: 8 steps of 2 * 15 * 127. */
+static inline __attribute__((always_inline)) void int8_pass(const Direct *d, int64_t p, int64_t r0, const int rows) {
+    const BlockWeights *b = d->b;
+    const int64_t k = b->k, groups = k / 32;
+    float total[PASS_ROWS][PANEL] = {{0}};
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i acc[PASS_ROWS][2];
+        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        const int8_t *x = d->xq + r0 * k + g * 32;
+#pragma GCC unroll 8
+        for (int i = 0; i < 32; i += 4) {
+            __m256i lo, hi;
+            pair_codes(codes_at(b, p, g * 32 + i, 4), &lo, &hi);
+            for (int r = 0; r < rows; r++) {
+                const __m256i xs = pair_x(x + r * k + i);
+                acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(lo, xs));
+                acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(hi, xs));
+            }
+        }
+        const float *scale = b->scale + (p * groups + g) * PANEL;
+        for (int r = 0; r < rows; r++) {
+            const __m256 step = _mm256_set1_ps(d->xstep[(r0 + r) * groups + g]);
+            for (int h = 0; h < 2; h++) {
+                __m256 t = _mm256_fmadd_ps(halves_sum(acc[r][h]), _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * h), step),
+                                           _mm256_loadu_ps(total[r] + 8 * h));
+                if (b->offset)
+                    t = _mm256_fmadd_ps(_mm256_loadu_ps(b->offset + (p * groups + g) * PANEL + 8 * h),
+                                        _mm256_set1_ps(d->xsum[(r0 + r) * groups + g]), t);
+                _mm256_storeu_ps(total[r] + 8 * h, t);
+            }
+        }
+    }
+    store_rows(d, p, r0, rows, total);
+}
+#else
+static inline void int8_pass(const Direct *d, int64_t p, int64_t r0, const int rows) {
+    const BlockWeights *b = d->b;
+    const int64_t k = b->k, groups = k / 32;
+    float total[PASS_ROWS][PANEL] = {{0}};
+    for (int64_t g = 0; g < groups; g++) {
+        int32_t acc[PASS_ROWS][PANEL] = {{0}};
+        const int8_t *x = d->xq + r0 * k + g * 32;
+        for (int i = 0; i < 32; i++) {
+            const uint8_t *c = codes_at(b, p, g * 32 + i, 4);
+            for (int r = 0; r < rows; r++)
+                for (int j = 0; j < PANEL; j++) acc[r][j] += (j < 8 ? c[j] & 15 : c[j - 8] >> 4) * x[r * k + i];
+        }
+        const float *scale = b->scale + (p * groups + g) * PANEL;
+        for (int r = 0; r < rows; r++) {
+            const float step = d->xstep[(r0 + r) * groups + g];
+            for (int j = 0; j < PANEL; j++) {
+                total[r][j] += (float)acc[r][j] * (scale[j] * step);
+                if (b->offset) total[r][j] += b->offset[(p * groups + g) * PANEL + j] * d->xsum[(r0 + r) * groups + g];
+            }
+        }
+    }
+    store_rows(d, p, r0, rows, total);
+}
+#endif
+
 static inline __attribute__((always_inline)) void rows_pass(const Direct *d, int64_t p, int64_t r0, int rows,
                                                             const int bits, const int group) {
     switch (rows) {
@@ -283,7 +379,14 @@ static inline __attribute__((always_inline)) void rows_pass(const Direct *d, int
 static void direct_panel(const Direct *d, int64_t p, int64_t m) {
     for (int64_t r0 = 0; r0 < m; r0 += PASS_ROWS) {
         const int64_t rows = m - r0 < PASS_ROWS ? m - r0 : PASS_ROWS;
-        if (d->b->bits == 4)
+        if (d->xq != NULL)
+            switch (rows) {
+                case 1: int8_pass(d, p, r0, 1); break;
+                case 2: int8_pass(d, p, r0, 2); break;
+                case 3: int8_pass(d, p, r0, 3); break;
+                default: int8_pass(d, p, r0, 4); break;
+            }
+        else if (d->b->bits == 4)
             rows_pass(d, p, r0, (int)rows, 4, 32);
         else if (d->b->bits == 5)
             rows_pass(d, p, r0, (int)rows, 5, 32);
@@ -308,36 +411,62 @@ static BlockWeights weights(const uint8_t *codes, int bits, int group, const flo
     return (BlockWeights){codes, high, scale, offset, k, bits, group};
 }
 
-/* Each group's sum of x [m][k] for the offsets' share: [m][k / group], NULL out of memory. */
-static float *group_sums(const float *x, int64_t m, int64_t k, int group) {
+/* What the direct path reads beside x: each group's sum of x [m][k / group] for the offsets'
+ * share, and with `int8` x rounded to int8 per row and group of 32, q = round(x * 127 / max |x|),
+ * with each group's step max |x| / 127 (torch's twin: layouts.block_int8_twin). */
+typedef struct {
+    float *xsum, *xstep;
+    int8_t *xq;
+} Prepared;
+
+static void release(Prepared *p) {
+    free(p->xsum), free(p->xstep), free(p->xq);
+}
+
+/* 0, or -3 out of memory (nothing held). */
+static int prepare(const float *x, int64_t m, int64_t k, int group, int offsets, int int8, Prepared *p) {
     const int64_t groups = k / group;
-    float *xsum = malloc(m * groups * sizeof(float));
-    if (xsum == NULL) return NULL;
-    for (int64_t r = 0; r < m; r++)
+    *p = (Prepared){offsets ? malloc(m * groups * sizeof(float)) : NULL, int8 ? malloc(m * (k / 32) * sizeof(float)) : NULL,
+                    int8 ? malloc(m * k) : NULL};
+    if ((offsets && p->xsum == NULL) || (int8 && (p->xstep == NULL || p->xq == NULL))) {
+        release(p);
+        return -3;
+    }
+    for (int64_t r = 0; offsets && r < m; r++)
         for (int64_t g = 0; g < groups; g++) {
             float sum = 0.0f;
             for (int i = 0; i < group; i++) sum += x[r * k + g * group + i];
-            xsum[r * groups + g] = sum;
+            p->xsum[r * groups + g] = sum;
         }
-    return xsum;
+    for (int64_t r = 0; int8 && r < m; r++)
+        for (int64_t g = 0; g < k / 32; g++) {
+            const float *v = x + r * k + g * 32;
+            float largest = 0.0f;
+            for (int i = 0; i < 32; i++) largest = fmaxf(largest, fabsf(v[i]));
+            const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+            for (int i = 0; i < 32; i++) p->xq[r * k + g * 32 + i] = (int8_t)nearbyintf(v[i] * inverse);
+            p->xstep[r * (k / 32) + g] = largest / 127.0f;
+        }
+    return 0;
 }
 
-/* out [m, n] = x [m, k] W^T + bias, W in blocks (above); 0, -1 for shapes it does not take,
- * -3 out of memory. */
+/* out [m, n] = x [m, k] W^T + bias, W in blocks (above); with int8_x, up to DIRECT_MAX_ROWS rows over
+ * 4-bit codes take x rounded to int8 (int8_pass), else x as it is. 0, -1 for shapes it does not
+ * take, -3 out of memory. */
 int block_gemm(const float *x, const uint8_t *codes, int bits, int group, const float *scale, const float *offset,
-               const float *bias, float *out, int64_t m, int64_t n, int64_t n_padded, int64_t k) {
+               const float *bias, float *out, int64_t m, int64_t n, int64_t n_padded, int64_t k, int int8_x) {
     if (!takes(bits, group, offset, m, n, n_padded, k)) return -1;
     if (m == 0) return 0;
     const BlockWeights b = weights(codes, bits, group, scale, offset, n_padded, k);
     if (m > DIRECT_MAX_ROWS) return f32_gemm_widened(x, block_widen, &b, bias, out, m, n, n_padded, k);
-    float *xsum = offset ? group_sums(x, m, k, group) : NULL;
-    if (offset && xsum == NULL) return -3;
-    const Direct d = {x, xsum, bias, &b, out, n, n};
+    Prepared prepared;
+    if (prepare(x, m, k, group, offset != NULL, int8_x && bits == 4, &prepared)) return -3;
+    const Direct d = {x, prepared.xsum, bias, prepared.xq, prepared.xstep, &b, out, n, n};
     const int64_t panels = (n + PANEL - 1) / PANEL, work = m * n_padded * k / WORK_PER_THREAD + 1;
     const int threads = work < omp_get_max_threads() ? (int)work : omp_get_max_threads();
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < panels; p++) direct_panel(&d, p, m);
-    free(xsum);
+    release(&prepared);
     return 0;
 }
 
@@ -346,16 +475,16 @@ int block_gemm(const float *x, const uint8_t *codes, int bits, int group, const 
  * as block_gemm, to the bit. 0, -1 for shapes it does not take, -3 out of memory. */
 int block_gemm_part(const float *x, const uint8_t *codes, int bits, int group, const float *scale,
                     const float *offset, const float *bias, float *out, int64_t ld, int64_t m, int64_t n,
-                    int64_t n_padded, int64_t k, int part, int parts) {
+                    int64_t n_padded, int64_t k, int int8_x, int part, int parts) {
     if (!takes(bits, group, offset, m, n, n_padded, k) || m > DIRECT_MAX_ROWS || ld < n) return -1;
     const BlockWeights b = weights(codes, bits, group, scale, offset, n_padded, k);
     int64_t first, end;
     team_share((n + PANEL - 1) / PANEL, part, parts, &first, &end);
     if (m == 0 || first == end) return 0;
-    float *xsum = offset ? group_sums(x, m, k, group) : NULL;
-    if (offset && xsum == NULL) return -3;
-    const Direct d = {x, xsum, bias, &b, out, n, ld};
+    Prepared prepared;
+    if (prepare(x, m, k, group, offset != NULL, int8_x && bits == 4, &prepared)) return -3;
+    const Direct d = {x, prepared.xsum, bias, prepared.xq, prepared.xstep, &b, out, n, ld};
     for (int64_t p = first; p < end; p++) direct_panel(&d, p, m);
-    free(xsum);
+    release(&prepared);
     return 0;
 }

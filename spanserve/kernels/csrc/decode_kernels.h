@@ -8,10 +8,10 @@
 #include "team.h"
 
 int block_gemm(const float *x, const uint8_t *codes, int bits, int group, const float *scale, const float *offset,
-               const float *bias, float *out, int64_t m, int64_t n, int64_t n_padded, int64_t k);
+               const float *bias, float *out, int64_t m, int64_t n, int64_t n_padded, int64_t k, int int8_x);
 int block_gemm_part(const float *x, const uint8_t *codes, int bits, int group, const float *scale,
                     const float *offset, const float *bias, float *out, int64_t ld, int64_t m, int64_t n,
-                    int64_t n_padded, int64_t k, int part, int parts);
+                    int64_t n_padded, int64_t k, int int8_x, int part, int parts);
 int rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t dim, float eps, int dtype);
 int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dtype);
 int rope_store(const void *q, const void *k, const void *v, int64_t q_stride, int64_t k_stride, int64_t v_stride,

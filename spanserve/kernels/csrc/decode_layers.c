@@ -29,7 +29,7 @@ typedef struct Projection { /* one projection's blocks, as block_gemm takes them
     const uint8_t *codes;
     const float *scale, *offset, *bias;
     int64_t n, n_padded, k;
-    int64_t bits, group;
+    int64_t bits, group, int8_x; /* int8_x: x rounded to int8 over 4-bit codes (block_gemm) */
     const struct Projection *next; /* the next output channels, in another width or group; NULL for none */
 } Projection;
 
@@ -54,7 +54,7 @@ static int64_t width(const Projection *p) {
 
 static int piece_gemm(const Projection *p, const float *x, float *out, int64_t rows) {
     return block_gemm(x, p->codes, (int)p->bits, (int)p->group, p->scale, p->offset, p->bias, out, rows, p->n,
-                      p->n_padded, p->k);
+                      p->n_padded, p->k, (int)p->int8_x);
 }
 
 /* out [rows][width(p)] = x p: block_gemm writes whole rows, so a projection of several pieces
@@ -78,7 +78,7 @@ static int project_part(const Projection *p, const float *x, float *out, int64_t
     int status = 0;
     for (int64_t first = 0; p != NULL && !status; first += p->n, p = p->next)
         status = block_gemm_part(x, p->codes, (int)p->bits, (int)p->group, p->scale, p->offset, p->bias, out + first,
-                                 n, rows, p->n, p->n_padded, p->k, part, parts);
+                                 n, rows, p->n, p->n_padded, p->k, (int)p->int8_x, part, parts);
     return status;
 }
 
