@@ -252,6 +252,7 @@ def test_block_gemm_refuses_what_it_does_not_take(lib):
     assert part(40, 2, 40, 48, 64, 0, 0, 1) == 0
     assert part(39, 2, 40, 48, 64, 0, 0, 1) == -1  # rows narrower than its columns
     assert part(40, BLOCK_DIRECT_ROWS + 1, 40, 48, 64, 0, 0, 1) == -1  # past the direct path: no parts
+    assert part(40, 2, 40, 48, 64, 0, 0, 0) == -1 and part(40, 2, 40, 48, 64, 0, 2, 2) == -1  # no such part
     assert call(6, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64, 0) == -1  # 6-bit codes
     assert call(5, 16, scale.data_ptr(), scale.data_ptr(), None, out.data_ptr(), 2, 40, 48, 64, 0) == -1  # 5-bit by 16
     assert call(4, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 60, 0) == -1  # k not a multiple of 32

@@ -476,7 +476,9 @@ int block_gemm(const float *x, const uint8_t *codes, int bits, int group, const 
 int block_gemm_part(const float *x, const uint8_t *codes, int bits, int group, const float *scale,
                     const float *offset, const float *bias, float *out, int64_t ld, int64_t m, int64_t n,
                     int64_t n_padded, int64_t k, int int8_x, int part, int parts) {
-    if (!takes(bits, group, offset, m, n, n_padded, k) || m > DIRECT_MAX_ROWS || ld < n) return -1;
+    if (!takes(bits, group, offset, m, n, n_padded, k) || m > DIRECT_MAX_ROWS || ld < n || parts < 1 || part < 0 ||
+        part >= parts)
+        return -1;
     const BlockWeights b = weights(codes, bits, group, scale, offset, n_padded, k);
     int64_t first, end;
     team_share((n + PANEL - 1) / PANEL, part, parts, &first, &end);
