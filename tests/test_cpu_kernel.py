@@ -227,12 +227,12 @@ def bf16_prefill(request):
 @needs_kernel
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 5e-5), (torch.bfloat16, 2**-8)])
 @pytest.mark.parametrize("block_size, heads, kv_heads, dim", [(16, 9, 3, 64), (4, 4, 4, 16), (8, 12, 2, 128),
-                                                              (16, 14, 2, 64), (16, 3, 1, 20)])
+                                                              (16, 14, 2, 64), (16, 3, 1, 20), (5, 6, 2, 32)])
 def test_prefill_kernel_equals_the_reference(dtype, tolerance, block_size, heads, kv_heads, dim, bf16_prefill):
     """Each query sees its context's keys up to its own position; float32 within the error of
     float32 arithmetic over these contexts (the torch path's too), bf16 within the output's
     rounding (and the weights', bf16_prefill). A head size that is no multiple of 8 and groups of
-    1 to 7 heads included."""
+    1 to 7 heads included, and blocks smaller than a panel of keys and no divisor of it."""
     tolerance *= bf16_prefill if dtype == torch.bfloat16 else 1.0
     q, cache, tables, contexts, starts, positions, lens = prefill_case(dtype, block_size, heads, kv_heads, dim)
     out = cpu_kernel.paged_prefill(q, cache[0], cache[1], tables, starts, positions, lens, 0.3)

@@ -102,10 +102,19 @@ typedef struct { /* one thread's scratch */
     const float *key_rows[LANES], *value_rows[LANES]; /* where each panel key and value is read */
 } Scratch;
 
-/* The cache row of key `key` of sequence `seq`, KV head `kv`, as an element index. */
-static inline int64_t key_index(const Args *a, int64_t seq, int64_t key, int kv) {
-    int64_t block = a->block_tables[seq * a->max_blocks + key / a->block_size];
-    return ((block * a->block_size + key % a->block_size) * a->kv_heads + kv) * a->dim;
+/* The cache rows of keys kbegin .. kbegin + n - 1 of sequence `seq`, KV head `kv`, as element
+ * indices: one block-table read and one division per block they fall in. A division per key (two,
+ * with the prefetch's) cost a probe call over 4k keys 5-10% (18 rows; AMD EPYC Zen 3). */
+static inline void key_indices(const Args *a, int64_t seq, int kv, int64_t kbegin, int n, int64_t index[LANES]) {
+    const int64_t *blocks = a->block_tables + seq * a->max_blocks, stride = (int64_t)a->kv_heads * a->dim;
+    int64_t block = kbegin / a->block_size, slot = kbegin % a->block_size, row = blocks[block] * a->block_size + slot;
+    for (int t = 0; t < n; t++, slot++, row++) {
+        if (slot == a->block_size) { /* into the next block */
+            slot = 0;
+            row = blocks[++block] * a->block_size;
+        }
+        index[t] = row * stride + kv * a->dim;
+    }
 }
 
 /* Whether key `key` of sequence `seq` moves: span keys cached at the positions they were computed
@@ -135,12 +144,14 @@ static void rotate_key(const Args *a, int64_t seq, int64_t key, const float *row
 static const float zero_row[512];
 
 static void load_panels(const Args *a, Scratch *s, int64_t seq, int kv, int64_t kbegin, int n) {
+    int64_t indices[LANES];
+    key_indices(a, seq, kv, kbegin, n, indices);
     for (int t = 0; t < LANES; t++) {
         if (t >= n) {
             s->key_rows[t] = s->value_rows[t] = zero_row;
             continue;
         }
-        int64_t index = key_index(a, seq, kbegin + t, kv);
+        int64_t index = indices[t];
         float *key = s->keys + t * a->dim, *value = s->values + t * a->dim;
         if (a->kv_dtype == 0) {
             s->value_rows[t] = (const float *)a->v_cache + index;
@@ -388,6 +399,8 @@ static void load_pair_panels(const Args *a, const Scratch *s, int64_t seq, int k
     int dim = a->dim, half = dim / 2;
     const uint16_t *k_cache = a->k_cache, *v_cache = a->v_cache, *values[LANES];
     float row[512];
+    int64_t indices[LANES];
+    key_indices(a, seq, kv, kbegin, n, indices);
     for (int t = 0; t < LANES; t++) {
         uint32_t *key = s->key_pairs + t * half;
         if (t >= n) {
@@ -395,7 +408,7 @@ static void load_pair_panels(const Args *a, const Scratch *s, int64_t seq, int k
             values[t] = zeros;
             continue;
         }
-        int64_t index = key_index(a, seq, kbegin + t, kv);
+        int64_t index = indices[t];
         values[t] = v_cache + index;
         if (!rotated(a, seq, kbegin + t)) {
             memcpy(key, k_cache + index, dim * sizeof(uint16_t));
@@ -540,9 +553,12 @@ static int seeing_groups(const Scratch *s, int row_groups, int64_t k, int *g) {
 #define PREFETCH_AHEAD 2
 static void prefetch_panel(const Args *a, int64_t seq, int kv, int64_t kbegin, int64_t kend) {
     const int64_t size = a->kv_dtype ? 2 : 4, bytes = a->dim * size;
-    for (int64_t key = kbegin; key < kend && key < kbegin + LANES; key++) {
-        const int64_t index = key_index(a, seq, key, kv);
-        const char *k = (const char *)a->k_cache + index * size, *v = (const char *)a->v_cache + index * size;
+    if (kbegin >= kend) return;
+    const int n = kend - kbegin < LANES ? (int)(kend - kbegin) : LANES;
+    int64_t indices[LANES];
+    key_indices(a, seq, kv, kbegin, n, indices);
+    for (int t = 0; t < n; t++) {
+        const char *k = (const char *)a->k_cache + indices[t] * size, *v = (const char *)a->v_cache + indices[t] * size;
         for (int64_t line = 0; line < bytes; line += 64) {
             __builtin_prefetch(k + line);
             __builtin_prefetch(v + line);
