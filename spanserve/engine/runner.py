@@ -372,9 +372,9 @@ class ModelRunner:
         block = self.model.layers[layer]
         attn = block.self_attn
         q = attn.queries(block.input_layernorm(x), positions)
-        keys = self.kv_cache[layer, 0].flatten(0, 1)[slots]
+        keys = self.kv_cache[layer, 0].flatten(0, 1)[slots]  # a gathered copy: rotated in place
         if rotation is not None:
-            keys = rotation.apply(keys)
+            rotation.rotate_(keys)
         # each KV head's query heads in one matmul: [kv_heads, groups * queries, keys]
         folded = fold_query_heads(q.float(), attn.num_kv_heads)
         scores = torch.matmul(folded, keys.float().permute(1, 2, 0)) * attn.scale
