@@ -31,6 +31,18 @@ def _answers(llm, prompts, max_tokens=24):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
 
 
+def _fused_answers_as_python(llm, model):
+    """Every decode step of PROMPTS through the fused layers, then through the Python layers: the
+    same tokens and top-3 logprobs, exactly; the fused layers' answers."""
+    fused, taken = _counting(model)
+    ours = _answers(llm, PROMPTS)
+    assert taken == [True] * 23  # every decode step of the batch (a prefill step does not ask)
+    model.fused_decode = None
+    assert _answers(llm, PROMPTS) == ours  # tokens and top-3 logprobs, exactly
+    model.fused_decode = fused
+    return ours
+
+
 QWEN = "qwen2.5-coder-0.5b-instruct"  # Q4_K, Q5_0, Q6_K and Q8_0 blocks, and q/k/v biases
 
 
@@ -43,12 +55,7 @@ def test_fused_layers_answer_to_the_bit_as_the_python_layers(default_model_path,
     llm = LLM(model=model_name, dtype="float32", num_blocks=64, kv_cache_dtype=kv_cache_dtype)
     model = llm.engine.runner.model
     assert isinstance(model.fused_decode, FusedDecode)
-    fused, taken = _counting(model)
-    ours = _answers(llm, PROMPTS)
-    assert taken == [True] * 23  # every decode step of the batch (a prefill step does not ask)
-    model.fused_decode = None
-    assert _answers(llm, PROMPTS) == ours  # tokens and top-3 logprobs, exactly
-    model.fused_decode = fused
+    _fused_answers_as_python(llm, model)
 
 
 def test_moved_span_keys_take_the_python_layers(smollm2_llm):
@@ -129,12 +136,7 @@ def test_projections_of_several_kinds_of_blocks_take_the_fused_layers(tiny_qwen2
     assert model.layers[0].self_attn.qkv_proj.kinds == ((4, 32), (8, 16))
     assert model.layers[0].mlp.gate_up_proj.kinds == ((8, 32), (4, 32))
     assert isinstance(model.fused_decode, FusedDecode)
-    fused, taken = _counting(model)
-    ours = _answers(llm, PROMPTS)
-    assert taken == [True] * 23
-    model.fused_decode = None
-    assert _answers(llm, PROMPTS) == ours
-    model.fused_decode = fused
+    _fused_answers_as_python(llm, model)
 
 
 @pytest.mark.parametrize("threads,batch", [(1, 4), (3, 4), (2, 30)])
@@ -170,12 +172,7 @@ def test_int8_activations_take_the_same_kernels_on_both_paths(tiny_qwen2_blocks_
     llm = LLM(model=str(tiny_qwen2_blocks_path), dtype="float32", num_blocks=64, gguf_block_activations="int8")
     model = llm.engine.runner.model
     assert model.layers[0].self_attn.qkv_proj.int8_activations
-    fused, taken = _counting(model)
-    ours = _answers(llm, PROMPTS)
-    assert taken == [True] * 23
-    model.fused_decode = None
-    assert _answers(llm, PROMPTS) == ours
-    model.fused_decode = fused
+    ours = _fused_answers_as_python(llm, model)
     floats = _answers(LLM(model=str(tiny_qwen2_blocks_path), dtype="float32", num_blocks=64), PROMPTS, max_tokens=1)
     first = [(tokens[:1], logprobs[:1]) for tokens, logprobs in ours]
     assert first != floats

@@ -199,30 +199,30 @@ def test_block_gemm_is_the_matmul_of_its_blocks(lib, seed, rows, groups, n, kind
     offset = torch.randn(n, groups) if with_offset else None
     bias = torch.randn(n) if with_bias else None
     packed, scales, offsets = block_panels(codes, bits, scale, offset)
-    out = torch.empty(rows, n)
     with _threads(n_threads):
-        status = lib.block_gemm(x.data_ptr(), packed.data_ptr(), bits, group, scales.data_ptr(),
-                                None if offsets is None else offsets.data_ptr(),
-                                None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n,
-                                scales.shape[0] * 16, k, 0)
-    assert status == 0
+        out = _block_gemm(lib, x, packed, bits, group, scales, offsets, bias, n, k, 0)
     want = x.double() @ block_weight(codes, scale, offset).double().t() + (0 if bias is None else bias.double())
     _close(out, want, torch.float32, scale=k ** 0.5)
     _block_gemm_parts(lib, x, packed, bits, group, scales, offsets, bias, out, k, 0, parts)
     if bits == 4:  # x rounded to int8 (int8_x): its twin up to the direct path's rows, else as before
-        rounded = torch.empty(rows, n)
         with _threads(n_threads):
-            status = lib.block_gemm(x.data_ptr(), packed.data_ptr(), bits, group, scales.data_ptr(),
-                                    None if offsets is None else offsets.data_ptr(),
-                                    None if bias is None else bias.data_ptr(), rounded.data_ptr(), rows, n,
-                                    scales.shape[0] * 16, k, 1)
-        assert status == 0
+            rounded = _block_gemm(lib, x, packed, bits, group, scales, offsets, bias, n, k, 1)
         if rows > BLOCK_DIRECT_ROWS:
             assert torch.equal(rounded, out)
         else:
             twin = block_int8_twin(x, codes, scale, offset) + (0 if bias is None else bias.double())
             _close(rounded, twin, torch.float32, scale=k ** 0.5)
             _block_gemm_parts(lib, x, packed, bits, group, scales, offsets, bias, rounded, k, 1, parts)
+
+
+def _block_gemm(lib, x, packed, bits, group, scales, offsets, bias, n, k, int8_x) -> torch.Tensor:
+    """block_gemm's out [rows, n] for x, failing on any status but 0."""
+    out = torch.empty(x.shape[0], n)
+    status = lib.block_gemm(x.data_ptr(), packed.data_ptr(), bits, group, scales.data_ptr(),
+                            None if offsets is None else offsets.data_ptr(), None if bias is None else bias.data_ptr(),
+                            out.data_ptr(), x.shape[0], n, scales.shape[0] * 16, k, int8_x)
+    assert status == 0
+    return out
 
 
 def _block_gemm_parts(lib, x, packed, bits, group, scales, offsets, bias, whole, k, int8_x, parts):
