@@ -7,6 +7,8 @@ import logging
 
 import pytest
 
+from spanserve.attention import torch_ref
+from spanserve.attention.backend import KeyRotation
 from spanserve.kernels import calibration, cpu_kernel
 
 needs_gemm = pytest.mark.skipif(cpu_kernel.load("gemm") is None, reason="no C compiler: the kernel is not built")
@@ -107,7 +109,7 @@ def test_both_bf16_prefill_paths_give_the_attention_of_the_reference():
     tables, n, rows, moved = torch.randperm(40, generator=gen)[:30].view(1, 30), 470, 21, 300
     q = torch.randn(rows, 6, 64, generator=gen).bfloat16()
     angles = torch.rand(moved, 32, generator=gen) * 6
-    rotation = (torch.tensor([0, moved]), angles.cos(), angles.sin())
+    rotation = torch_ref.key_rotations([KeyRotation.from_angles(angles.cos(), angles.sin(), 2)])
     keys = k_cache[tables[0]].flatten(0, 1)[:n].double()
     x, y = keys[:moved, :, :32].clone(), keys[:moved, :, 32:].clone()
     c, s = angles.cos().double()[:, None], angles.sin().double()[:, None]

@@ -249,14 +249,20 @@ def test_prefill_kernel_equals_the_reference(dtype, tolerance, block_size, heads
 def test_prefill_kernel_rotates_moved_keys_as_it_reads_them(dtype, tolerance, dim, bf16_prefill):
     """Span keys cached at the positions they were computed at: the first keys of some sequences
     move by their own angles (KeyRotation, as the runner makes them), the cache is left as it
-    was, and each query sees the moved keys."""
+    was, and each query sees the moved keys. Keys that each move their own way are rotated as
+    they are read; a reused document's keys all move alike, and a long enough run of them is read
+    as stored by queries moved the other way: sequence 2's 7 rows over documents of 250 keys (not
+    whole panels: panels across two documents take the first way), with a run that does not move."""
     tolerance *= bf16_prefill if dtype == torch.bfloat16 else 1.0
     q, cache, tables, contexts, starts, positions, lens = prefill_case(dtype, dim=dim)
     before = cache.clone()
     gen = torch.Generator().manual_seed(5)
     rotations = [None] * len(contexts)
-    for i, moved in ((0, 33), (2, 1200), (4, 17)):
-        angles = torch.rand(moved, dim // 2, generator=gen) * 6.28
+    for i, moved, document in ((0, 33, 1), (2, 1200, 250), (4, 17, 1)):
+        distances = torch.randint(-900, 900, (-(-moved // document),), generator=gen)
+        distances[1] = 0
+        distances = distances.repeat_interleave(document)[:moved, None].float()
+        angles = distances * 10000.0 ** (-torch.arange(dim // 2) / (dim // 2))
         rotations[i] = KeyRotation.from_angles(angles.cos(), angles.sin(), 3)
     out = cpu_kernel.paged_prefill(q, cache[0], cache[1], tables, starts, positions, lens, 0.3,
                                    rotations=torch_ref.key_rotations(rotations))

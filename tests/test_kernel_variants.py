@@ -108,9 +108,10 @@ def _cache(data, dtype, lens: list[int], block_size: int, kv_heads: int, dim: in
 _attention = selfcheck.softmax_attention
 
 
-def _angles(moved: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cos and sin of random angles for `moved` keys of head size `dim` ([moved, dim / 2])."""
-    angles = torch.rand(moved, dim // 2) * 6.28
+def _angles(moved: int, dim: int, run: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos and sin of random angles for `moved` keys of head size `dim` ([moved, dim / 2]),
+    alike over runs of `run` keys (the keys of one reused document move alike)."""
+    angles = (torch.rand(-(-moved // run), dim // 2) * 6.28).repeat_interleave(run, 0)[:moved]
     return angles.cos(), angles.sin()
 
 
@@ -139,14 +140,16 @@ def test_paged_decode_is_softmax_attention(lib, seed, data, dtype, n_threads, he
 def test_paged_prefill_is_causal_softmax_attention(lib, seed, data, dtype, n_threads, heads, block_size, seqs):
     """Each sequence's last `rows` tokens (at most its length) query its keys up to their position;
     a sequence's first keys may be span keys moved as the kernel reads them (KeyRotation), which
-    the reference rotates and, in bf16, rounds as a cache would hold them."""
+    the reference rotates and, in bf16, rounds as a cache would hold them: each key its own way,
+    or in runs (documents), which few rows read through queries moved the other way."""
     torch.manual_seed(seed)
     kv_heads, group, dim = heads
     lens = [n for n, _ in seqs]
     rows = [min(r, n) for n, r in seqs]
     k_cache, v_cache, tables, keys, values = _cache(data, dtype, lens, block_size, kv_heads, dim)
     moved = [data.draw(st.sampled_from([0, 1, n // 2, n])) for n in lens]
-    rotations = [KeyRotation.from_angles(*_angles(m, dim), kv_heads) if m else None for m in moved]
+    run = data.draw(st.sampled_from([1, 7, 40, 200]))
+    rotations = [KeyRotation.from_angles(*_angles(m, dim, run), kv_heads) if m else None for m in moved]
     keys = [k if r is None else r.apply(k.float()).to(dtype).to(k.dtype) for k, r in zip(keys, rotations)]
     positions = torch.cat([torch.arange(n - r, n) for n, r in zip(lens, rows)])
     starts = torch.tensor([0, *rows]).cumsum(0)

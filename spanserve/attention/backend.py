@@ -53,6 +53,20 @@ class KeyRotation:
         head.mul_(cos).addcmul_(swapped, sin)
         return keys
 
+    def distinct_angles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids [n] int32, cos, sin [angles, head_dim/2]): each key's row among the distinct rows of
+        half_cos and half_sin. The keys of one reused document move alike, so a fused kernel can
+        move a run of them through the queries instead (kernels/csrc/paged_prefill.c)."""
+        if "distinct" not in self._tables:
+            if self.deltas is not None:  # one row per delta: cheaper to find than distinct rows
+                _, ids = torch.unique(self.deltas, return_inverse=True)
+            else:
+                _, ids = torch.unique(torch.cat([self.half_cos, self.half_sin], 1), dim=0, return_inverse=True)
+            first = torch.zeros(int(ids.max()) + 1 if len(ids) else 0, dtype=torch.long, device=ids.device)
+            first.scatter_(0, ids, torch.arange(len(ids), device=ids.device))  # a key of each row (all alike)
+            self._tables["distinct"] = (ids.int(), self.half_cos[first], self.half_sin[first])
+        return self._tables["distinct"]
+
     def _table(self, dtype: torch.dtype, head_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos as [cos, cos] and sin as [-sin, sin], expanded to [n, kv_heads, head_dim]
         (or head-major), in `dtype`."""

@@ -423,13 +423,19 @@ def _sdpa(q, k, v, mask, scale, causal=False):
     return out[0].transpose(0, 1)
 
 
-def key_rotations(rotations: list[KeyRotation | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def key_rotations(rotations: list[KeyRotation | None]) -> tuple[torch.Tensor, ...] | None:
     """paged_prefill's `rotations` for sequences whose first keys move by these KeyRotations (None:
-    none move): each sequence's rows in one table of angles, and those tables. None if none move."""
+    none move): where each sequence's keys start among all moved keys, each moved key's row in one
+    table of distinct angles, and that table (cos, sin). None if none move."""
     if all(r is None for r in rotations):
         return None
     lens = [len(r) if r is not None else 0 for r in rotations]
     starts = torch.tensor([0, *lens]).cumsum(0)
-    moving = [r for r in rotations if r is not None]
-    cos, sin = (torch.cat([getattr(r, name) for r in moving]).float().contiguous() for name in ("half_cos", "half_sin"))
-    return starts, cos, sin
+    ids, cos, sin, rows = [], [], [], 0
+    for rotation in filter(None, rotations):
+        key_ids, key_cos, key_sin = rotation.distinct_angles()
+        ids.append(key_ids + rows)
+        cos.append(key_cos)
+        sin.append(key_sin)
+        rows += len(key_cos)
+    return starts, torch.cat(ids).int().contiguous(), *(torch.cat(t).float().contiguous() for t in (cos, sin))

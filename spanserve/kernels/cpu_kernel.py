@@ -89,12 +89,13 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if out is None or not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
         out = torch.empty_like(q)
     rows, heads, dim = q.shape
-    rot_starts, rot_cos, rot_sin = (t.data_ptr() for t in rotations) if rotations is not None else (None,) * 3
+    rot_starts, rot_ids, rot_cos, rot_sin = (t.data_ptr() for t in rotations) if rotations is not None else (None,) * 4
+    num_angles = len(rotations[2]) if rotations is not None else 0
     status = kernel.paged_prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                   tables.data_ptr(), starts.data_ptr(), positions.data_ptr(), lens.data_ptr(),
-                                  rot_starts, rot_cos, rot_sin, len(lens), rows, tables.shape[1], heads,
-                                  k_cache.shape[2], dim, k_cache.shape[1], scale, native.DTYPES[q.dtype],
-                                  native.DTYPES[k_cache.dtype])
+                                  rot_starts, rot_ids, rot_cos, rot_sin, num_angles, len(lens), rows,
+                                  tables.shape[1], heads, k_cache.shape[2], dim, k_cache.shape[1], scale,
+                                  native.DTYPES[q.dtype], native.DTYPES[k_cache.dtype])
     _raise_on(status, "paged_prefill", q, k_cache)
     return out
 

@@ -147,7 +147,7 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     entries = {
         "paged_decode": ([pointer] * 6 + [i64, i64, i32, i32, i32, i32, f32, i32, i32], i32),
-        "paged_prefill": ([pointer] * 11 + [i64, i64, i64, i32, i32, i32, i32, f32, i32, i32], i32),
+        "paged_prefill": ([pointer] * 12 + [i64, i64, i64, i64, i32, i32, i32, i32, f32, i32, i32], i32),
         "int8_gemm": ([pointer] * 6 + [i64, i64, i64, i64, i32], i32),
         "f32_gemm": ([pointer] * 4 + [i64, i64, i64, i64], i32),
         "f32_gemm_int8w": ([pointer] * 5 + [i64, i64, i64, i64], i32),

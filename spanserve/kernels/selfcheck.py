@@ -200,8 +200,8 @@ def _paged_prefill(lib, dtype) -> str:
     q = torch.randn(4, heads, dim, generator=torch.Generator().manual_seed(8)).to(dtype)
     out, starts, lens_t = torch.empty_like(q), torch.tensor([0, 4]), torch.tensor(lens)
     status = lib.paged_prefill(_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(tables), _ptr(starts),
-                               _ptr(positions), _ptr(lens_t), None, None, None, 1, 4, tables.shape[1], heads, 2,
-                               dim, 4, scale, DTYPES[dtype], DTYPES[dtype])
+                               _ptr(positions), _ptr(lens_t), None, None, None, None, 0, 1, 4, tables.shape[1],
+                               heads, 2, dim, 4, scale, DTYPES[dtype], DTYPES[dtype])
     want = torch.stack([softmax_attention(q[r].float(), keys[0][: p + 1], values[0][: p + 1], scale)
                         for r, p in enumerate(positions.tolist())])
     return f"status {status}" if status else _compare(out, want, _tol(dtype))

@@ -27,10 +27,11 @@
  * block_tables [B, max_blocks] int64; query_starts [B + 1] int64 (sequence b owns query rows
  * query_starts[b] .. query_starts[b + 1] - 1); positions [T] int64 (query t sees keys
  * 0 .. positions[t]); context_lens [B] int64. dtype (q, out) and kv_dtype (the cache): 0 float32, 1
- * bfloat16. Optionally rot_starts
- * [B + 1] int64 and rot_cos, rot_sin [rows, D / 2] float32: sequence b's first rot_starts[b + 1] -
- * rot_starts[b] keys are rotated by the angles of rows rot_starts[b] .. as they are read (span
- * keys reused at new positions), so that shared blocks are never rewritten.
+ * bfloat16. Optionally rot_starts [B + 1] int64, rot_ids [rot_starts[B]] int32 and rot_cos, rot_sin
+ * [angles, D / 2] float32: sequence b's first rot_starts[b + 1] - rot_starts[b] keys move (span keys
+ * reused at new positions), key j by the angles of row rot_ids[rot_starts[b] + j], so that shared
+ * blocks are never rewritten. The keys of one reused document share a row: where a run of keys
+ * does, its queries are moved back once instead of each key forward (rotate_queries).
  */
 /* A row's output must not depend on the rows it is computed with: a prompt's last tokens computed
  * after a prefix-cache hit must give the bits that prompt computed whole gives. -ffast-math lets
@@ -71,8 +72,9 @@ typedef struct {
     const void *q, *k_cache, *v_cache;
     void *out;
     const int64_t *block_tables, *query_starts, *positions, *context_lens;
-    const int64_t *rot_starts;       /* NULL, or [B + 1]: sequence b's rotated keys' rows in rot_cos */
-    const float *rot_cos, *rot_sin;  /* [rows][dim / 2] */
+    const int64_t *rot_starts;       /* NULL, or [B + 1]: where sequence b's moved keys' ids start */
+    const int32_t *rot_ids;          /* each moved key's row in rot_cos and rot_sin */
+    const float *rot_cos, *rot_sin;  /* [angles][dim / 2] */
     int64_t max_blocks;
     int heads, kv_heads, dim, block_size, dtype, kv_dtype, groups, tile_tokens, row_groups;
     float scale;
@@ -92,6 +94,8 @@ typedef struct {
 
 typedef struct { /* one thread's scratch */
     vf *queries;          /* [row_groups][dim] */
+    vf *moved_queries;    /* [row_groups][dim]: queries moved back by the angles of row moved_id */
+    int64_t moved_id;     /* -1: none yet */
     vi *rows_pos;         /* [row_groups] */
     int64_t *min_pos;     /* [row_groups]: the least position of a row group's real rows */
     int64_t *max_pos;     /* [row_groups]: the greatest (in min_pos's allocation) */
@@ -124,11 +128,16 @@ static inline int rotated(const Args *a, int64_t seq, int64_t key) {
     return a->rot_starts != NULL && key < a->rot_starts[seq + 1] - a->rot_starts[seq];
 }
 
+/* The row of moved key `key` of sequence `seq` in the angle tables. */
+static inline int64_t angle_row(const Args *a, int64_t seq, int64_t key) {
+    return a->rot_ids[a->rot_starts[seq] + key];
+}
+
 /* Key `key` of sequence `seq` (float32, [dim], from `row`) rotated by its angles into `out` (which
  * may be `row`): RoPE's rotate-half layout, the sine's sign folded in, as KeyRotation stores them. */
 static void rotate_key(const Args *a, int64_t seq, int64_t key, const float *row, float *out) {
     int half = a->dim / 2;
-    const float *cos = a->rot_cos + (a->rot_starts[seq] + key) * half, *sin = a->rot_sin + (a->rot_starts[seq] + key) * half;
+    const float *cos = a->rot_cos + angle_row(a, seq, key) * half, *sin = a->rot_sin + angle_row(a, seq, key) * half;
     for (int i = 0; i < half; i++) {
         float x = row[i], y = row[i + half];
         out[i] = x * cos[i] - y * sin[i];
@@ -138,13 +147,14 @@ static void rotate_key(const Args *a, int64_t seq, int64_t key, const float *row
 
 /* Keys and values kbegin .. kbegin + n - 1 of one KV head as float32 panels: key_rows and value_rows
  * point at each one's [dim] floats. A float32 cache's rows are read where they are; a bf16 cache's
- * are converted, and keys that move rotated, into the scratch rows. Missing keys read zeros.
+ * are converted, and keys that move rotated (unless `as_stored`: the queries were moved instead),
+ * into the scratch rows. Missing keys read zeros.
  * Copying every float32 row (two memcpy calls a key) took 11% of a warm RAG prompt's samples
  * (perf, AMD EPYC Zen 3); without, its probe's and its relink's calls over 4k moved keys ran 5-9%
  * faster, bit for bit the same. */
 static const float zero_row[512];
 
-static void load_panels(const Args *a, Scratch *s, int64_t seq, int kv, int64_t kbegin, int n) {
+static void load_panels(const Args *a, Scratch *s, int64_t seq, int kv, int64_t kbegin, int n, int as_stored) {
     int64_t indices[LANES];
     key_indices(a, seq, kv, kbegin, n, indices);
     for (int t = 0; t < LANES; t++) {
@@ -163,7 +173,7 @@ static void load_panels(const Args *a, Scratch *s, int64_t seq, int kv, int64_t 
             s->value_rows[t] = value;
             s->key_rows[t] = key;
         }
-        if (rotated(a, seq, kbegin + t)) {
+        if (!as_stored && rotated(a, seq, kbegin + t)) {
             rotate_key(a, seq, kbegin + t, s->key_rows[t], key);
             s->key_rows[t] = key;
         }
@@ -200,6 +210,56 @@ static void load_positions(const Args *a, const Scratch *s, const Unit *u) {
         s->min_pos[r / LANES] = position < s->min_pos[r / LANES] ? position : s->min_pos[r / LANES];
         s->max_pos[r / LANES] = position > s->max_pos[r / LANES] ? position : s->max_pos[r / LANES];
     }
+}
+
+/* The angle row keys kbegin .. kbegin + n - 1 of sequence `seq` all move by, else -1. */
+static int64_t panel_angle(const Args *a, int64_t seq, int64_t kbegin, int n) {
+    if (!rotated(a, seq, kbegin + n - 1)) return -1; /* moved keys are a prefix: then all of these */
+    const int32_t *ids = a->rot_ids + a->rot_starts[seq] + kbegin;
+    for (int t = 1; t < n; t++)
+        if (ids[t] != ids[0]) return -1;
+    return ids[0];
+}
+
+/* Whether at least `keys` keys from kbegin (before kend) move by the same angles. */
+static int angle_run_reaches(const Args *a, int64_t seq, int64_t kbegin, int64_t kend, int64_t keys) {
+    const int32_t *ids = a->rot_ids + a->rot_starts[seq];
+    int64_t moved = a->rot_starts[seq + 1] - a->rot_starts[seq], end = kbegin + keys;
+    if (end > kend || end > moved) return 0;
+    for (int64_t k = kbegin + 1; k < end; k++)
+        if (ids[k] != ids[kbegin]) return 0;
+    return 1;
+}
+
+/* The unit's query columns moved back by angle row `id`: keys that all move by one rotation R are
+ * read as stored by queries moved by its transpose (q . Rk = R^T q . k), so a run of a reused
+ * document's keys costs one rotation of each row instead of one of each key. A warm RAG prompt's
+ * probe (54 rows over 4k keys of 16 moved documents) spent a fifth of its attention rotating keys. */
+static void rotate_queries(const Args *a, Scratch *s, int row_groups, int64_t id) {
+    int dim = a->dim, half = dim / 2;
+    const float *cos = a->rot_cos + id * half, *sin = a->rot_sin + id * half;
+    for (int g = 0; g < row_groups; g++) {
+        const vf *q = s->queries + g * dim;
+        vf *out = s->moved_queries + g * dim;
+        for (int i = 0; i < half; i++) {
+            vf c = splat(cos[i]), sn = splat(sin[i]);
+            out[i] = q[i] * c + q[i + half] * sn;
+            out[i + half] = q[i + half] * c - q[i] * sn;
+        }
+    }
+    s->moved_id = id;
+}
+
+/* The queries that read panel kbegin .. kbegin + n - 1 as loaded, setting *as_stored: moved ones
+ * where its keys all move by one rotation that lasts at least as many keys as the unit has rows
+ * (moving a row costs about what moving a key does), else the queries as they are. */
+static const vf *panel_queries(const Args *a, Scratch *s, const Unit *u, int row_groups, int64_t kbegin, int n,
+                               int64_t kend, int *as_stored) {
+    int64_t id = panel_angle(a, u->seq, kbegin, n);
+    *as_stored = id >= 0 && (id == s->moved_id || angle_run_reaches(a, u->seq, kbegin, kend, 2 * row_groups * LANES));
+    if (!*as_stored) return s->queries;
+    if (id != s->moved_id) rotate_queries(a, s, row_groups, id);
+    return s->moved_queries;
 }
 
 /* Up to MAX_GROUPS row groups are stepped together, so that a key element broadcast once serves
@@ -315,10 +375,11 @@ ALWAYS_INLINE void weigh_all_values(const float *const *panel, int dim, int grou
 
 /* Row groups g0 .. g0 + groups - 1 over the LANES panel keys from `kbegin`, their states (each
  * [dim] sums of values, then the softmax's reference and sum) at state, `stride` vectors apart. */
-ALWAYS_INLINE void step_groups(const Scratch *s, int g0, int groups, int64_t kbegin, int n, vf *state, int dim) {
+ALWAYS_INLINE void step_groups(const Scratch *s, const vf *queries, int g0, int groups, int64_t kbegin, int n,
+                               vf *state, int dim) {
     int stride = dim + 2, width = VALUE_WIDTH[groups], keys = SCORE_KEYS[groups]; /* keys: a divisor of LANES */
     vf scores[MAX_GROUPS][LANES], rescale[MAX_GROUPS];
-    for (int k0 = 0; k0 < LANES; k0 += keys) score_keys(s->queries + g0 * dim, s->key_rows, dim, groups, k0, keys, scores);
+    for (int k0 = 0; k0 < LANES; k0 += keys) score_keys(queries + g0 * dim, s->key_rows, dim, groups, k0, keys, scores);
     int moved = 0;
     for (int g = 0; g < groups; g++) {
         rescale[g] = splat(1.0f);
@@ -333,12 +394,12 @@ ALWAYS_INLINE void step_groups(const Scratch *s, int g0, int groups, int64_t kbe
  * then read at constant offsets. */
 #define STEP_FOR_DIM(groups) \
     case groups: \
-        if (dim == 64) step_groups(s, g0, groups, kbegin, n, state, 64); \
-        else if (dim == 128) step_groups(s, g0, groups, kbegin, n, state, 128); \
-        else step_groups(s, g0, groups, kbegin, n, state, dim); \
+        if (dim == 64) step_groups(s, queries, g0, groups, kbegin, n, state, 64); \
+        else if (dim == 128) step_groups(s, queries, g0, groups, kbegin, n, state, 128); \
+        else step_groups(s, queries, g0, groups, kbegin, n, state, dim); \
         break;
 
-static void step(const Scratch *s, int g0, int groups, int64_t kbegin, int n, vf *state, int dim) {
+static void step(const Scratch *s, const vf *queries, int g0, int groups, int64_t kbegin, int n, vf *state, int dim) {
     switch (groups) {
         STEP_FOR_DIM(1)
         STEP_FOR_DIM(2)
@@ -416,7 +477,7 @@ static void load_pair_panels(const Args *a, const Scratch *s, int64_t seq, int k
             continue;
         }
         if (dim % 32 == 0) {
-            int64_t angles = (a->rot_starts[seq] + kbegin + t) * half;
+            int64_t angles = angle_row(a, seq, kbegin + t) * half;
             rotated_key_pairs(k_cache + index, a->rot_cos + angles, a->rot_sin + angles, dim, key);
             continue;
         }
@@ -576,6 +637,7 @@ static void run_task(const Args *a, Scratch *s, const Unit *u, const Task *task,
     else
 #endif
         load_queries(a, s, u);
+    s->moved_id = -1;
     for (int g = 0; g < row_groups; g++) {
         vf *st = state + g * width;
         for (int d = 0; d < a->dim; d++) st[d] = splat(0.0f);
@@ -593,9 +655,11 @@ static void run_task(const Args *a, Scratch *s, const Unit *u, const Task *task,
             continue;
         }
 #endif
-        load_panels(a, s, u->seq, u->kv_head, k, n);
+        int as_stored;
+        const vf *queries = panel_queries(a, s, u, row_groups, k, n, task->kend, &as_stored);
+        load_panels(a, s, u->seq, u->kv_head, k, n, as_stored);
         for (; (run = seeing_groups(s, row_groups, k, &g)) > 0; g += run)
-            step(s, g, run, k, n, state + g * width, a->dim);
+            step(s, queries, g, run, k, n, state + g * width, a->dim);
     }
 }
 
@@ -658,12 +722,15 @@ static Unit *plan_units(const Args *a, int64_t num_seqs, int64_t *num_units, int
     return units;
 }
 
-static int check(const Args *a, int64_t num_seqs, int64_t num_rows) {
+static int check(const Args *a, int64_t num_seqs, int64_t num_rows, int64_t num_angles) {
     if (a->kv_heads <= 0 || a->heads % a->kv_heads || a->dim <= 0 || a->dim > 512 || a->block_size <= 0 ||
         (a->dtype != 0 && a->dtype != 1) || (a->kv_dtype != 0 && a->kv_dtype != 1))
         return -1;
     if (a->query_starts[0] != 0 || a->query_starts[num_seqs] != num_rows) return -2;
     if (a->rot_starts != NULL && (a->rot_starts[0] != 0 || a->dim % 2)) return -2;
+    if (a->rot_starts != NULL)
+        for (int64_t i = 0; i < a->rot_starts[num_seqs]; i++)
+            if (a->rot_ids[i] < 0 || a->rot_ids[i] >= num_angles) return -2;
     for (int64_t b = 0; b < num_seqs; b++) {
         int64_t ctx = a->context_lens[b];
         if (ctx <= 0 || ctx > a->max_blocks * a->block_size || a->query_starts[b + 1] < a->query_starts[b]) return -2;
@@ -691,15 +758,16 @@ static int most_work_first(const void *x, const void *y) {
 
 int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void *out, const int64_t *block_tables,
                   const int64_t *query_starts, const int64_t *positions, const int64_t *context_lens,
-                  const int64_t *rot_starts, const float *rot_cos, const float *rot_sin, int64_t num_seqs,
+                  const int64_t *rot_starts, const int32_t *rot_ids, const float *rot_cos, const float *rot_sin,
+                  int64_t num_angles, int64_t num_seqs,
                   int64_t num_rows, int64_t max_blocks, int heads, int kv_heads, int dim, int block_size, float scale,
                   int dtype, int kv_dtype) {
-    Args a = {q, k_cache, v_cache, out, block_tables, query_starts, positions, context_lens, rot_starts, rot_cos,
-              rot_sin, max_blocks, heads, kv_heads, dim, block_size, dtype, kv_dtype, 0, 0, 0, scale, 0};
+    Args a = {q, k_cache, v_cache, out, block_tables, query_starts, positions, context_lens, rot_starts, rot_ids,
+              rot_cos, rot_sin, max_blocks, heads, kv_heads, dim, block_size, dtype, kv_dtype, 0, 0, 0, scale, 0};
 #if defined(PAIR_DOT)
     a.pairs = pair_dot_on && dtype == 1 && kv_dtype == 1 && dim % 2 == 0;
 #endif
-    int status = check(&a, num_seqs, num_rows);
+    int status = check(&a, num_seqs, num_rows, num_angles);
     if (status != 0) return status;
     a.groups = heads / kv_heads;
     a.tile_tokens = TILE_ROWS / a.groups > 0 ? TILE_ROWS / a.groups : 1;
@@ -724,14 +792,20 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void 
 #pragma omp parallel if (!failed)
     {
         FLUSH_DENORMALS_BEGIN
-        Scratch s = {aligned_alloc(64, a.row_groups * dim * sizeof(vf)), aligned_alloc(64, a.row_groups * sizeof(vi)),
-                     malloc(2 * a.row_groups * sizeof(int64_t)), NULL, malloc(LANES * dim * sizeof(float)),
-                     malloc(LANES * dim * sizeof(float)),
-                     aligned_alloc(64, (size_t)a.row_groups * (dim / 2 + 1) * LANES * sizeof(uint32_t)),
-                     malloc(LANES * (dim / 2 + 1) * sizeof(uint32_t)), malloc(LANES * dim * sizeof(uint32_t))};
+        Scratch s = {
+            .queries = aligned_alloc(64, a.row_groups * dim * sizeof(vf)),
+            .moved_queries = aligned_alloc(64, a.row_groups * dim * sizeof(vf)),
+            .rows_pos = aligned_alloc(64, a.row_groups * sizeof(vi)),
+            .min_pos = malloc(2 * a.row_groups * sizeof(int64_t)),
+            .keys = malloc(LANES * dim * sizeof(float)),
+            .values = malloc(LANES * dim * sizeof(float)),
+            .query_pairs = aligned_alloc(64, (size_t)a.row_groups * (dim / 2 + 1) * LANES * sizeof(uint32_t)),
+            .key_pairs = malloc(LANES * (dim / 2 + 1) * sizeof(uint32_t)),
+            .value_pairs = malloc(LANES * dim * sizeof(uint32_t)),
+        };
         s.max_pos = s.min_pos ? s.min_pos + a.row_groups : NULL;
-        if (!s.queries || !s.rows_pos || !s.min_pos || !s.keys || !s.values || !s.query_pairs || !s.key_pairs ||
-            !s.value_pairs)
+        if (!s.queries || !s.moved_queries || !s.rows_pos || !s.min_pos || !s.keys || !s.values || !s.query_pairs ||
+            !s.key_pairs || !s.value_pairs)
             failed = 1;
         /* The most work first, so that the threads end together: in a causal prompt the latest
          * tasks; among a relinked prompt's rows, the first keys, which every row reads. */
@@ -742,6 +816,7 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void 
         for (int64_t u = 0; u < num_units; u++)
             if (!failed) merge(&a, &units[u], states, task_stride);
         free(s.queries);
+        free(s.moved_queries);
         free(s.rows_pos);
         free(s.min_pos);
         free(s.keys);
