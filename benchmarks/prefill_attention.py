@@ -87,6 +87,9 @@ def _baseline(rev: str):
     from spanserve.kernels import native
 
     repo = Path(__file__).resolve().parents[1]
+    if b"rot_ids" not in _source_at(repo, rev, "paged_prefill.c"):
+        sys.exit(f"--baseline {rev}: its paged_prefill takes one row of angles per moved key, not this "
+                 "revision's distinct angles; time it from a checkout of a revision of its time")
     with tempfile.TemporaryDirectory(prefix="spanserve-baseline-") as tmp:  # the build lands in the cache
         for path in [*native.SOURCES, *native.HEADERS]:
             (Path(tmp) / path.name).write_bytes(_source_at(repo, rev, path.name))
