@@ -243,6 +243,16 @@ def test_prefill_kernel_equals_the_reference(dtype, tolerance, block_size, heads
         torch.testing.assert_close(out[rows].double(), expected, rtol=tolerance, atol=tolerance)
 
 
+def documents_moved(n: int, dim: int, document: int, gen) -> KeyRotation:
+    """The first n keys moved as reused documents of `document` keys are: each by its own distance
+    (a document of 1: each key its own way), the second not at all."""
+    distances = torch.randint(-900, 900, (-(-n // document),), generator=gen)
+    distances[1] = 0
+    distances = distances.repeat_interleave(document)[:n, None].float()
+    angles = distances * 10000.0 ** (-torch.arange(dim // 2) / (dim // 2))
+    return KeyRotation.from_angles(angles.cos(), angles.sin(), 3)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 5e-5), (torch.bfloat16, 2**-8)])
 @pytest.mark.parametrize("dim", [64, 48])  # (the dot products rotate a head of 48 element by element)
@@ -259,11 +269,7 @@ def test_prefill_kernel_rotates_moved_keys_as_it_reads_them(dtype, tolerance, di
     gen = torch.Generator().manual_seed(5)
     rotations = [None] * len(contexts)
     for i, moved, document in ((0, 33, 1), (2, 1200, 250), (4, 17, 1)):
-        distances = torch.randint(-900, 900, (-(-moved // document),), generator=gen)
-        distances[1] = 0
-        distances = distances.repeat_interleave(document)[:moved, None].float()
-        angles = distances * 10000.0 ** (-torch.arange(dim // 2) / (dim // 2))
-        rotations[i] = KeyRotation.from_angles(angles.cos(), angles.sin(), 3)
+        rotations[i] = documents_moved(moved, dim, document, gen)
     out = cpu_kernel.paged_prefill(q, cache[0], cache[1], tables, starts, positions, lens, 0.3,
                                    rotations=torch_ref.key_rotations(rotations))
     assert torch.equal(cache, before)
@@ -274,6 +280,25 @@ def test_prefill_kernel_rotates_moved_keys_as_it_reads_them(dtype, tolerance, di
             keys = keys.bfloat16().float()
         expected = reference(q[rows].float(), keys, values.float(), positions[rows], 0.3)
         torch.testing.assert_close(out[rows].double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("document", [1, 250])
+def test_scores_kernel_gives_each_rows_scaled_scores_before_the_softmax(dtype, document):
+    """The focus probe's scores: a few rows (one mid-context) against a sequence's keys, the first
+    1,200 moved; each (head, row, key) score scaled, -inf after the row's position."""
+    cache, tables, [(keys, _)] = paged([1500], 16, 3, 64, dtype)
+    gen = torch.Generator().manual_seed(4)
+    rotation = documents_moved(1200, 64, document, gen)
+    positions = torch.tensor([700, 1495, 1496, 1499])
+    q = torch.randn(4, 9, 64, generator=gen).to(dtype)
+    got = cpu_kernel.paged_scores(q, cache[0], tables[0], positions, 1500, 0.3, torch_ref.key_rotations([rotation]))
+    moved = rotation.apply(keys.float()).double().repeat_interleave(3, 1)
+    want = torch.einsum("thd,khd->htk", q.double(), moved) * 0.3
+    want = want.masked_fill(torch.arange(1500)[None, None] > positions[None, :, None], float("-inf"))
+    assert got.shape == (9, 4, 1500) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-3 if dtype == torch.bfloat16 else 2e-5, rtol=0)
 
 
 @needs_kernel

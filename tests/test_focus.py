@@ -14,6 +14,7 @@ from test_comb import HEAD, QUESTION, make_llm, random_plugin, run
 from spanserve import InvalidRequestError, SamplingParams
 from spanserve.comb import dense
 from spanserve.comb.plugin import CombPlugin
+from spanserve.kernels import cpu_kernel
 from spanserve.pic.focus import focus_blocks
 
 WATCHED = 8  # the probe's question rows (engine/runner.py FOCUS_ROWS)
@@ -113,10 +114,14 @@ def peaked_plugin(tiny_llama4_path, tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("policy", ["none", "comb"])
-def test_focus_recomputes_in_context_the_span_the_question_reads_most(tiny_llama4_path, peaked_plugin, policy):
+@pytest.mark.parametrize("policy, scores", [("none", "C kernel"), ("comb", "C kernel"), ("none", "torch")])
+def test_focus_recomputes_in_context_the_span_the_question_reads_most(tiny_llama4_path, peaked_plugin, policy,
+                                                                      scores, monkeypatch):
     """On a model whose attention is peaked (near-uniform attention would favour the longest span
-    whatever the question), over several orders: the pick is the span the reference scores highest."""
+    whatever the question), over several orders: the pick is the span the reference scores highest.
+    The probe's scores come from the C kernel where it runs, else from torch (GPUs)."""
+    if scores == "torch":
+        monkeypatch.setattr(cpu_kernel, "paged_scores", lambda *args: None)
     llm = make_llm(tiny_llama4_path, comb_plugin=str(peaked_plugin))
     plugin = llm.engine.comb if policy == "comb" else None
     picks, probed, probe = [], [], llm.engine.runner.focus_weights

@@ -164,6 +164,28 @@ def test_paged_prefill_is_causal_softmax_attention(lib, seed, data, dtype, n_thr
     _close(out, want, dtype)
 
 
+@PROPERTY
+@given(seed=seeds, data=st.data(), dtype=dtypes, n_threads=threads, heads=head_shapes, n=st.integers(1, 700),
+       rows=st.integers(1, 8), run=st.sampled_from([1, 40, 300]))
+def test_paged_scores_are_the_scaled_causal_scores(lib, seed, data, dtype, n_threads, heads, n, rows, run):
+    """A few rows' scores against one sequence's keys, before the softmax (the focus probe's):
+    scaled, -inf after each row's position, the first keys moved each its own way or in runs."""
+    torch.manual_seed(seed)
+    kv_heads, group, dim = heads
+    k_cache, v_cache, tables, keys, values = _cache(data, dtype, [n], 16, kv_heads, dim)
+    moved = data.draw(st.sampled_from([0, n // 2, n]))
+    rotation = KeyRotation.from_angles(*_angles(moved, dim, run), kv_heads) if moved else None
+    moved_keys = keys[0].float() if rotation is None else rotation.apply(keys[0].float())
+    positions = torch.randint(0, n, (rows,))
+    q = torch.randn(rows, kv_heads * group, dim).to(dtype)
+    with _threads(n_threads):
+        got = cpu_kernel.paged_scores(q, k_cache, tables[0], positions, n, dim ** -0.5,
+                                      torch_ref.key_rotations([rotation]))
+    want = torch.einsum("thd,khd->htk", q.double(), moved_keys.double().repeat_interleave(group, 1)) * dim ** -0.5
+    want = want.masked_fill(torch.arange(n)[None, None] > positions[None, :, None], float("-inf"))
+    _close(got, want, torch.float32, scale=10.0 if dtype == torch.bfloat16 else 1.0)
+
+
 gemm_shapes = st.tuples(st.integers(1, 600), st.integers(1, 300), st.integers(1, 200))
 
 

@@ -100,6 +100,31 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+def paged_scores(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
+                 context_len: int, scale: float,
+                 rotations: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor | None:
+    """The scaled scores, before the softmax, of one sequence's few query rows q [T, heads, D]
+    (at `positions` [T]) against its first context_len cached keys (block_table [max_blocks];
+    `rotations` from key_rotations, for this one sequence), as [heads, T, context_len] float32,
+    -inf where a key stands after a row's position. None where the kernel cannot run it."""
+    if not _fits(q, k_cache, k_cache) or q.shape[0] * q.shape[1] // k_cache.shape[2] > 256:  # its TILE_ROWS
+        return None
+    kernel = load("prefill")
+    if kernel is None:
+        return None
+    q, table, positions = q.contiguous(), block_table.long().contiguous(), positions.long().contiguous()
+    rows, heads, dim = q.shape
+    scores = torch.empty(heads, rows, context_len)
+    rot_starts, rot_ids, rot_cos, rot_sin = (t.data_ptr() for t in rotations) if rotations is not None else (None,) * 4
+    num_angles = len(rotations[2]) if rotations is not None else 0
+    status = kernel.paged_scores(q.data_ptr(), k_cache.data_ptr(), scores.data_ptr(), table.data_ptr(),
+                                 positions.data_ptr(), context_len, rot_starts, rot_ids, rot_cos, rot_sin, num_angles,
+                                 rows, table.shape[0], heads, k_cache.shape[2], dim, k_cache.shape[1], scale,
+                                 native.DTYPES[q.dtype], native.DTYPES[k_cache.dtype])
+    _raise_on(status, "paged_scores", q, k_cache)
+    return scores
+
+
 def centroid_topk(centroids: torch.Tensor, block_ids: torch.Tensor, own: torch.Tensor, q: torch.Tensor,
                   sinks: int, recent: int, slots: int, table: torch.Tensor) -> int | None:
     """Block top-k's picks (csrc/block_pick.c) written into `table` (int64, contiguous): the ids,

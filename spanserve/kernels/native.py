@@ -148,6 +148,8 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     entries = {
         "paged_decode": ([pointer] * 6 + [i64, i64, i32, i32, i32, i32, f32, i32, i32], i32),
         "paged_prefill": ([pointer] * 12 + [i64, i64, i64, i64, i32, i32, i32, i32, f32, i32, i32], i32),
+        "paged_scores": ([pointer] * 5 + [i64] + [pointer] * 4 + [i64, i64, i64, i32, i32, i32, i32, f32, i32, i32],
+                         i32),
         "int8_gemm": ([pointer] * 6 + [i64, i64, i64, i64, i32], i32),
         "f32_gemm": ([pointer] * 4 + [i64, i64, i64, i64], i32),
         "f32_gemm_int8w": ([pointer] * 5 + [i64, i64, i64, i64], i32),

@@ -164,13 +164,14 @@ static void load_panels(const Args *a, Scratch *s, int64_t seq, int kv, int64_t 
         }
         int64_t index = indices[t];
         float *key = s->keys + t * a->dim, *value = s->values + t * a->dim;
+        s->value_rows[t] = zero_row; /* unless read: scores alone (paged_scores) read no values */
         if (a->kv_dtype == 0) {
-            s->value_rows[t] = (const float *)a->v_cache + index;
+            if (a->v_cache != NULL) s->value_rows[t] = (const float *)a->v_cache + index;
             s->key_rows[t] = (const float *)a->k_cache + index;
         } else {
-            load_floats(a->v_cache, index, a->dim, a->kv_dtype, value);
+            if (a->v_cache != NULL) load_floats(a->v_cache, index, a->dim, a->kv_dtype, value);
             load_floats(a->k_cache, index, a->dim, a->kv_dtype, key);
-            s->value_rows[t] = value;
+            if (a->v_cache != NULL) s->value_rows[t] = value;
             s->key_rows[t] = key;
         }
         if (!as_stored && rotated(a, seq, kbegin + t)) {
@@ -663,6 +664,37 @@ static void run_task(const Args *a, Scratch *s, const Unit *u, const Task *task,
     }
 }
 
+/* A thread's scratch for units of a.row_groups row groups; 0 if out of memory. */
+static int scratch_new(const Args *a, Scratch *s) {
+    int dim = a->dim;
+    *s = (Scratch){
+        .queries = aligned_alloc(64, a->row_groups * dim * sizeof(vf)),
+        .moved_queries = aligned_alloc(64, a->row_groups * dim * sizeof(vf)),
+        .rows_pos = aligned_alloc(64, a->row_groups * sizeof(vi)),
+        .min_pos = malloc(2 * a->row_groups * sizeof(int64_t)),
+        .keys = malloc(LANES * dim * sizeof(float)),
+        .values = malloc(LANES * dim * sizeof(float)),
+        .query_pairs = aligned_alloc(64, (size_t)a->row_groups * (dim / 2 + 1) * LANES * sizeof(uint32_t)),
+        .key_pairs = malloc(LANES * (dim / 2 + 1) * sizeof(uint32_t)),
+        .value_pairs = malloc(LANES * dim * sizeof(uint32_t)),
+    };
+    s->max_pos = s->min_pos ? s->min_pos + a->row_groups : NULL;
+    return s->queries && s->moved_queries && s->rows_pos && s->min_pos && s->keys && s->values && s->query_pairs &&
+           s->key_pairs && s->value_pairs;
+}
+
+static void scratch_free(Scratch *s) {
+    free(s->queries);
+    free(s->moved_queries);
+    free(s->rows_pos);
+    free(s->min_pos);
+    free(s->keys);
+    free(s->values);
+    free(s->query_pairs);
+    free(s->key_pairs);
+    free(s->value_pairs);
+}
+
 /* Unit u's task states merged into its output rows. */
 static void merge(const Args *a, const Unit *u, const vf *states, int64_t task_stride) {
     int dim = a->dim, width = dim + 2, rows = u->tokens * a->groups;
@@ -792,21 +824,8 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void 
 #pragma omp parallel if (!failed)
     {
         FLUSH_DENORMALS_BEGIN
-        Scratch s = {
-            .queries = aligned_alloc(64, a.row_groups * dim * sizeof(vf)),
-            .moved_queries = aligned_alloc(64, a.row_groups * dim * sizeof(vf)),
-            .rows_pos = aligned_alloc(64, a.row_groups * sizeof(vi)),
-            .min_pos = malloc(2 * a.row_groups * sizeof(int64_t)),
-            .keys = malloc(LANES * dim * sizeof(float)),
-            .values = malloc(LANES * dim * sizeof(float)),
-            .query_pairs = aligned_alloc(64, (size_t)a.row_groups * (dim / 2 + 1) * LANES * sizeof(uint32_t)),
-            .key_pairs = malloc(LANES * (dim / 2 + 1) * sizeof(uint32_t)),
-            .value_pairs = malloc(LANES * dim * sizeof(uint32_t)),
-        };
-        s.max_pos = s.min_pos ? s.min_pos + a.row_groups : NULL;
-        if (!s.queries || !s.moved_queries || !s.rows_pos || !s.min_pos || !s.keys || !s.values || !s.query_pairs ||
-            !s.key_pairs || !s.value_pairs)
-            failed = 1;
+        Scratch s;
+        if (!scratch_new(&a, &s)) failed = 1;
         /* The most work first, so that the threads end together: in a causal prompt the latest
          * tasks; among a relinked prompt's rows, the first keys, which every row reads. */
 #pragma omp for schedule(dynamic, 1)
@@ -815,20 +834,111 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void 
 #pragma omp for schedule(dynamic, 4)
         for (int64_t u = 0; u < num_units; u++)
             if (!failed) merge(&a, &units[u], states, task_stride);
-        free(s.queries);
-        free(s.moved_queries);
-        free(s.rows_pos);
-        free(s.min_pos);
-        free(s.keys);
-        free(s.values);
-        free(s.query_pairs);
-        free(s.key_pairs);
-        free(s.value_pairs);
+        scratch_free(&s);
         FLUSH_DENORMALS_END
     }
     free(order);
     free(states);
     free(tasks);
     free(units);
+    return failed ? -3 : 0;
+}
+
+/* Scores, not attention: the scaled scores of a few query rows against their sequence's cached
+ * keys, before the softmax, for a caller that weighs keys by them (the focus probe's voting
+ * heads, engine/runner.py). One sequence: q [T, H, D], block_table [max_blocks], positions [T],
+ * keys 0 .. context_len - 1 (moved as paged_prefill moves them); scores [H, T, context_len]
+ * float32, -inf where a key stands after a row's position. Rows are read in paged_prefill's
+ * layout, a KV head's query heads together; tasks are a KV head's keys in ranges. */
+#define SCORE_RANGE 512
+
+static void store_scores(const Args *a, const Unit *u, int g0, int groups, int64_t kbegin, int n,
+                         vf scores[MAX_GROUPS][LANES], float *out, int64_t context_len) {
+    int rows = u->tokens * a->groups;
+    for (int g = 0; g < groups; g++)
+        for (int lane = 0; lane < LANES && (g0 + g) * LANES + lane < rows; lane++) {
+            int r = (g0 + g) * LANES + lane, token = r / a->groups, head = u->kv_head * a->groups + r % a->groups;
+            int64_t position = a->positions[token];
+            float *row = out + ((int64_t)head * u->tokens + token) * context_len + kbegin;
+            if (kbegin + n - 1 <= position)
+                for (int t = 0; t < n; t++) row[t] = scores[g][t][lane];
+            else
+                for (int t = 0; t < n; t++) row[t] = kbegin + t <= position ? scores[g][t][lane] : -INFINITY;
+        }
+}
+
+/* The scores of row groups g .. g + groups - 1 against the panel, with constant counts. */
+ALWAYS_INLINE void score_panel(const Scratch *s, const vf *queries, int g, int groups, int dim,
+                               vf scores[MAX_GROUPS][LANES]) {
+    for (int k0 = 0; k0 < LANES; k0 += SCORE_KEYS[groups])
+        score_keys(queries + g * dim, s->key_rows, dim, groups, k0, SCORE_KEYS[groups], scores);
+}
+
+#define SCORE_FOR_DIM(groups) \
+    case groups: \
+        if (dim == 64) score_panel(s, queries, g, groups, 64, scores); \
+        else if (dim == 128) score_panel(s, queries, g, groups, 128, scores); \
+        else score_panel(s, queries, g, groups, dim, scores); \
+        break;
+
+static void score_groups(const Scratch *s, const vf *queries, int g, int groups, int dim,
+                         vf scores[MAX_GROUPS][LANES]) {
+    switch (groups) {
+        SCORE_FOR_DIM(1)
+        SCORE_FOR_DIM(2)
+        SCORE_FOR_DIM(3)
+#if MAX_GROUPS == 4
+        SCORE_FOR_DIM(4)
+#endif
+    }
+}
+
+static void score_range(const Args *a, Scratch *s, const Unit *u, int64_t kbegin, int64_t kend, float *out,
+                        int64_t context_len) {
+    int dim = a->dim, row_groups = (u->tokens * a->groups + LANES - 1) / LANES;
+    load_queries(a, s, u);
+    s->moved_id = -1;
+    for (int64_t k = kbegin; k < kend; k += LANES) {
+        int n = kend - k < LANES ? (int)(kend - k) : LANES, as_stored;
+        const vf *queries = panel_queries(a, s, u, row_groups, k, n, kend, &as_stored);
+        load_panels(a, s, u->seq, u->kv_head, k, n, as_stored);
+        for (int g = 0; g < row_groups; g += MAX_GROUPS) {
+            int groups = row_groups - g < MAX_GROUPS ? row_groups - g : MAX_GROUPS;
+            vf scores[MAX_GROUPS][LANES];
+            score_groups(s, queries, g, groups, dim, scores);
+            store_scores(a, u, g, groups, k, n, scores, out, context_len);
+        }
+    }
+}
+
+int paged_scores(const void *q, const void *k_cache, float *scores, const int64_t *block_table,
+                 const int64_t *positions, int64_t context_len, const int64_t *rot_starts, const int32_t *rot_ids,
+                 const float *rot_cos, const float *rot_sin, int64_t num_angles, int64_t num_rows, int64_t max_blocks,
+                 int heads, int kv_heads, int dim, int block_size, float scale, int dtype, int kv_dtype) {
+    const int64_t query_starts[2] = {0, num_rows};
+    Args a = {q, k_cache, NULL, NULL, block_table, query_starts, positions, &context_len, rot_starts, rot_ids,
+              rot_cos, rot_sin, max_blocks, heads, kv_heads, dim, block_size, dtype, kv_dtype, 0, 0, 0, scale, 0};
+    int status = check(&a, 1, num_rows, num_angles);
+    if (status != 0) return status;
+    a.groups = heads / kv_heads;
+    if (num_rows * a.groups > TILE_ROWS) return -2; /* a few rows: one unit a KV head */
+    a.row_groups = (int)((num_rows * a.groups + LANES - 1) / LANES);
+    int64_t ranges = (context_len + SCORE_RANGE - 1) / SCORE_RANGE;
+    int failed = 0;
+#pragma omp parallel
+    {
+        FLUSH_DENORMALS_BEGIN
+        Scratch s;
+        int ready = scratch_new(&a, &s);
+        if (!ready) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < kv_heads * ranges; task++) {
+            Unit u = {0, 0, context_len, (int)num_rows, (int)(task / ranges), 0, 1};
+            int64_t begin = task % ranges * SCORE_RANGE, end = begin + SCORE_RANGE < context_len ? begin + SCORE_RANGE : context_len;
+            if (ready) score_range(&a, &s, &u, begin, end, scores, context_len);
+        }
+        scratch_free(&s);
+        FLUSH_DENORMALS_END
+    }
     return failed ? -3 : 0;
 }
