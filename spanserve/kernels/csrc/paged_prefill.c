@@ -31,7 +31,7 @@
  * [angles, D / 2] float32: sequence b's first rot_starts[b + 1] - rot_starts[b] keys move (span keys
  * reused at new positions), key j by the angles of row rot_ids[rot_starts[b] + j], so that shared
  * blocks are never rewritten. The keys of one reused document share a row: where a run of keys
- * does, its queries are moved back once instead of each key forward (rotate_queries).
+ * does, its queries are moved back once instead of each key forward (move_group).
  */
 /* A row's output must not depend on the rows it is computed with: a prompt's last tokens computed
  * after a prefix-cache hit must give the bits that prompt computed whole gives. -ffast-math lets
@@ -94,8 +94,10 @@ typedef struct {
 
 typedef struct { /* one thread's scratch */
     vf *queries;          /* [row_groups][dim] */
-    vf *moved_queries;    /* [row_groups][dim]: queries moved back by the angles of row moved_id */
-    int64_t moved_id;     /* -1: none yet */
+    vf *moved_queries;    /* [row_groups][dim]: queries moved back by the angles of row moved_ids[g] */
+    int64_t *moved_ids;   /* [row_groups]: -1 none yet */
+    int64_t decided_id;   /* the angle row stored_angle last decided for (-2: none), and what */
+    int decided;
     vi *rows_pos;         /* [row_groups] */
     int64_t *min_pos;     /* [row_groups]: the least position of a row group's real rows */
     int64_t *max_pos;     /* [row_groups]: the greatest (in min_pos's allocation) */
@@ -232,35 +234,46 @@ static int angle_run_reaches(const Args *a, int64_t seq, int64_t kbegin, int64_t
     return 1;
 }
 
-/* The unit's query columns moved back by angle row `id`: keys that all move by one rotation R are
- * read as stored by queries moved by its transpose (q . Rk = R^T q . k), so a run of a reused
- * document's keys costs one rotation of each row instead of one of each key. A warm RAG prompt's
- * probe (54 rows over 4k keys of 16 moved documents) spent a fifth of its attention rotating keys. */
-static void rotate_queries(const Args *a, Scratch *s, int row_groups, int64_t id) {
+/* Row group g's query columns moved back by angle row `id`, unless they are already: keys that all
+ * move by one rotation R are read as stored by queries moved by its transpose (q . Rk = R^T q . k),
+ * so a run of a reused document's keys costs one rotation of each row that reads it instead of one
+ * of each key. A warm RAG prompt's probe (54 rows over 4k keys of 16 moved documents) spent a fifth
+ * of its attention rotating keys. */
+static void move_group(const Args *a, Scratch *s, int g, int64_t id) {
+    if (s->moved_ids[g] == id) return;
     int dim = a->dim, half = dim / 2;
     const float *cos = a->rot_cos + id * half, *sin = a->rot_sin + id * half;
-    for (int g = 0; g < row_groups; g++) {
-        const vf *q = s->queries + g * dim;
-        vf *out = s->moved_queries + g * dim;
-        for (int i = 0; i < half; i++) {
-            vf c = splat(cos[i]), sn = splat(sin[i]);
-            out[i] = q[i] * c + q[i + half] * sn;
-            out[i + half] = q[i + half] * c - q[i] * sn;
-        }
+    const vf *q = s->queries + g * dim;
+    vf *out = s->moved_queries + g * dim;
+    for (int i = 0; i < half; i++) {
+        vf c = splat(cos[i]), sn = splat(sin[i]);
+        out[i] = q[i] * c + q[i + half] * sn;
+        out[i + half] = q[i + half] * c - q[i] * sn;
     }
-    s->moved_id = id;
+    s->moved_ids[g] = id;
 }
 
-/* The queries that read panel kbegin .. kbegin + n - 1 as loaded, setting *as_stored: moved ones
- * where its keys all move by one rotation that lasts at least as many keys as the unit has rows
- * (moving a row costs about what moving a key does), else the queries as they are. */
-static const vf *panel_queries(const Args *a, Scratch *s, const Unit *u, int row_groups, int64_t kbegin, int n,
-                               int64_t kend, int *as_stored) {
+/* The angle row by which the unit's moved queries read panel kbegin .. kbegin + n - 1 as stored,
+ * or -1: its keys are rotated as they are loaded. Moved queries where the panel's keys all move by
+ * one rotation that lasts at least as many keys as there are rows that see its first key (moving
+ * a row costs about what moving a key does, and each row group moves once a run, when it first
+ * reads one); decided at a run's first panel. */
+static int64_t stored_angle(const Args *a, Scratch *s, const Unit *u, int row_groups, int64_t kbegin, int n,
+                            int64_t kend) {
     int64_t id = panel_angle(a, u->seq, kbegin, n);
-    *as_stored = id >= 0 && (id == s->moved_id || angle_run_reaches(a, u->seq, kbegin, kend, 2 * row_groups * LANES));
-    if (!*as_stored) return s->queries;
-    if (id != s->moved_id) rotate_queries(a, s, row_groups, id);
-    return s->moved_queries;
+    if (id != s->decided_id) {
+        int seeing = 0;
+        for (int g = 0; g < row_groups; g++) seeing += s->max_pos[g] >= kbegin;
+        s->decided_id = id;
+        s->decided = id >= 0 && angle_run_reaches(a, u->seq, kbegin, kend, (int64_t)seeing * LANES);
+    }
+    return s->decided ? id : -1;
+}
+
+/* A task's start: no queries moved yet, nothing decided. */
+static void forget_moves(Scratch *s, int row_groups) {
+    for (int g = 0; g < row_groups; g++) s->moved_ids[g] = -1;
+    s->decided_id = -2;
 }
 
 /* Up to MAX_GROUPS row groups are stepped together, so that a key element broadcast once serves
@@ -638,7 +651,7 @@ static void run_task(const Args *a, Scratch *s, const Unit *u, const Task *task,
     else
 #endif
         load_queries(a, s, u);
-    s->moved_id = -1;
+    forget_moves(s, row_groups);
     for (int g = 0; g < row_groups; g++) {
         vf *st = state + g * width;
         for (int d = 0; d < a->dim; d++) st[d] = splat(0.0f);
@@ -656,11 +669,12 @@ static void run_task(const Args *a, Scratch *s, const Unit *u, const Task *task,
             continue;
         }
 #endif
-        int as_stored;
-        const vf *queries = panel_queries(a, s, u, row_groups, k, n, task->kend, &as_stored);
-        load_panels(a, s, u->seq, u->kv_head, k, n, as_stored);
-        for (; (run = seeing_groups(s, row_groups, k, &g)) > 0; g += run)
-            step(s, queries, g, run, k, n, state + g * width, a->dim);
+        int64_t stored = stored_angle(a, s, u, row_groups, k, n, task->kend);
+        load_panels(a, s, u->seq, u->kv_head, k, n, stored >= 0);
+        for (; (run = seeing_groups(s, row_groups, k, &g)) > 0; g += run) {
+            for (int j = g; stored >= 0 && j < g + run; j++) move_group(a, s, j, stored);
+            step(s, stored >= 0 ? s->moved_queries : s->queries, g, run, k, n, state + g * width, a->dim);
+        }
     }
 }
 
@@ -670,6 +684,7 @@ static int scratch_new(const Args *a, Scratch *s) {
     *s = (Scratch){
         .queries = aligned_alloc(64, a->row_groups * dim * sizeof(vf)),
         .moved_queries = aligned_alloc(64, a->row_groups * dim * sizeof(vf)),
+        .moved_ids = malloc(a->row_groups * sizeof(int64_t)),
         .rows_pos = aligned_alloc(64, a->row_groups * sizeof(vi)),
         .min_pos = malloc(2 * a->row_groups * sizeof(int64_t)),
         .keys = malloc(LANES * dim * sizeof(float)),
@@ -679,13 +694,14 @@ static int scratch_new(const Args *a, Scratch *s) {
         .value_pairs = malloc(LANES * dim * sizeof(uint32_t)),
     };
     s->max_pos = s->min_pos ? s->min_pos + a->row_groups : NULL;
-    return s->queries && s->moved_queries && s->rows_pos && s->min_pos && s->keys && s->values && s->query_pairs &&
+    return s->queries && s->moved_queries && s->moved_ids && s->rows_pos && s->min_pos && s->keys && s->values && s->query_pairs &&
            s->key_pairs && s->value_pairs;
 }
 
 static void scratch_free(Scratch *s) {
     free(s->queries);
     free(s->moved_queries);
+    free(s->moved_ids);
     free(s->rows_pos);
     free(s->min_pos);
     free(s->keys);
@@ -897,15 +913,17 @@ static void score_range(const Args *a, Scratch *s, const Unit *u, int64_t kbegin
                         int64_t context_len) {
     int dim = a->dim, row_groups = (u->tokens * a->groups + LANES - 1) / LANES;
     load_queries(a, s, u);
-    s->moved_id = -1;
+    load_positions(a, s, u);
+    forget_moves(s, row_groups);
     for (int64_t k = kbegin; k < kend; k += LANES) {
-        int n = kend - k < LANES ? (int)(kend - k) : LANES, as_stored;
-        const vf *queries = panel_queries(a, s, u, row_groups, k, n, kend, &as_stored);
-        load_panels(a, s, u->seq, u->kv_head, k, n, as_stored);
+        int n = kend - k < LANES ? (int)(kend - k) : LANES;
+        int64_t stored = stored_angle(a, s, u, row_groups, k, n, kend);
+        load_panels(a, s, u->seq, u->kv_head, k, n, stored >= 0);
         for (int g = 0; g < row_groups; g += MAX_GROUPS) {
             int groups = row_groups - g < MAX_GROUPS ? row_groups - g : MAX_GROUPS;
             vf scores[MAX_GROUPS][LANES];
-            score_groups(s, queries, g, groups, dim, scores);
+            for (int j = g; stored >= 0 && j < g + groups; j++) move_group(a, s, j, stored);
+            score_groups(s, stored >= 0 ? s->moved_queries : s->queries, g, groups, dim, scores);
             store_scores(a, u, g, groups, k, n, scores, out, context_len);
         }
     }
