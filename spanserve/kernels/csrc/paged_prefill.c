@@ -678,18 +678,23 @@ static void run_task(const Args *a, Scratch *s, const Unit *u, const Task *task,
     }
 }
 
+/* `size` bytes aligned to 64 (aligned_alloc takes whole multiples of the alignment). */
+static void *aligned64(size_t size) {
+    return aligned_alloc(64, (size + 63) / 64 * 64);
+}
+
 /* A thread's scratch for units of a.row_groups row groups; 0 if out of memory. */
 static int scratch_new(const Args *a, Scratch *s) {
     int dim = a->dim;
     *s = (Scratch){
-        .queries = aligned_alloc(64, a->row_groups * dim * sizeof(vf)),
-        .moved_queries = aligned_alloc(64, a->row_groups * dim * sizeof(vf)),
+        .queries = aligned64(a->row_groups * dim * sizeof(vf)),
+        .moved_queries = aligned64(a->row_groups * dim * sizeof(vf)),
         .moved_ids = malloc(a->row_groups * sizeof(int64_t)),
-        .rows_pos = aligned_alloc(64, a->row_groups * sizeof(vi)),
+        .rows_pos = aligned64(a->row_groups * sizeof(vi)),
         .min_pos = malloc(2 * a->row_groups * sizeof(int64_t)),
         .keys = malloc(LANES * dim * sizeof(float)),
         .values = malloc(LANES * dim * sizeof(float)),
-        .query_pairs = aligned_alloc(64, (size_t)a->row_groups * (dim / 2 + 1) * LANES * sizeof(uint32_t)),
+        .query_pairs = aligned64((size_t)a->row_groups * (dim / 2 + 1) * LANES * sizeof(uint32_t)),
         .key_pairs = malloc(LANES * (dim / 2 + 1) * sizeof(uint32_t)),
         .value_pairs = malloc(LANES * dim * sizeof(uint32_t)),
     };
@@ -823,7 +828,7 @@ int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void 
     int64_t num_units, num_tasks, task_stride = (int64_t)a.row_groups * (dim + 2);
     Unit *units = plan_units(&a, num_seqs, &num_units, &num_tasks);
     Task *tasks = units ? malloc((num_tasks ? num_tasks : 1) * sizeof(Task)) : NULL;
-    vf *states = tasks ? aligned_alloc(64, (num_tasks ? num_tasks : 1) * task_stride * sizeof(vf)) : NULL;
+    vf *states = tasks ? aligned64((num_tasks ? num_tasks : 1) * task_stride * sizeof(vf)) : NULL;
     const Task **order = states ? malloc((num_tasks ? num_tasks : 1) * sizeof(Task *)) : NULL;
     int failed = order == NULL; /* out of memory: nothing is computed, the caller raises */
     for (int64_t u = 0; !failed && u < num_units; u++) {
