@@ -699,8 +699,8 @@ static int scratch_new(const Args *a, Scratch *s) {
         .value_pairs = malloc(LANES * dim * sizeof(uint32_t)),
     };
     s->max_pos = s->min_pos ? s->min_pos + a->row_groups : NULL;
-    return s->queries && s->moved_queries && s->moved_ids && s->rows_pos && s->min_pos && s->keys && s->values && s->query_pairs &&
-           s->key_pairs && s->value_pairs;
+    return s->queries && s->moved_queries && s->moved_ids && s->rows_pos && s->min_pos && s->keys && s->values &&
+           s->query_pairs && s->key_pairs && s->value_pairs;
 }
 
 static void scratch_free(Scratch *s) {
@@ -812,9 +812,8 @@ static int most_work_first(const void *x, const void *y) {
 int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void *out, const int64_t *block_tables,
                   const int64_t *query_starts, const int64_t *positions, const int64_t *context_lens,
                   const int64_t *rot_starts, const int32_t *rot_ids, const float *rot_cos, const float *rot_sin,
-                  int64_t num_angles, int64_t num_seqs,
-                  int64_t num_rows, int64_t max_blocks, int heads, int kv_heads, int dim, int block_size, float scale,
-                  int dtype, int kv_dtype) {
+                  int64_t num_angles, int64_t num_seqs, int64_t num_rows, int64_t max_blocks, int heads, int kv_heads,
+                  int dim, int block_size, float scale, int dtype, int kv_dtype) {
     Args a = {q, k_cache, v_cache, out, block_tables, query_starts, positions, context_lens, rot_starts, rot_ids,
               rot_cos, rot_sin, max_blocks, heads, kv_heads, dim, block_size, dtype, kv_dtype, 0, 0, 0, scale, 0};
 #if defined(PAIR_DOT)
@@ -957,7 +956,8 @@ int paged_scores(const void *q, const void *k_cache, float *scores, const int64_
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < kv_heads * ranges; task++) {
             Unit u = {0, 0, context_len, (int)num_rows, (int)(task / ranges), 0, 1};
-            int64_t begin = task % ranges * SCORE_RANGE, end = begin + SCORE_RANGE < context_len ? begin + SCORE_RANGE : context_len;
+            int64_t begin = task % ranges * SCORE_RANGE;
+            int64_t end = begin + SCORE_RANGE < context_len ? begin + SCORE_RANGE : context_len;
             if (ready) score_range(&a, &s, &u, begin, end, scores, context_len);
         }
         scratch_free(&s);
