@@ -366,8 +366,9 @@ class ModelRunner:
         """[heads, queries, keys]: the attention weight that layer `layer`'s queries from
         hidden states x (at `positions`) give a sequence's first ctx_len keys (its cache `blocks`),
         as the layer's attention computes it (span keys moved to their real positions by
-        `rotation`, causal). The scores come from the C kernel where it runs (0.2 ms against 3-4
-        for the torch path's gather, rotation and matmul over a warm RAG prompt's 4k keys)."""
+        `rotation`, causal). The scores come from the C kernel where it runs: a warm RAG prompt's
+        three voting layers over 4k keys took 7.8 ms against the torch path's 13.2 (its gather of
+        the keys, their rotation and a matmul; SmolLM2, AMD EPYC Zen 3)."""
         block = self.model.layers[layer]
         attn = block.self_attn
         q = attn.queries(block.input_layernorm(x), positions)
