@@ -78,7 +78,7 @@ class TorchAttention(AttentionBackend):
         whole = rows is None
         with attention_threads(q.shape[1] * work):
             result = paged_prefill(q if whole else q[rows], k_cache, v_cache, tables, query_starts, positions, lens,
-                                   scale, out if whole else None, _step_rotations(meta, chunks))
+                                   scale, out if whole else None, step_rotations(meta, chunks))
         if result is None:
             return everyone
         if result is not out:  # a part of the step, or an `out` the kernel could not write in place
@@ -171,8 +171,9 @@ def _prefill_plan(meta: AttentionMetadata, starts: list[int], device):
     return meta.derived[key]
 
 
-def _step_rotations(meta: AttentionMetadata, seqs: list[int]):
-    """key_rotations of sequences `seqs`: the same in every layer, so made once per step."""
+def step_rotations(meta: AttentionMetadata, seqs: list[int]):
+    """key_rotations of sequences `seqs`: the same in every layer, so made once per step (and kept
+    in meta.derived for whoever reads the same step's keys: the focus probe's scores)."""
     if not meta.key_rotation:
         return None
     key = ("prefill_rotations", tuple(seqs))

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from spanserve.attention import AttentionMetadata, KeyRotation, SpanShare
-from spanserve.attention.torch_ref import fold_query_heads, key_rotations, store_kv
+from spanserve.attention.torch_ref import fold_query_heads, step_rotations, store_kv
 from spanserve.attention.triton_paged import TritonAttention
 from spanserve.engine.cuda_graphs import DecodeGraphs
 from spanserve.engine.sampler import Sample, sample, verify
@@ -331,7 +331,6 @@ class ModelRunner:
         weights = []
         hidden = self.model.embed_tokens(self._tensor([req.token_ids[t] for t in rows]))
         meta = self._probe_meta(req, rows, rows[:0], n)  # the same in every layer
-        blocks, rotation = meta.block_tables[0], meta.key_rotation[0]  # the request's own (_probe_meta)
         # Entered once around the layers, the plug-in's hooks go on once (120 projections: 0.28 ms
         # each time); the voters' context inside only names its rows.
         with self._reading(req, len(rows)):
@@ -343,7 +342,7 @@ class ModelRunner:
                     self._store_keys(layer, hidden, meta)
                 if layer in voters.by_layer:
                     with self._reading(req, len(watched)):
-                        heads = self._attention_weights(layer, queries, watched, blocks, n, rotation)
+                        heads = self._attention_weights(layer, queries, watched, meta)
                     weights.append(heads[voters.by_layer[layer]])
         return torch.cat(weights)
 
@@ -361,26 +360,26 @@ class ModelRunner:
             return self._encoding([], list(range(num_rows)))
         return nullcontext()
 
-    def _attention_weights(self, layer: int, x: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor,
-                           ctx_len: int, rotation: KeyRotation | None) -> torch.Tensor:
+    def _attention_weights(self, layer: int, x: torch.Tensor, positions: torch.Tensor,
+                           meta: AttentionMetadata) -> torch.Tensor:
         """[heads, queries, keys]: the attention weight that layer `layer`'s queries from
-        hidden states x (at `positions`) give a sequence's first ctx_len keys (its cache `blocks`),
-        as the layer's attention computes it (span keys moved to their real positions by
-        `rotation`, causal). The scores come from the C kernel where it runs: a warm RAG prompt's
-        three voting layers over 4k keys took 7.8 ms against the torch path's 13.2 (its gather of
-        the keys, their rotation and a matmul; SmolLM2, AMD EPYC Zen 3)."""
+        hidden states x (at `positions`) give the keys of a probe's one sequence (`meta`, its
+        _probe_meta: its blocks, context length and rotation), as the layer's attention computes
+        it (span keys moved to their real positions, causal). The scores come from the C kernel
+        where it runs: a warm RAG prompt's three voting layers over 4k keys took 7.8 ms against
+        the torch path's 13.2 (its gather of the keys, their rotation and a matmul; SmolLM2, AMD
+        EPYC Zen 3)."""
         block = self.model.layers[layer]
         attn = block.self_attn
         q = attn.queries(block.input_layernorm(x), positions)
-        k_cache = self.kv_cache[layer, 0]
-        angles = key_rotations([rotation]) if rotation is not None else None
-        scores = cpu_kernel.paged_scores(q, k_cache, blocks, positions, ctx_len, attn.scale, angles)
+        k_cache, blocks, ctx_len = self.kv_cache[layer, 0], meta.block_tables[0], meta.context_lens[0]
+        scores = cpu_kernel.paged_scores(q, k_cache, blocks, positions, ctx_len, attn.scale, step_rotations(meta, [0]))
         if scores is None:
             tokens = torch.arange(ctx_len, device=blocks.device)
             keys = k_cache.flatten(0, 1)[blocks[tokens // self.block_size] * self.block_size
                                          + tokens % self.block_size]  # a gathered copy: rotated in place
-            if rotation is not None:
-                rotation.rotate_(keys)
+            if meta.key_rotation[0] is not None:
+                meta.key_rotation[0].rotate_(keys)
             # each KV head's query heads in one matmul: [kv_heads, groups * queries, keys]
             folded = fold_query_heads(q.float(), attn.num_kv_heads)
             scores = torch.matmul(folded, keys.float().permute(1, 2, 0)) * attn.scale
