@@ -53,9 +53,9 @@ def run(args: argparse.Namespace) -> dict:
     if result["decode_bf16_dot"] is not None:
         choice += ", decode attention " + ("dots bf16" if result["decode_bf16_dot"] else "widens bf16")
     result["gguf_block_projections"] = llm.engine.gguf_block_projections
-    result["fused_decode"] = llm.engine.runner.model.fused_decode is not None
-    if result["fused_decode"]:  # the profile sees one call for the layers: it counts in "rest"
-        choice += ", layers in one C call (fused_decode)"
+    result["fused_layers"] = llm.engine.runner.model.fused_layers is not None
+    if result["fused_layers"]:  # the profile sees one call for the layers: it counts in "rest"
+        choice += ", layers in one C call (fused_layers)"
     result["prefill_bf16_dot"] = llm.engine.runner.prefill_bf16_dot
     if result["prefill_bf16_dot"] is not None:
         choice += ", prefill attention " + ("dots bf16" if result["prefill_bf16_dot"] else "widens bf16")

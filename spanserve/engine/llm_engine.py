@@ -33,7 +33,7 @@ from spanserve.kv.hashing import extend_block_hashes
 from spanserve.kv.manager import KVCacheManager
 from spanserve.models import gguf_blocks, layout, quant
 from spanserve.models.config import ModelConfig
-from spanserve.models.fused_decode import FusedDecode
+from spanserve.models.fused_layers import FusedLayers
 from spanserve.models.loader import load_model, load_tokenizer, resolve_model
 from spanserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from spanserve.pic.layout import Anchor, PromptLayout, validate_spans
@@ -154,7 +154,7 @@ class LLMEngine:
         elif config.gguf_blocks and self.device.type == "cpu" and config.load_format != "dummy":
             int8 = config.gguf_block_activations == "int8"
             self.gguf_block_projections = gguf_blocks.keep_blocks(model, path, int8_activations=int8)
-            model.fused_decode = FusedDecode.of(model)  # a plain decode step's layers in one C call
+            model.fused_layers = FusedLayers.of(model)  # a step's layers in one C call
         if layout.wants_input_major(self.dtype, self.device):
             layout.store_weights(model, input_major=True)  # after quantize, which leaves no float32 Linear
         # bf16 on CPU: the most rows a projection runs in the C GEMM (calibrated), None otherwise

@@ -334,17 +334,27 @@ class ModelRunner:
         # Entered once around the layers, the plug-in's hooks go on once (120 projections: 0.28 ms
         # each time); the voters' context inside only names its rows.
         with self._reading(req, len(rows)):
-            for layer in range(voters.stop):  # no later layer votes: the probe stops there
-                queries = hidden[-len(watched):]
-                if layer < voters.stop - 1:  # (this layer's keys land in the request's blocks)
-                    hidden = self._probe_layer(req, layer, rows, rows[:0], hidden, n, meta)
-                else:  # the last voting layer's output is never read: its rows' keys are all it needs
-                    self._store_keys(layer, hidden, meta)
-                if layer in voters.by_layer:
-                    with self._reading(req, len(watched)):
-                        heads = self._attention_weights(layer, queries, watched, meta)
-                    weights.append(heads[voters.by_layer[layer]])
+            queries, done = {}, 0
+            for layer in sorted(voters.by_layer):  # (the layers' keys land in the request's blocks)
+                hidden = self._probe_layers(range(done, layer), hidden, meta)
+                queries[layer], done = hidden[-len(watched):], layer
+            self._store_keys(done, hidden, meta)  # the last voting layer's output is never read: only its keys
+            for layer, layer_queries in queries.items():  # each layer's keys are stored now
+                with self._reading(req, len(watched)):
+                    heads = self._attention_weights(layer, layer_queries, watched, meta)
+                weights.append(heads[voters.by_layer[layer]])
         return torch.cat(weights)
+
+    def _probe_layers(self, layers: range, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Model layers `layers` over a focus probe's rows (hidden states `hidden`, `meta` its
+        _probe_meta): in one C call where the model's fused layers take them."""
+        fused = self.model.fused_layers
+        out = fused(hidden, meta.positions, meta, layers) if fused is not None and len(layers) else None
+        if out is not None:
+            return out
+        for layer in layers:
+            hidden = self.model.layers[layer](hidden, meta.positions, meta)
+        return hidden
 
     def _store_keys(self, layer: int, hidden: torch.Tensor, meta: AttentionMetadata) -> None:
         """Write layer `layer`'s K and V of a probe's rows (hidden states `hidden`) where its

@@ -25,8 +25,8 @@ from spanserve.paths import cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "int8_gemm.c", CSRC / "f32_gemm.c",
-           CSRC / "block_gemm.c", CSRC / "layer_ops.c", CSRC / "block_pick.c", CSRC / "decode_layers.c"]
-HEADERS = [CSRC / "common.h", CSRC / "f32_gemm.h", CSRC / "decode_kernels.h", CSRC / "team.h"]
+           CSRC / "block_gemm.c", CSRC / "layer_ops.c", CSRC / "block_pick.c", CSRC / "fused_layers.c"]
+HEADERS = [CSRC / "common.h", CSRC / "f32_gemm.h", CSRC / "fused_kernels.h", CSRC / "team.h"]
 # Compiled with -ffast-math (for glibc's vector expf), linked without it: gcc 12 links a shared
 # library built with it to code that sets flush-to-zero for the whole process at load.
 # -Wno-psabi: vectors wider than the target's registers (a portable variant) only warn of an ABI
@@ -158,6 +158,7 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
         "block_gemm": ([pointer, pointer, i32, i32] + [pointer] * 4 + [i64, i64, i64, i64, i32], i32),
         "block_gemm_part": ([pointer, pointer, i32, i32] + [pointer] * 4 + [i64] * 5 + [i32, i32, i32], i32),
         "decode_layers": ([pointer, i64, pointer, pointer, i64] + [pointer] * 6, i32),
+        "prefill_layers": ([pointer, i64, pointer, pointer, i64] + [pointer] * 7, i32),
         "rms_norm": ([pointer] * 3 + [i64, i64, f32, i32], i32),
         "silu_mul": ([pointer] * 2 + [i64, i64, i32], i32),
         "rope_store": ([pointer] * 3 + [i64] * 3 + [pointer] * 3 + [i64] + [pointer] * 5

@@ -97,7 +97,7 @@ def is_thread_policy(hook) -> bool:
 
 
 def whole_step_threads():
-    """Inside a step: the whole pool for one call that runs a step's layers (models/fused_decode.py),
+    """Inside a step: the whole pool for one call that runs a step's layers (models/fused_layers.py),
     whose work pays for waking it. Outside a step, leaves the threads as they are."""
     return _threads_for(True)
 

@@ -123,9 +123,9 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # Set where a plain decode step's layers may run in one C call (models/fused_decode.py): a
-        # callable (hidden states, positions, meta) -> the last layer's output, or None to run them here.
-        self.fused_decode: Callable | None = None
+        # Set where a step's layers may run in one C call (models/fused_layers.py): a callable
+        # (hidden states, positions, meta, layers) -> those layers' output, or None to run them here.
+        self.fused_layers: Callable | None = None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata,
                 stop: Callable[[], bool] | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,18 +135,27 @@ class LlamaModel(nn.Module):
         of 29, none in a prefill chunk before a prompt's last). With `stop`, asked before every
         layer: raises ForwardStopped once it returns True."""
         x = self.embed_tokens(input_ids)
-        if self.fused_decode is not None and (keep is None or keep.shape[0] == x.shape[0]):  # every row kept
+        first = 0
+        # a prefill step that may stop runs layer by layer, to stop between two
+        if self.fused_layers is not None and (stop is None or max(meta.query_lens) == 1):
             if stop is not None and stop():
                 raise ForwardStopped
-            fused = self.fused_decode(x, positions, meta)
-            if fused is not None:
+            whole = keep is None or keep.shape[0] == x.shape[0]
+            # the last layer's output for `keep` alone is the Python layer's to compute
+            first = len(self.layers) - (0 if whole else 1)
+            fused = self.fused_layers(x, positions, meta, range(first))
+            if fused is None:
+                first = 0
+            elif whole:
                 return self.norm(fused if keep is None else fused[keep])
+            else:
+                x = fused
         tables = self.rope.tables(positions, x.dtype)  # the same in every layer
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
+        for i in range(first, len(self.layers)):
             if stop is not None and stop():
                 raise ForwardStopped
-            x = layer(x, positions, meta, tables, keep if i == last else None)
+            x = self.layers[i](x, positions, meta, tables, keep if i == last else None)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

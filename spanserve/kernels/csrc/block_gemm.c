@@ -25,7 +25,7 @@
 #include <stdlib.h>
 
 #include "common.h"
-#include "decode_kernels.h"
+#include "fused_kernels.h"
 #include "f32_gemm.h"
 #include "team.h"
 

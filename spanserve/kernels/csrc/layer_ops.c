@@ -13,7 +13,7 @@
 #include <stdlib.h>
 
 #include "common.h"
-#include "decode_kernels.h"
+#include "fused_kernels.h"
 
 #define MAX_DIM 65536
 #define ROWS_PER_THREAD_WORK (1 << 16) /* elements worth a second thread */

@@ -19,7 +19,7 @@
 #include <string.h>
 
 #include "common.h"
-#include "decode_kernels.h"
+#include "fused_kernels.h"
 #include "team.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && LANES == 16 /* its sums are 16-lane vf */

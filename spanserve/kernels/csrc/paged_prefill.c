@@ -47,6 +47,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "fused_kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && LANES == 16
 #define PAIR_DOT 1 /* bf16 pairs dotted with vdpbf16ps */

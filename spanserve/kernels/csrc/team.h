@@ -1,4 +1,4 @@
-/* A team of OpenMP threads that stays together through a decode step (decode_layers.c): one
+/* A team of OpenMP threads that stays together through a decode step (fused_layers.c): one
  * parallel region for all of a step's kernels, each thread taking its part of each, with a
  * barrier between kernels that spins. A parallel region per kernel wakes the pool per kernel,
  * some 120 times a step, and under OMP_WAIT_POLICY=PASSIVE every wake is a sleeping thread's

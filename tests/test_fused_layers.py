@@ -1,4 +1,4 @@
-"""A plain decode step's layers in one C call (models/fused_decode.py): taken where it applies,
+"""A plain decode step's layers in one C call (models/fused_layers.py): taken where it applies,
 and to the bit what the model's Python layers compute."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from spanserve import LLM, SamplingParams
 from spanserve.kernels import cpu_kernel
 from spanserve.models.catalog import CATALOG
-from spanserve.models.fused_decode import FusedDecode
+from spanserve.models.fused_layers import FusedLayers
 
 pytestmark = pytest.mark.skipif(cpu_kernel.load("gemm") is None, reason="no C kernels on this machine")
 
@@ -15,14 +15,14 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three colours of th
 
 
 def _counting(model):
-    """Wrap model.fused_decode: how many calls it took (returned hidden states)."""
-    fused, taken = model.fused_decode, []
+    """Wrap model.fused_layers: how many calls it took (returned hidden states)."""
+    fused, taken = model.fused_layers, []
 
     def counted(*args):
         out = fused(*args)
         taken.append(out is not None)
         return out
-    model.fused_decode = counted
+    model.fused_layers = counted
     return fused, taken
 
 
@@ -36,10 +36,10 @@ def _fused_answers_as_python(llm, model):
     same tokens and top-3 logprobs, exactly; the fused layers' answers."""
     fused, taken = _counting(model)
     ours = _answers(llm, PROMPTS)
-    assert taken == [True] * 23  # every decode step of the batch (a prefill step does not ask)
-    model.fused_decode = None
+    assert taken == [True] * 24  # the prompts' prefill step and every decode step of the batch
+    model.fused_layers = None
     assert _answers(llm, PROMPTS) == ours  # tokens and top-3 logprobs, exactly
-    model.fused_decode = fused
+    model.fused_layers = fused
     return ours
 
 
@@ -54,21 +54,52 @@ def test_fused_layers_answer_to_the_bit_as_the_python_layers(default_model_path,
     model_name = str(default_model_path) if name == "smollm2" else QWEN
     llm = LLM(model=model_name, dtype="float32", num_blocks=64, kv_cache_dtype=kv_cache_dtype)
     model = llm.engine.runner.model
-    assert isinstance(model.fused_decode, FusedDecode)
+    assert isinstance(model.fused_layers, FusedLayers)
     _fused_answers_as_python(llm, model)
 
 
-def test_moved_span_keys_take_the_python_layers(smollm2_llm):
+DOCUMENTS = ["The river Avon flows through Bath and Bristol before it meets the Severn estuary at Avonmouth.",
+             "Mount Kosciuszko is the highest mountain on the Australian mainland, at 2,228 metres above the sea.",
+             "The violinist practised her scales every morning before the orchestra's rehearsals began at nine."]
+
+
+def _recording(model):
+    """Wrap model.fused_layers: per call (taken?, a prefill step?, span keys moved?, layers)."""
+    fused, calls = model.fused_layers, []
+
+    def recorded(x, positions, meta, layers=None):
+        out = fused(x, positions, meta, layers)
+        calls.append((out is not None, min(meta.query_lens) > 1, bool(meta.key_rotation), layers))
+        return out
+    model.fused_layers = recorded
+    return calls
+
+
+def test_prefill_over_moved_span_keys_answers_to_the_bit_as_the_python_layers(default_model_path):
+    """Documents cached in one order, then read in another under the default policy: the focus
+    probe's layers, then the relinked tokens and the question, run in the fused layers and read the
+    moved span keys as the Python layers do (an engine without fused layers answers the same
+    tokens and logprobs); the decode steps over moved keys take the Python layers."""
     from spanserve import Span
 
-    model = smollm2_llm.engine.runner.model
-    fused, taken = _counting(model)
-    try:
-        prompt = [Span("A short document about rivers and the sea."), "What is it about?"]
-        smollm2_llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0))
-    finally:
-        model.fused_decode = fused
-    assert taken and not any(taken)  # its decode steps read span keys stored at other positions
+    answers = []
+    for fused in (True, False):
+        llm = LLM(model=str(default_model_path), dtype="float32", num_blocks=128)
+        model = llm.engine.runner.model
+        calls = _recording(model)
+        if not fused:
+            model.fused_layers = None
+        ours = []
+        for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+            prompt = [Span(DOCUMENTS[i]) for i in order] + ["Which river flows through Bath?"]
+            ours += _answers(llm, [prompt], max_tokens=8)
+        answers.append(ours)
+        if fused:
+            moved_prefill = [layers for taken, prefill, moved, layers in calls if taken and prefill and moved]
+            assert any(len(layers) < len(model.layers) - 1 for layers in moved_prefill)  # a probe's run
+            assert any(len(layers) == len(model.layers) - 1 for layers in moved_prefill)  # a relink
+            assert not any(taken for taken, prefill, moved, _ in calls if moved and not prefill)
+    assert answers[0] == answers[1]
 
 
 def test_a_failing_kernel_raises_and_writes_no_slot(default_model_path):
@@ -82,20 +113,20 @@ def test_a_failing_kernel_raises_and_writes_no_slot(default_model_path):
                              block_tables=torch.zeros(1, 1, dtype=torch.long),
                              context_lens_tensor=torch.tensor([1]), positions=torch.tensor([0]))
     before = model.layers[0].self_attn.kv_cache.clone()
-    with torch.no_grad(), pytest.raises(RuntimeError, match="decode_layers failed"):
-        model.fused_decode(torch.zeros(1, model.cfg.hidden_size), torch.tensor([0]), meta)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="fused layers failed"):
+        model.fused_layers(torch.zeros(1, model.cfg.hidden_size), torch.tensor([0]), meta)
     assert torch.equal(model.layers[0].self_attn.kv_cache, before)
 
 
 @pytest.mark.parametrize("options", [{"gguf_blocks": False}, {"quantization": "w8a8"}, {"dtype": "bfloat16"}])
 def test_no_fused_layers_where_a_projection_is_not_in_blocks(default_model_path, options):
     llm = LLM(model=str(default_model_path), num_blocks=16, **{"dtype": "float32", **options})
-    assert llm.engine.runner.model.fused_decode is None
+    assert llm.engine.runner.model.fused_layers is None
 
 
 def test_no_fused_layers_for_a_model_without_blocks(tiny_llama_path):
     llm = LLM(model=str(tiny_llama_path), dtype="float32", num_blocks=16)
-    assert llm.engine.runner.model.fused_decode is None
+    assert llm.engine.runner.model.fused_layers is None
 
 
 def test_a_hook_on_a_projection_takes_the_python_layers(smollm2_llm):
@@ -107,7 +138,7 @@ def test_a_hook_on_a_projection_takes_the_python_layers(smollm2_llm):
     try:
         smollm2_llm.generate(["Hello there"], SamplingParams(max_tokens=3, temperature=0))
     finally:
-        model.fused_decode = fused
+        model.fused_layers = fused
         handle.remove()
     assert taken and not any(taken) and len(seen) == 3  # the prompt's step and two decode steps, all in Python
 
@@ -124,7 +155,7 @@ def test_a_weight_edited_in_place_is_used_as_edited(default_model_path):
     assert proj.stale and torch.equal(proj(x), torch.nn.functional.linear(x, proj.weight))
     llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0))
     assert taken and not any(taken)
-    model.fused_decode = fused
+    model.fused_layers = fused
 
 
 def test_projections_of_several_kinds_of_blocks_take_the_fused_layers(tiny_qwen2_blocks_path):
@@ -135,13 +166,13 @@ def test_projections_of_several_kinds_of_blocks_take_the_fused_layers(tiny_qwen2
     assert llm.engine.gguf_block_projections == 2 * 4
     assert model.layers[0].self_attn.qkv_proj.kinds == ((4, 32), (8, 16))
     assert model.layers[0].mlp.gate_up_proj.kinds == ((8, 32), (4, 32))
-    assert isinstance(model.fused_decode, FusedDecode)
+    assert isinstance(model.fused_layers, FusedLayers)
     _fused_answers_as_python(llm, model)
 
 
 @pytest.mark.parametrize("threads,batch", [(1, 4), (3, 4), (2, 30)])
 def test_the_step_team_answers_as_the_python_layers(tiny_qwen2_blocks_path, threads, batch):
-    """Up to 24 rows a step runs as one team of threads (decode_layers.c, team.h), one thread or
+    """Up to 24 rows a step runs as one team of threads (fused_layers.c, team.h), one thread or
     more threads than cores; past it, each kernel on its own threads. Both to the bit."""
     llm = LLM(model=str(tiny_qwen2_blocks_path), dtype="float32", num_blocks=256)
     model = llm.engine.runner.model
@@ -149,18 +180,18 @@ def test_the_step_team_answers_as_the_python_layers(tiny_qwen2_blocks_path, thre
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fused, rows = model.fused_decode, []
+        fused, rows = model.fused_layers, []
 
         def counted(x, *args):
             out = fused(x, *args)
             rows.append(x.shape[0] if out is not None else None)
             return out
-        model.fused_decode = counted
+        model.fused_layers = counted
         ours = _answers(llm, prompts, max_tokens=6)
-        assert None not in rows and max(rows) == batch  # every step fused, the widest with every row
-        model.fused_decode = None
+        assert None not in rows and max(rows[1:]) == batch  # every step fused, a decode step with every row
+        model.fused_layers = None
         assert _answers(llm, prompts, max_tokens=6) == ours
-        model.fused_decode = fused
+        model.fused_layers = fused
     finally:
         torch.set_num_threads(before)
 

@@ -1,12 +1,14 @@
-/* A decode step's decoder layers in one call, for a float32 model whose projections compute from
- * a GGUF's blocks: per layer the same kernels, in the same order and on the same buffers, as the
- * model's Python code calls them one by one (models/fused_decode.py), so the result is the same
- * to the bit. A decode step of a small model is some 300 such calls, and through Python each cost
- * more than its arithmetic: SmolLM2's batch-1 step spent about 7 of its 17 ms between kernels
- * (an AMD EPYC, 2 threads).
+/* A step's decoder layers in one call, for a float32 model whose projections compute from a GGUF's
+ * blocks: per layer the same kernels, in the same order and on the same buffers, as the model's
+ * Python code calls them one by one (models/fused_layers.py), so the result is the same to the
+ * bit. A decode step of a small model is some 300 such calls, and through Python each cost more
+ * than its arithmetic: SmolLM2's batch-1 step spent about 7 of its 17 ms between kernels (an AMD
+ * EPYC, 2 threads). A prefill step of a few rows pays the same per call: a warm RAG prompt's
+ * relinked tokens and question, and its focus probe.
  *
  * Per layer: h = rms_norm(x); qkv = h Wqkv; q, k rotated and k, v stored (rope_store); attention
- * over the cache (paged_decode); x += attn Wo; h = rms_norm(x); x += silu_mul(h Wgate_up) Wdown.
+ * over the cache (paged_decode, or paged_prefill for a prefill step); x += attn Wo;
+ * h = rms_norm(x); x += silu_mul(h Wgate_up) Wdown.
  *
  * Up to TEAM_MAX_ROWS rows the whole step is one parallel region (team.h): each thread takes its
  * share of every projection and of attention, the small row-wise kernels run on one, and the
@@ -18,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "decode_kernels.h"
+#include "fused_kernels.h"
 #include "team.h"
 
 /* Up to this many rows a step runs as one team (block_gemm_part's direct path): past it, the
@@ -44,6 +46,17 @@ typedef struct {
     float eps, scale;
     int64_t kv_dtype;
 } Shape;
+
+/* A prefill step's sequences, as paged_prefill takes them: sequence b owns rows query_starts[b] ..
+ * query_starts[b + 1] - 1, and its first keys move by the rotation table (rot_*; NULL: none do). */
+typedef struct {
+    const int64_t *query_starts;
+    int64_t num_seqs;
+    const int64_t *rot_starts;
+    const int32_t *rot_ids;
+    const float *rot_cos, *rot_sin;
+    int64_t num_angles;
+} Chunks;
 
 /* Output channels of a projection, over all its pieces. */
 static int64_t width(const Projection *p) {
@@ -86,9 +99,23 @@ static void add_into(float *x, const float *y, int64_t count) {
     for (int64_t i = 0; i < count; i++) x[i] = x[i] + y[i];
 }
 
+/* Attention of the rows' queries q over the cache into `attended`: one decoding row per sequence
+ * (chunks NULL), or a prefill step's chunks. */
+static int attend(const Shape *s, const Layer *l, const float *q, float *attended, int64_t rows,
+                  const int64_t *positions, const int64_t *tables, const int64_t *lens, const Chunks *c) {
+    if (c == NULL)
+        return paged_decode(q, l->k_cache, l->v_cache, attended, tables, lens, rows, s->max_blocks, (int)s->heads,
+                            (int)s->kv_heads, (int)s->dim, (int)s->block_size, s->scale, 0, (int)s->kv_dtype);
+    return paged_prefill(q, l->k_cache, l->v_cache, attended, tables, c->query_starts, positions, lens,
+                         c->rot_starts, c->rot_ids, c->rot_cos, c->rot_sin, c->num_angles, c->num_seqs, rows,
+                         s->max_blocks, (int)s->heads, (int)s->kv_heads, (int)s->dim, (int)s->block_size, s->scale,
+                         0, (int)s->kv_dtype);
+}
+
 /* One layer over x [rows][hidden] in place; work: scratch of at least layer_scratch floats. */
 static int layer(const Layer *l, const Shape *s, float *x, int64_t rows, const int64_t *positions, const float *cos,
-                 const float *sin, const int64_t *slots, const int64_t *tables, const int64_t *lens, float *work) {
+                 const float *sin, const int64_t *slots, const int64_t *tables, const int64_t *lens,
+                 const Chunks *chunks, float *work) {
     const int64_t q_size = s->heads * s->dim, kv_size = s->kv_heads * s->dim, qkv_width = q_size + 2 * kv_size;
     float *h = work, *qkv = h + rows * s->hidden, *q = qkv + rows * qkv_width, *k = q + rows * q_size;
     const int64_t wide_width = width(&l->gate_up);
@@ -100,9 +127,7 @@ static int layer(const Layer *l, const Shape *s, float *x, int64_t rows, const i
         status = rope_store(qkv, qkv + q_size, qkv + q_size + kv_size, qkv_width, qkv_width, qkv_width, positions,
                             cos, sin, s->max_position, q, k, l->k_cache, l->v_cache, slots, s->num_slots, rows,
                             (int)s->heads, (int)s->kv_heads, (int)s->dim, 0, (int)s->kv_dtype);
-    if (!status)
-        status = paged_decode(q, l->k_cache, l->v_cache, attended, tables, lens, rows, s->max_blocks, (int)s->heads,
-                              (int)s->kv_heads, (int)s->dim, (int)s->block_size, s->scale, 0, (int)s->kv_dtype);
+    if (!status) status = attend(s, l, q, attended, rows, positions, tables, lens, chunks);
     if (!status) status = project(&l->o, attended, h, rows, part);
     if (status) return status;
     add_into(x, h, rows * s->hidden);
@@ -154,6 +179,18 @@ static int layer_part(const Layer *l, const Shape *s, float *x, int64_t rows, co
     return status;
 }
 
+/* The floats of layer()'s scratch per row, for the widest of `layers`. */
+static int64_t row_scratch(const Layer *layers, int64_t count, const Shape *s) {
+    const int64_t qkv_width = (s->heads + 2 * s->kv_heads) * s->dim;
+    int64_t widest = 0, largest = qkv_width > s->hidden ? qkv_width : s->hidden; /* gate/up's; any projection's */
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t wide_width = width(&layers[i].gate_up);
+        widest = wide_width > widest ? wide_width : widest;
+    }
+    largest = widest > largest ? widest : largest;
+    return s->hidden + qkv_width + 2 * s->heads * s->dim + s->kv_heads * s->dim + widest + widest / 2 + largest;
+}
+
 /* Layers 0 .. count - 1 over x [rows][hidden] (one decoding token per sequence, row r of sequence
  * r) in place: 0, or the first failing kernel's status (-1 shapes, -2 positions or slots, -3 out
  * of memory). */
@@ -162,16 +199,7 @@ int decode_layers(const Layer *layers, int64_t count, const Shape *s, float *x, 
                   const int64_t *lens) {
     if (count < 0 || rows < 0) return -1;
     if (rows == 0 || count == 0) return 0;
-    const int64_t qkv_width = (s->heads + 2 * s->kv_heads) * s->dim;
-    int64_t widest = 0, largest = qkv_width > s->hidden ? qkv_width : s->hidden; /* gate/up's; any projection's */
-    for (int64_t i = 0; i < count; i++) {
-        const int64_t wide_width = width(&layers[i].gate_up);
-        widest = wide_width > widest ? wide_width : widest;
-    }
-    largest = widest > largest ? widest : largest;
-    const int64_t per_row = s->hidden + qkv_width + 2 * s->heads * s->dim + s->kv_heads * s->dim + widest + widest / 2
-                            + largest;
-    float *work = malloc(rows * per_row * sizeof(float));
+    float *work = malloc(rows * row_scratch(layers, count, s) * sizeof(float));
     if (work == NULL) return -3;
     int status = 0;
     if (rows <= TEAM_MAX_ROWS) { /* one parallel region for the step (team.h) */
@@ -187,8 +215,25 @@ int decode_layers(const Layer *layers, int64_t count, const Shape *s, float *x, 
         }
     } else {
         for (int64_t i = 0; i < count && !status; i++)
-            status = layer(&layers[i], s, x, rows, positions, cos, sin, slots, tables, lens, work);
+            status = layer(&layers[i], s, x, rows, positions, cos, sin, slots, tables, lens, NULL, work);
     }
+    free(work);
+    return status;
+}
+
+/* Layers 0 .. count - 1 over x [rows][hidden] of a prefill step (`chunks`: its sequences and
+ * their moved keys; positions: each row's, for RoPE and as its index among its sequence's keys) in
+ * place; each kernel on its own threads. Statuses as decode_layers'. */
+int prefill_layers(const Layer *layers, int64_t count, const Shape *s, float *x, int64_t rows,
+                   const int64_t *positions, const float *cos, const float *sin, const int64_t *slots,
+                   const int64_t *tables, const int64_t *lens, const Chunks *chunks) {
+    if (count < 0 || rows < 0 || chunks == NULL) return -1;
+    if (rows == 0 || count == 0) return 0;
+    float *work = malloc(rows * row_scratch(layers, count, s) * sizeof(float));
+    if (work == NULL) return -3;
+    int status = 0;
+    for (int64_t i = 0; i < count && !status; i++)
+        status = layer(&layers[i], s, x, rows, positions, cos, sin, slots, tables, lens, chunks, work);
     free(work);
     return status;
 }

@@ -1,13 +1,17 @@
-"""A plain decode step's decoder layers in one C call (kernels/csrc/decode_layers.c).
+"""A step's decoder layers in one C call (kernels/csrc/fused_layers.c).
 
 Through the model's Python code a decode step of SmolLM2 is some 300 calls of C kernels and
 small torch ops, and each costs more between kernels than within: about 7 of a 17 ms batch-1
-step on an AMD EPYC went to Python. Where every layer's projections compute from a GGUF's blocks
-(models/gguf_blocks.py) in a float32 model on CPU, decode_layers.c runs the same kernels in the
-same order on the same data, so the hidden states it returns are those of the Python layers to
-the bit (tests/test_fused_decode.py). Any other step (a prefill chunk, moved span keys, a span
-share, a sparse flow, some rows kept for a probe, forward hooks on a layer's modules such as a
-COMB plug-in's deltas, a projection's weight edited in place) takes the Python layers.
+step on an AMD EPYC went to Python. A prefill step of a few dozen rows pays the same per call: a
+warm RAG prompt's relinked tokens and question, and its focus probe. Where every layer's
+projections compute from a GGUF's blocks (models/gguf_blocks.py) in a float32 model on CPU,
+fused_layers.c runs the same kernels in the same order on the same data, so the hidden states
+it returns are those of the Python layers to the bit (tests/test_fused_layers.py). It takes a
+decode step over caches as stored, and a step of prefill chunks the attention backend would give
+the prefill kernel whole (span keys moved as they are read). Any other step (a decode step over
+moved span keys, decode rows beside prefill chunks, a span share, a sparse flow, forward hooks
+on a layer's modules such as a COMB plug-in's deltas, a projection's weight edited in place,
+more rows than a projection's C kernel takes) runs the Python layers.
 """
 
 import ctypes
@@ -16,6 +20,7 @@ import torch
 from torch import nn
 
 from spanserve.attention.backend import AttentionMetadata, plain_decode
+from spanserve.attention.torch_ref import step_rotations
 from spanserve.kernels import cpu_kernel, native, threads
 from spanserve.models.gguf_blocks import BlockLinear
 
@@ -42,9 +47,14 @@ class _Shape(ctypes.Structure):
                 ("scale", ctypes.c_float), ("kv_dtype", _i64)]
 
 
-class FusedDecode:
-    """The decoder layers of `model` as decode_layers.c reads them; call it with a step's hidden
-    states to get the last layer's output, or None for a step it does not take."""
+class _Chunks(ctypes.Structure):
+    _fields_ = [("query_starts", _ptr), ("num_seqs", _i64), ("rot_starts", _ptr), ("rot_ids", _ptr),
+                ("rot_cos", _ptr), ("rot_sin", _ptr), ("num_angles", _i64)]
+
+
+class FusedLayers:
+    """The decoder layers of `model` as fused_layers.c reads them; call it with a step's hidden
+    states to get a run of layers' output, or None for a step it does not take."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -52,10 +62,11 @@ class FusedDecode:
         self.bound_cache = None
         self.modules = list(model.layers.modules())
         self.projections = [m for m in self.modules if isinstance(m, BlockLinear)]
+        self.max_rows = min(p.max_rows for p in self.projections)
 
     @classmethod
-    def of(cls, model: nn.Module) -> "FusedDecode | None":
-        """A FusedDecode where `model` qualifies: float32 on CPU, the C kernels built and allowed,
+    def of(cls, model: nn.Module) -> "FusedLayers | None":
+        """A FusedLayers where `model` qualifies: float32 on CPU, the C kernels built and allowed,
         no q/k norms, every projection of every layer in blocks; else None."""
         cfg = model.cfg
         if (cfg.qk_norm or model.embed_tokens.weight.dtype != torch.float32 or model.embed_tokens.weight.is_cuda
@@ -69,29 +80,60 @@ class FusedDecode:
                 return None
         return cls(model)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        plain = plain_decode(meta, x.device)
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 layers: range | None = None) -> torch.Tensor | None:
+        """The output of model layers `layers` (all of them by default) for the step's hidden
+        states x at `positions`, or None where the Python layers must run it."""
+        layers = range(len(self.model.layers)) if layers is None else layers
         caches = self.model.layers[0].self_attn.kv_cache
-        kernels = [cpu_kernel.load(name) for name in ("gemm", "layer", "decode")]
-        if (plain is None or caches is None or torch.is_grad_enabled() or x.shape[0] != len(meta.query_lens)
-                or None in kernels or self._hooked() or any(p.stale for p in self.projections)):
+        kernel = cpu_kernel.load("gemm")
+        if (caches is None or kernel is None or torch.is_grad_enabled() or self._hooked()
+                or any(p.stale for p in self.projections)):
             return None
+        decode = plain_decode(meta, x.device)
+        if decode is not None and x.shape[0] == len(meta.query_lens):
+            tables, lens, _ = decode
+            run = lambda *args: kernel.decode_layers(*args)  # noqa: E731
+        else:
+            chunks = self._chunks(x, positions, meta)
+            if chunks is None:
+                return None
+            tables, lens = meta.block_tables.long().contiguous(), meta.context_lens_tensor.long().contiguous()
+            run = lambda *args: kernel.prefill_layers(*args, ctypes.addressof(chunks))  # noqa: E731
         if self.layers is None or caches.data_ptr() != self.bound_cache:
             self._bind(caches)
-        tables, lens, _ = plain
         rope = self.model.rope
         hidden = x.contiguous().clone()
         positions = positions.long().contiguous()
         slots = meta.slot_mapping.long().contiguous()
         self.shape.max_blocks = tables.shape[1]
+        first = ctypes.addressof(self.layers) + layers.start * ctypes.sizeof(_Layer)
         with threads.whole_step_threads():
-            status = kernels[0].decode_layers(
-                ctypes.addressof(self.layers), len(self.layers), ctypes.addressof(self.shape), hidden.data_ptr(),
-                hidden.shape[0], positions.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(), slots.data_ptr(),
-                tables.data_ptr(), lens.data_ptr())
+            status = run(first, len(layers), ctypes.addressof(self.shape), hidden.data_ptr(), hidden.shape[0],
+                         positions.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(), slots.data_ptr(),
+                         tables.data_ptr(), lens.data_ptr())
         if status != 0:  # -1 shapes, -2 positions or slots, -3 out of memory
-            raise RuntimeError(f"decode_layers failed ({status}) for {tuple(x.shape)}")
+            raise RuntimeError(f"fused layers failed ({status}) for {tuple(x.shape)}")
         return hidden
+
+    def _chunks(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> _Chunks | None:
+        """A step of prefill chunks as prefill_layers reads it (kept alive in meta.derived with its
+        tensors, the same in every call of the step), or None where the attention backend would not
+        give all of the step to the prefill kernel (torch_ref's prefill plan): a decode row, a span
+        share, a sparse flow; or where the prefill kernel is not allowed, or has more rows than the
+        projections' C kernel takes."""
+        if (positions is not meta.positions or cpu_kernel.load("prefill") is None or x.shape[0] > self.max_rows
+                or x.shape[0] != sum(meta.query_lens) or min(meta.query_lens) < 2 or meta.span_share
+                or meta.sparse is not None):
+            return None
+        if "fused_chunks" not in meta.derived:
+            starts = torch.tensor([0, *meta.query_lens]).cumsum(0)
+            rotations = step_rotations(meta, list(range(len(meta.query_lens))))
+            pointers = [t.data_ptr() for t in rotations] if rotations is not None else [None] * 4
+            chunks = _Chunks(starts.data_ptr(), len(meta.query_lens), *pointers,
+                             len(rotations[2]) if rotations is not None else 0)
+            meta.derived["fused_chunks"] = (chunks, starts, rotations)
+        return meta.derived["fused_chunks"][0]
 
     def _hooked(self) -> bool:
         """Whether a module of the layers has forward hooks now, other than the thread policy's
@@ -117,7 +159,7 @@ class FusedDecode:
         self.bound_cache = caches.data_ptr()
 
     def _projection(self, p: BlockLinear) -> _Projection:
-        """p's first piece, chained to the others (decode_layers.c computes each into its columns)."""
+        """p's first piece, chained to the others (fused_layers.c computes each into its columns)."""
         head = None
         for piece in reversed(p.pieces):
             codes, bits, group, scale, offset, bias = piece.kernel_args

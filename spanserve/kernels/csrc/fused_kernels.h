@@ -1,4 +1,4 @@
-/* The kernels decode_layers.c strings together, declared once: their defining files include this
+/* The kernels fused_layers.c strings together, declared once: their defining files include this
  * too, so a signature that changes there fails to compile rather than misread its arguments. */
 #ifndef SPANSERVE_DECODE_KERNELS_H
 #define SPANSERVE_DECODE_KERNELS_H
@@ -25,5 +25,10 @@ int paged_decode_part(const void *q, const void *k_cache, const void *v_cache, v
                       const int64_t *block_tables, const int64_t *context_lens, int64_t num_seqs, int64_t max_blocks,
                       int heads, int kv_heads, int dim, int block_size, float scale, int dtype, int kv_dtype,
                       Team *team, int part);
+int paged_prefill(const void *q, const void *k_cache, const void *v_cache, void *out, const int64_t *block_tables,
+                  const int64_t *query_starts, const int64_t *positions, const int64_t *context_lens,
+                  const int64_t *rot_starts, const int32_t *rot_ids, const float *rot_cos, const float *rot_sin,
+                  int64_t num_angles, int64_t num_seqs, int64_t num_rows, int64_t max_blocks, int heads, int kv_heads,
+                  int dim, int block_size, float scale, int dtype, int kv_dtype);
 
 #endif
