@@ -150,6 +150,25 @@ def test_the_plugin_hooks_the_projections_only_while_active(comb_llm):
     assert not any(hooked())
 
 
+@pytest.mark.parametrize("rows", [[3, 4, 5, 6, 7, 8, 9], list(range(64)), [0, 2, 3], [5]])
+def test_span_rows_in_one_run_take_one_multiply_add_with_the_same_sums(comb_llm, rows):
+    """A cold prompt's span rows are one run: their deltas go into the projection's output rows in
+    one multiply-add, whose sums are those of delta() and index_add_ to the bit; other rows (or
+    one row) take index_add_. A B changed in place is read as changed."""
+    plugin, model = comb_llm.engine.comb, comb_llm.engine.runner.model
+    name = "layers.1.mlp.gate_up_proj"
+    linear = model.layers[1].mlp.gate_up_proj
+    x, index = torch.randn(64, linear.in_features), torch.tensor(rows)
+    for _ in range(2):
+        with torch.no_grad():
+            expected = linear(x).index_add_(0, index, plugin.delta(name, x.index_select(0, index)))
+            with plugin.active(index):
+                assert plugin._run == ((rows[0], rows[-1] + 1) if rows in ([3, 4, 5, 6, 7, 8, 9], list(range(64)))
+                                       else None)
+                assert torch.equal(linear(x), expected)
+            plugin.deltas[name][1].mul_(2.0)
+
+
 def test_comb_span_kv_is_never_shared_with_none_or_another_plugin(comb_llm):
     p = prompt([0, 1, 2])
     run(comb_llm, p, link_policy="none")

@@ -74,6 +74,8 @@ class CombPlugin:
     # module with a hook takes PyTorch's slow call path, 2-5 us more a call (120 a SmolLM2 step)
     _hooks: list = field(default_factory=list, repr=False)
     _on: list = field(default_factory=list, repr=False)  # the handles while active
+    _run: tuple[int, int] | None = field(default=None, repr=False)  # `rows` as one run start..stop - 1
+    _scaled: dict = field(default_factory=dict, repr=False)  # name -> (B, its version, B^T x scaling)
 
     @classmethod
     def zeros(cls, model: nn.Module, rank: int = 16, alpha: float = 32.0, seed: int = 0,
@@ -102,14 +104,15 @@ class CombPlugin:
     def active(self, rows: torch.Tensor | None, reader_rows: torch.Tensor | None = None):
         """Apply the encoder deltas to `rows` and the reader deltas to `reader_rows` meanwhile
         (its hooks are on the attached model's projections meanwhile, once however nested)."""
-        previous, outermost = (self.rows, self.reader_rows), not self._on
+        previous, outermost = (self.rows, self.reader_rows, self._run), not self._on
         self.rows, self.reader_rows = rows, reader_rows if self.has_reader else None
+        self._run = _one_run(rows)
         if outermost:
             self._on = [linear.register_forward_hook(hook) for linear, hook in self._hooks]
         try:
             yield
         finally:
-            self.rows, self.reader_rows = previous
+            self.rows, self.reader_rows, self._run = previous
             if outermost:
                 for handle in self._on:
                     handle.remove()
@@ -165,13 +168,26 @@ class CombPlugin:
         reader = READER + name
         def add_delta(module, inputs, out):
             x = inputs[0]
-            if self.rows is not None:
+            if self.rows is not None and self._run is not None and not torch.is_grad_enabled():
+                self._add_in_place(name, x, out, *self._run)
+            elif self.rows is not None:
                 out.index_add_(0, self.rows, self.delta(name, x.index_select(0, self.rows)))
             if self.reader_rows is not None and reader in self.deltas:
                 update = self.delta(reader, x.index_select(0, self.reader_rows))  # (qkv: the query columns)
                 out[:, :update.shape[1]].index_add_(0, self.reader_rows, update)
             return out
         return add_delta
+
+    def _add_in_place(self, name: str, x: torch.Tensor, out: torch.Tensor, start: int, stop: int) -> None:
+        """out[start:stop] += delta(name, x[start:stop]) as one multiply-add into out's rows, the
+        same sums as `delta` and index_add_ (tests/test_comb.py). A cold prompt's span rows are one
+        such run: the delta's own output and its scatter read and wrote every row's output twice
+        more, some 12% of computing 16 documents of 256 tokens (SmolLM2, AMD EPYC Zen 3)."""
+        a, b = self.deltas[name]
+        kept = self._scaled.get(name)  # scaled once while B stays the same tensor, unchanged, in x's dtype
+        if kept is None or kept[0] is not b or kept[1] != b._version or kept[2].dtype != x.dtype:
+            kept = self._scaled[name] = (b, b._version, b.to(x.dtype).t() * self.scaling)
+        out[start:stop].addmm_(x[start:stop] @ a.to(x.dtype).t(), kept[2])
 
     # ---- files ----------------------------------------------------------------------------
 
@@ -205,6 +221,18 @@ class CombPlugin:
         deltas = {n: (tensors[f"{n}.A"], tensors[f"{n}.B"]) for n in names}
         return cls(meta["fingerprint"], int(meta["rank"]), float(meta["alpha"]), deltas,
                    json.loads(meta.get("meta", "{}")), json.loads(meta.get("probe_heads", "[]")))
+
+
+def _one_run(rows: torch.Tensor | None) -> tuple[int, int] | None:
+    """(start, stop) where `rows` are start .. stop - 1 in order, at least two of them; else None.
+    (One row's product takes another BLAS path, whose sums differ in the last bit.)"""
+    if rows is None or rows.dim() != 1 or len(rows) < 2:
+        return None
+    start = int(rows[0])
+    if int(rows[-1]) - start != len(rows) - 1 or not torch.equal(rows, torch.arange(start, start + len(rows),
+                                                                                    device=rows.device)):
+        return None
+    return start, start + len(rows)
 
 
 def _linears(model: nn.Module):
