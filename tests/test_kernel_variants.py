@@ -445,3 +445,37 @@ def test_bf16_pairs_gemm_is_the_matmul_where_the_build_has_bf16_dot_products(lib
     assert status == 0
     want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
     _close(out, want, torch.float32, scale=k ** 0.5)
+
+
+
+def test_fused_layers_answer_as_the_python_layers(lib, tiny_qwen2_blocks_path):
+    """The whole-step kernel (fused_layers.c) on this build, against the model's Python layers on
+    the same build's kernels, to the bit: prefill chunks over documents read in a new order (span
+    keys moved), the focus probe's runs, decode steps of one row (one team) and of 26 (each kernel
+    on its own threads)."""
+    fused, moved = _greedy_answers(tiny_qwen2_blocks_path, fused=True)
+    python, _ = _greedy_answers(tiny_qwen2_blocks_path, fused=False)
+    assert moved and fused == python
+
+
+def _greedy_answers(path, fused: bool) -> tuple[list, bool]:
+    """Tokens and logprobs of a fresh engine's answers, and whether the fused layers took a prefill
+    step over moved span keys."""
+    from spanserve import LLM, SamplingParams, Span
+
+    llm = LLM(model=str(path), dtype="float32", num_blocks=256)
+    model = llm.engine.runner.model
+    layers, moved = model.fused_layers, []
+    assert layers is not None
+
+    def recorded(x, positions, meta, run=None):
+        out = layers(x, positions, meta, run)
+        moved.append(out is not None and min(meta.query_lens) > 1 and bool(meta.key_rotation))
+        return out
+    model.fused_layers = recorded if fused else None
+    docs = ["alpha beta gamma delta epsilon " * 5, "one two three four five six " * 4, "red green blue " * 9]
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=2)
+    outs = [o for order in ([0, 1, 2], [2, 0, 1]) for o in
+            llm.generate([[*(Span(docs[i]) for i in order), "Which colours?"]], params)]
+    outs += llm.generate([f"Count to {i}:" for i in range(26)], params)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], any(moved)

@@ -10,7 +10,7 @@
  * over the cache (paged_decode, or paged_prefill for a prefill step); x += attn Wo;
  * h = rms_norm(x); x += silu_mul(h Wgate_up) Wdown.
  *
- * Up to TEAM_MAX_ROWS rows the whole step is one parallel region (team.h): each thread takes its
+ * A decode step of up to TEAM_MAX_ROWS rows is one parallel region (team.h): each thread takes its
  * share of every projection and of attention, the small row-wise kernels run on one, and the
  * threads wait for each other between kernels, so a step wakes sleeping threads once rather than
  * at each of its some 120 kernels (`spanserve bench throughput`'s batch-1 decode: docs/cpu.md).
@@ -23,7 +23,7 @@
 #include "fused_kernels.h"
 #include "team.h"
 
-/* Up to this many rows a step runs as one team (block_gemm_part's direct path): past it, the
+/* Up to this many rows a decode step runs as one team (block_gemm_part's direct path): past it, the
  * kernels' own parallel regions (the projections' widened tiles). */
 #define TEAM_MAX_ROWS 24
 
@@ -99,83 +99,81 @@ static void add_into(float *x, const float *y, int64_t count) {
     for (int64_t i = 0; i < count; i++) x[i] = x[i] + y[i];
 }
 
-/* Attention of the rows' queries q over the cache into `attended`: one decoding row per sequence
- * (chunks NULL), or a prefill step's chunks. */
-static int attend(const Shape *s, const Layer *l, const float *q, float *attended, int64_t rows,
-                  const int64_t *positions, const int64_t *tables, const int64_t *lens, const Chunks *c) {
+/* What a step's rows read besides the weights: each row's position (its RoPE angle and, in a
+ * prefill chunk, its index among its sequence's keys), the rotary tables, the cache slots its keys
+ * and values go to, the sequences' block tables and context lengths, and a prefill step's chunks
+ * (NULL: one decoding row per sequence, row r of sequence r). */
+typedef struct {
+    const int64_t *positions;
+    const float *cos, *sin;
+    const int64_t *slots, *tables, *lens;
+    const Chunks *chunks;
+} Step;
+
+/* A kernel's status as the team sees it after a barrier; without a team (NULL), its own. */
+static int sync(Team *team, int status) { return team != NULL ? team_wait(team, status) : status; }
+
+/* out = x p: this part's share of its output channels, or all of them without a team (`piece`:
+ * project()'s scratch). */
+static int projection(const Projection *p, const float *x, float *out, int64_t rows, float *piece, Team *team,
+                      int part) {
+    return team != NULL ? project_part(p, x, out, rows, part, team_parts(team)) : project(p, x, out, rows, piece);
+}
+
+/* Attention of the rows' queries q over the cache into `attended`: a team's part of a decode step's
+ * (the kernel's barriers are the team's), or the whole of a decode or prefill step's. */
+static int attention(const Shape *s, const Layer *l, const float *q, float *attended, int64_t rows,
+                     const Step *step, Team *team, int part) {
+    const Chunks *c = step->chunks;
+    if (team != NULL)
+        return paged_decode_part(q, l->k_cache, l->v_cache, attended, step->tables, step->lens, rows, s->max_blocks,
+                                 (int)s->heads, (int)s->kv_heads, (int)s->dim, (int)s->block_size, s->scale, 0,
+                                 (int)s->kv_dtype, team, part);
     if (c == NULL)
-        return paged_decode(q, l->k_cache, l->v_cache, attended, tables, lens, rows, s->max_blocks, (int)s->heads,
-                            (int)s->kv_heads, (int)s->dim, (int)s->block_size, s->scale, 0, (int)s->kv_dtype);
-    return paged_prefill(q, l->k_cache, l->v_cache, attended, tables, c->query_starts, positions, lens,
-                         c->rot_starts, c->rot_ids, c->rot_cos, c->rot_sin, c->num_angles, c->num_seqs, rows,
-                         s->max_blocks, (int)s->heads, (int)s->kv_heads, (int)s->dim, (int)s->block_size, s->scale,
-                         0, (int)s->kv_dtype);
+        return paged_decode(q, l->k_cache, l->v_cache, attended, step->tables, step->lens, rows, s->max_blocks,
+                            (int)s->heads, (int)s->kv_heads, (int)s->dim, (int)s->block_size, s->scale, 0,
+                            (int)s->kv_dtype);
+    return paged_prefill(q, l->k_cache, l->v_cache, attended, step->tables, c->query_starts, step->positions,
+                         step->lens, c->rot_starts, c->rot_ids, c->rot_cos, c->rot_sin, c->num_angles, c->num_seqs,
+                         rows, s->max_blocks, (int)s->heads, (int)s->kv_heads, (int)s->dim, (int)s->block_size,
+                         s->scale, 0, (int)s->kv_dtype);
 }
 
-/* One layer over x [rows][hidden] in place; work: scratch of at least layer_scratch floats. */
-static int layer(const Layer *l, const Shape *s, float *x, int64_t rows, const int64_t *positions, const float *cos,
-                 const float *sin, const int64_t *slots, const int64_t *tables, const int64_t *lens,
-                 const Chunks *chunks, float *work) {
+/* One layer over x [rows][hidden] in place; work: row_scratch floats a row. With a team (a decode
+ * step, team.h), part `part` of it: its share of the projections and of attention, the small
+ * row-wise kernels on part 0 while the others wait, a barrier after each kernel; every part returns
+ * the team's status. Without one (NULL), each kernel whole, on its own threads. The same kernels'
+ * sums either way, to the bit. */
+static int layer(const Layer *l, const Shape *s, float *x, int64_t rows, const Step *step, float *work, Team *team,
+                 int part) {
     const int64_t q_size = s->heads * s->dim, kv_size = s->kv_heads * s->dim, qkv_width = q_size + 2 * kv_size;
     float *h = work, *qkv = h + rows * s->hidden, *q = qkv + rows * qkv_width, *k = q + rows * q_size;
     const int64_t wide_width = width(&l->gate_up);
     float *attended = k + rows * kv_size, *wide = attended + rows * q_size, *act = wide + rows * wide_width;
-    float *part = act + rows * (wide_width / 2); /* a piece's output, for projections of several */
-    int status = rms_norm(x, l->input_norm, h, rows, s->hidden, s->eps, 0);
-    if (!status) status = project(&l->qkv, h, qkv, rows, part);
+    float *piece = act + rows * (wide_width / 2); /* a piece's output, for projections of several */
+    const int first = part == 0;
+    int status = sync(team, first ? rms_norm(x, l->input_norm, h, rows, s->hidden, s->eps, 0) : 0);
+    if (!status) status = sync(team, projection(&l->qkv, h, qkv, rows, piece, team, part));
     if (!status)
-        status = rope_store(qkv, qkv + q_size, qkv + q_size + kv_size, qkv_width, qkv_width, qkv_width, positions,
-                            cos, sin, s->max_position, q, k, l->k_cache, l->v_cache, slots, s->num_slots, rows,
-                            (int)s->heads, (int)s->kv_heads, (int)s->dim, 0, (int)s->kv_dtype);
-    if (!status) status = attend(s, l, q, attended, rows, positions, tables, lens, chunks);
-    if (!status) status = project(&l->o, attended, h, rows, part);
-    if (status) return status;
-    add_into(x, h, rows * s->hidden);
-    status = rms_norm(x, l->post_norm, h, rows, s->hidden, s->eps, 0);
-    if (!status) status = project(&l->gate_up, h, wide, rows, part);
-    if (!status) status = silu_mul(wide, act, rows, wide_width / 2, 0);
-    if (!status) status = project(&l->down, act, h, rows, part);
-    if (status) return status;
-    add_into(x, h, rows * s->hidden);
-    return 0;
-}
-
-/* layer() for a team: the projections and attention in parts, the small row-wise kernels on part 0
- * while the others wait; a barrier after each kernel. The same kernels' sums as layer(), to the bit.
- * Returns the team's status, the same for every part. */
-static int layer_part(const Layer *l, const Shape *s, float *x, int64_t rows, const int64_t *positions,
-                      const float *cos, const float *sin, const int64_t *slots, const int64_t *tables,
-                      const int64_t *lens, float *work, Team *team, int part) {
-    const int64_t q_size = s->heads * s->dim, kv_size = s->kv_heads * s->dim, qkv_width = q_size + 2 * kv_size;
-    float *h = work, *qkv = h + rows * s->hidden, *q = qkv + rows * qkv_width, *k = q + rows * q_size;
-    const int64_t wide_width = width(&l->gate_up);
-    float *attended = k + rows * kv_size, *wide = attended + rows * q_size, *act = wide + rows * wide_width;
-    const int first = part == 0, parts = team_parts(team);
-    int status = team_wait(team, first ? rms_norm(x, l->input_norm, h, rows, s->hidden, s->eps, 0) : 0);
-    if (!status) status = team_wait(team, project_part(&l->qkv, h, qkv, rows, part, parts));
-    if (!status)
-        status = team_wait(team, !first ? 0 : rope_store(qkv, qkv + q_size, qkv + q_size + kv_size, qkv_width,
-                                                         qkv_width, qkv_width, positions, cos, sin, s->max_position,
-                                                         q, k, l->k_cache, l->v_cache, slots, s->num_slots, rows,
-                                                         (int)s->heads, (int)s->kv_heads, (int)s->dim, 0,
-                                                         (int)s->kv_dtype));
-    if (!status)
-        status = paged_decode_part(q, l->k_cache, l->v_cache, attended, tables, lens, rows, s->max_blocks,
-                                   (int)s->heads, (int)s->kv_heads, (int)s->dim, (int)s->block_size, s->scale, 0,
-                                   (int)s->kv_dtype, team, part);
-    if (!status) status = team_wait(team, project_part(&l->o, attended, h, rows, part, parts));
+        status = sync(team, !first ? 0 : rope_store(qkv, qkv + q_size, qkv + q_size + kv_size, qkv_width, qkv_width,
+                                                    qkv_width, step->positions, step->cos, step->sin,
+                                                    s->max_position, q, k, l->k_cache, l->v_cache, step->slots,
+                                                    s->num_slots, rows, (int)s->heads, (int)s->kv_heads,
+                                                    (int)s->dim, 0, (int)s->kv_dtype));
+    if (!status) status = attention(s, l, q, attended, rows, step, team, part);
+    if (!status) status = sync(team, projection(&l->o, attended, h, rows, piece, team, part));
     if (!status) {
         int mine = 0;
         if (first) {
             add_into(x, h, rows * s->hidden);
             mine = rms_norm(x, l->post_norm, h, rows, s->hidden, s->eps, 0);
         }
-        status = team_wait(team, mine);
+        status = sync(team, mine);
     }
-    if (!status) status = team_wait(team, project_part(&l->gate_up, h, wide, rows, part, parts));
-    if (!status) status = team_wait(team, first ? silu_mul(wide, act, rows, wide_width / 2, 0) : 0);
-    if (!status) status = team_wait(team, project_part(&l->down, act, h, rows, part, parts));
-    if (!status && first) add_into(x, h, rows * s->hidden); /* read next by part 0 alone, before a barrier */
+    if (!status) status = sync(team, projection(&l->gate_up, h, wide, rows, piece, team, part));
+    if (!status) status = sync(team, first ? silu_mul(wide, act, rows, wide_width / 2, 0) : 0);
+    if (!status) status = sync(team, projection(&l->down, act, h, rows, piece, team, part));
+    if (!status && first) add_into(x, h, rows * s->hidden); /* a team's next reader is part 0, before a barrier */
     return status;
 }
 
@@ -191,49 +189,45 @@ static int64_t row_scratch(const Layer *layers, int64_t count, const Shape *s) {
     return s->hidden + qkv_width + 2 * s->heads * s->dim + s->kv_heads * s->dim + widest + widest / 2 + largest;
 }
 
-/* Layers 0 .. count - 1 over x [rows][hidden] (one decoding token per sequence, row r of sequence
- * r) in place: 0, or the first failing kernel's status (-1 shapes, -2 positions or slots, -3 out
- * of memory). */
-int decode_layers(const Layer *layers, int64_t count, const Shape *s, float *x, int64_t rows, const int64_t *positions,
-                  const float *cos, const float *sin, const int64_t *slots, const int64_t *tables,
-                  const int64_t *lens) {
+/* Layers 0 .. count - 1 over x [rows][hidden] in place: 0, or the first failing kernel's status
+ * (-1 shapes, -2 positions or slots, -3 out of memory). A decode step of up to TEAM_MAX_ROWS rows
+ * runs as one team (one parallel region for the step); others, each kernel on its own threads. */
+static int run_layers(const Layer *layers, int64_t count, const Shape *s, float *x, int64_t rows, const Step *step) {
     if (count < 0 || rows < 0) return -1;
     if (rows == 0 || count == 0) return 0;
     float *work = malloc(rows * row_scratch(layers, count, s) * sizeof(float));
     if (work == NULL) return -3;
     int status = 0;
-    if (rows <= TEAM_MAX_ROWS) { /* one parallel region for the step (team.h) */
+    if (step->chunks == NULL && rows <= TEAM_MAX_ROWS) {
         Team team = {0};
 #pragma omp parallel
         {
             atomic_store_explicit(&team.parts, omp_get_num_threads(), memory_order_relaxed); /* each the same */
             const int part = omp_get_thread_num();
             int failed = 0;
-            for (int64_t i = 0; i < count && !failed; i++)
-                failed = layer_part(&layers[i], s, x, rows, positions, cos, sin, slots, tables, lens, work, &team, part);
+            for (int64_t i = 0; i < count && !failed; i++) failed = layer(&layers[i], s, x, rows, step, work, &team, part);
             if (part == 0) status = failed;
         }
     } else {
-        for (int64_t i = 0; i < count && !status; i++)
-            status = layer(&layers[i], s, x, rows, positions, cos, sin, slots, tables, lens, NULL, work);
+        for (int64_t i = 0; i < count && !status; i++) status = layer(&layers[i], s, x, rows, step, work, NULL, 0);
     }
     free(work);
     return status;
 }
 
-/* Layers 0 .. count - 1 over x [rows][hidden] of a prefill step (`chunks`: its sequences and
- * their moved keys; positions: each row's, for RoPE and as its index among its sequence's keys) in
- * place; each kernel on its own threads. Statuses as decode_layers'. */
+/* A decode step's layers: one decoding token per sequence, row r of sequence r. */
+int decode_layers(const Layer *layers, int64_t count, const Shape *s, float *x, int64_t rows, const int64_t *positions,
+                  const float *cos, const float *sin, const int64_t *slots, const int64_t *tables,
+                  const int64_t *lens) {
+    const Step step = {positions, cos, sin, slots, tables, lens, NULL};
+    return run_layers(layers, count, s, x, rows, &step);
+}
+
+/* A prefill step's layers (`chunks`: its sequences and their moved keys). */
 int prefill_layers(const Layer *layers, int64_t count, const Shape *s, float *x, int64_t rows,
                    const int64_t *positions, const float *cos, const float *sin, const int64_t *slots,
                    const int64_t *tables, const int64_t *lens, const Chunks *chunks) {
-    if (count < 0 || rows < 0 || chunks == NULL) return -1;
-    if (rows == 0 || count == 0) return 0;
-    float *work = malloc(rows * row_scratch(layers, count, s) * sizeof(float));
-    if (work == NULL) return -3;
-    int status = 0;
-    for (int64_t i = 0; i < count && !status; i++)
-        status = layer(&layers[i], s, x, rows, positions, cos, sin, slots, tables, lens, chunks, work);
-    free(work);
-    return status;
+    if (chunks == NULL) return -1;
+    const Step step = {positions, cos, sin, slots, tables, lens, chunks};
+    return run_layers(layers, count, s, x, rows, &step);
 }
