@@ -168,7 +168,8 @@ class CombPlugin:
         reader = READER + name
         def add_delta(module, inputs, out):
             x = inputs[0]
-            if self.rows is not None and self._run is not None and not torch.is_grad_enabled():
+            in_place = self._run is not None and x.dtype == torch.float32 and not torch.is_grad_enabled()
+            if self.rows is not None and in_place:
                 self._add_in_place(name, x, out, *self._run)
             elif self.rows is not None:
                 out.index_add_(0, self.rows, self.delta(name, x.index_select(0, self.rows)))
@@ -179,10 +180,12 @@ class CombPlugin:
         return add_delta
 
     def _add_in_place(self, name: str, x: torch.Tensor, out: torch.Tensor, start: int, stop: int) -> None:
-        """out[start:stop] += delta(name, x[start:stop]) as one multiply-add into out's rows, the
-        same sums as `delta` and index_add_ (tests/test_comb.py). A cold prompt's span rows are one
-        such run: the delta's own output and its scatter read and wrote every row's output twice
-        more, some 12% of computing 16 documents of 256 tokens (SmolLM2, AMD EPYC Zen 3)."""
+        """out[start:stop] += delta(name, x[start:stop]) as one multiply-add into out's rows: in
+        float32 the same sums as `delta` and index_add_ (tests/test_comb.py); in bf16 it would round
+        once where they round twice, so bf16 keeps index_add_. A cold prompt's span rows are one
+        such run: the delta's own output and its scatter, which read and wrote every row's output
+        twice more, made 16 documents of 256 tokens 9% slower on SmolLM2 and 16% on Qwen 0.5B
+        (AMD EPYC Zen 3)."""
         a, b = self.deltas[name]
         kept = self._scaled.get(name)  # scaled once while B stays the same tensor, unchanged, in x's dtype
         if kept is None or kept[0] is not b or kept[1] != b._version or kept[2].dtype != x.dtype:
