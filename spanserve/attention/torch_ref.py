@@ -4,6 +4,8 @@ chunks (span keys rotated as they are read); the torch paths stay as their refer
 Sequences whose queries reweight span keys (APE's SpanShare) take the matmul paths everywhere:
 the reweighting needs each query's scores before its softmax."""
 
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
 
@@ -38,7 +40,7 @@ class TorchAttention(AttentionBackend):
         for q_len in meta.query_lens:
             starts.append(starts[-1] + q_len)
         out = torch.empty_like(q)
-        rest = self._prefill_kernel(q, k_cache, v_cache, meta, scale, starts, out)
+        rest = self._prefill_kernel(q, k_cache, v_cache, meta, scale, out)
         if not rest:
             return out
         # Decode tokens and short prefill chunks go through one padded, masked call, even
@@ -63,7 +65,7 @@ class TorchAttention(AttentionBackend):
                                                    k_cache, v_cache, meta, scale)
         return out
 
-    def _prefill_kernel(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, starts: list[int],
+    def _prefill_kernel(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                         out: torch.Tensor) -> list[int]:
         """The step's prefill chunks (their span keys rotated as they are read; not APE's span
         share), in one call of the C kernel on CPU (cpu_kernel.paged_prefill), written into `out`.
@@ -71,7 +73,7 @@ class TorchAttention(AttentionBackend):
         everyone = list(range(len(meta.query_lens)))
         if q.device.type != "cpu":
             return everyone
-        plan = _prefill_plan(meta, starts, q.device)
+        plan = prefill_plan(meta, q.device)
         if plan is None:
             return everyone
         chunks, rows, tables, query_starts, positions, lens, work = plan
@@ -147,7 +149,7 @@ class TorchAttention(AttentionBackend):
         return out.flatten(0, 1)[valid]
 
 
-def _prefill_plan(meta: AttentionMetadata, starts: list[int], device):
+def prefill_plan(meta: AttentionMetadata, device):
     """What the prefill kernel reads of a step, the same in every layer, so made once per step: the
     chunks it takes (prefill chunks, not APE's span share), their query rows (None: all of the
     step's), block tables, query starts, positions and context lengths, and their work (queries x
@@ -163,7 +165,7 @@ def _prefill_plan(meta: AttentionMetadata, starts: list[int], device):
             if len(chunks) == len(meta.query_lens):  # the whole step (a sparse step: at every layer)
                 plan = (chunks, None, meta.block_tables, query_starts, meta.positions, meta.context_lens_tensor, work)
             else:
-                rows = _rows_of(chunks, starts, device)
+                rows = _rows_of(chunks, list(accumulate(meta.query_lens, initial=0)), device)
                 index = torch.tensor(chunks, device=meta.block_tables.device)
                 plan = (chunks, rows, meta.block_tables[index].contiguous(), query_starts,
                         meta.positions[rows].contiguous(), torch.tensor([meta.context_lens[i] for i in chunks]), work)

@@ -89,7 +89,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if out is None or not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
         out = torch.empty_like(q)
     rows, heads, dim = q.shape
-    rot_starts, rot_ids, rot_cos, rot_sin, num_angles = _rotation_args(rotations)
+    rot_starts, rot_ids, rot_cos, rot_sin, num_angles = rotation_args(rotations)
     status = kernel.paged_prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                   tables.data_ptr(), starts.data_ptr(), positions.data_ptr(), lens.data_ptr(),
                                   rot_starts, rot_ids, rot_cos, rot_sin, num_angles, len(lens), rows,
@@ -114,7 +114,7 @@ def paged_scores(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tens
     q, table, positions = q.contiguous(), block_table.long().contiguous(), positions.long().contiguous()
     rows, heads, dim = q.shape
     scores = torch.empty(heads, rows, context_len)
-    rot_starts, rot_ids, rot_cos, rot_sin, num_angles = _rotation_args(rotations)
+    rot_starts, rot_ids, rot_cos, rot_sin, num_angles = rotation_args(rotations)
     status = kernel.paged_scores(q.data_ptr(), k_cache.data_ptr(), scores.data_ptr(), table.data_ptr(),
                                  positions.data_ptr(), context_len, rot_starts, rot_ids, rot_cos, rot_sin, num_angles,
                                  rows, table.shape[0], heads, k_cache.shape[2], dim, k_cache.shape[1], scale,
@@ -149,7 +149,7 @@ def centroid_topk(centroids: torch.Tensor, block_ids: torch.Tensor, own: torch.T
     return count - own.shape[0]
 
 
-def _rotation_args(rotations: tuple[torch.Tensor, ...] | None) -> tuple:
+def rotation_args(rotations: tuple[torch.Tensor, ...] | None) -> tuple:
     """key_rotations' tensors as the kernels take them: their pointers (starts, ids, cos, sin), then
     how many distinct angles; NULLs and 0 where no key moves."""
     if rotations is None:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from spanserve.attention.backend import AttentionMetadata, plain_decode
-from spanserve.attention.torch_ref import step_rotations
+from spanserve.attention.torch_ref import prefill_plan, step_rotations
 from spanserve.kernels import cpu_kernel, native, threads
 from spanserve.models.gguf_blocks import BlockLinear
 
@@ -95,10 +95,10 @@ class FusedLayers:
             tables, lens, _ = decode
             run = lambda *args: kernel.decode_layers(*args)  # noqa: E731
         else:
-            chunks = self._chunks(x, positions, meta)
-            if chunks is None:
+            prefill = self._prefill(x, positions, meta)
+            if prefill is None:
                 return None
-            tables, lens = meta.block_tables.long().contiguous(), meta.context_lens_tensor.long().contiguous()
+            chunks, tables, lens = prefill
             run = lambda *args: kernel.prefill_layers(*args, ctypes.addressof(chunks))  # noqa: E731
         if self.layers is None or caches.data_ptr() != self.bound_cache:
             self._bind(caches)
@@ -116,24 +116,26 @@ class FusedLayers:
             raise RuntimeError(f"fused layers failed ({status}) for {tuple(x.shape)}")
         return hidden
 
-    def _chunks(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> _Chunks | None:
-        """A step of prefill chunks as prefill_layers reads it (kept alive in meta.derived with its
-        tensors, the same in every call of the step), or None where the attention backend would not
-        give all of the step to the prefill kernel (torch_ref's prefill plan): a decode row, a span
-        share, a sparse flow; or where the prefill kernel is not allowed, or has more rows than the
-        projections' C kernel takes."""
+    def _prefill(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """A step of prefill chunks as prefill_layers reads it: (its chunks, block tables, context
+        lengths), kept in meta.derived with the tensors they point at (the same in every call of the
+        step). None where the attention backend would not give the whole step to the prefill kernel
+        (torch_ref.prefill_plan: a decode row, a span share), for a sparse flow (its attention reads
+        other blocks at each layer), where the prefill kernel is not allowed, or for more rows than
+        the projections' C kernel takes."""
         if (positions is not meta.positions or cpu_kernel.load("prefill") is None or x.shape[0] > self.max_rows
-                or x.shape[0] != sum(meta.query_lens) or min(meta.query_lens) < 2 or meta.span_share
-                or meta.sparse is not None):
+                or x.shape[0] != sum(meta.query_lens) or meta.sparse is not None):
             return None
-        if "fused_chunks" not in meta.derived:
-            starts = torch.tensor([0, *meta.query_lens]).cumsum(0)
-            rotations = step_rotations(meta, list(range(len(meta.query_lens))))
-            pointers = [t.data_ptr() for t in rotations] if rotations is not None else [None] * 4
-            chunks = _Chunks(starts.data_ptr(), len(meta.query_lens), *pointers,
-                             len(rotations[2]) if rotations is not None else 0)
-            meta.derived["fused_chunks"] = (chunks, starts, rotations)
-        return meta.derived["fused_chunks"][0]
+        plan = prefill_plan(meta, x.device)
+        if plan is None or plan[1] is not None:  # no chunk, or not every sequence one
+            return None
+        if "fused_prefill" not in meta.derived:
+            seqs, _, tables, query_starts, _, lens, _ = plan
+            rotations = step_rotations(meta, seqs)  # the attention backend's, made once per step
+            chunks = _Chunks(query_starts.data_ptr(), len(seqs), *cpu_kernel.rotation_args(rotations))
+            meta.derived["fused_prefill"] = (chunks, tables.long().contiguous(), lens.long().contiguous(),
+                                             query_starts, rotations)
+        return meta.derived["fused_prefill"][:3]
 
     def _hooked(self) -> bool:
         """Whether a module of the layers has forward hooks now, other than the thread policy's
