@@ -57,3 +57,16 @@ def triton_device() -> torch.device:
     if not (torch.cuda.is_available() or interpret):
         pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
     return torch.device("cpu" if interpret else "cuda")
+
+
+def record_fused_layers(model) -> list[tuple]:
+    """Wrap model.fused_layers (models/fused_layers.py); returns the list it fills, per call:
+    (taken?, a prefill step?, span keys moved?, the layers asked for)."""
+    fused, calls = model.fused_layers, []
+
+    def recorded(x, positions, meta, layers=None):
+        out = fused(x, positions, meta, layers)
+        calls.append((out is not None, min(meta.query_lens) > 1, bool(meta.key_rotation), layers))
+        return out
+    model.fused_layers = recorded
+    return calls

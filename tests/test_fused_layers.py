@@ -1,8 +1,9 @@
-"""A plain decode step's layers in one C call (models/fused_layers.py): taken where it applies,
+"""A decode or prefill step's layers in one C call (models/fused_layers.py): taken where it applies,
 and to the bit what the model's Python layers compute."""
 
 import pytest
 import torch
+from helpers import record_fused_layers
 
 from spanserve import LLM, SamplingParams
 from spanserve.kernels import cpu_kernel
@@ -63,18 +64,6 @@ DOCUMENTS = ["The river Avon flows through Bath and Bristol before it meets the 
              "The violinist practised her scales every morning before the orchestra's rehearsals began at nine."]
 
 
-def _recording(model):
-    """Wrap model.fused_layers: per call (taken?, a prefill step?, span keys moved?, layers)."""
-    fused, calls = model.fused_layers, []
-
-    def recorded(x, positions, meta, layers=None):
-        out = fused(x, positions, meta, layers)
-        calls.append((out is not None, min(meta.query_lens) > 1, bool(meta.key_rotation), layers))
-        return out
-    model.fused_layers = recorded
-    return calls
-
-
 def test_prefill_over_moved_span_keys_answers_to_the_bit_as_the_python_layers(default_model_path):
     """Documents cached in one order, then read in another under the default policy: the focus
     probe's layers, then the relinked tokens and the question, run in the fused layers and read the
@@ -86,7 +75,7 @@ def test_prefill_over_moved_span_keys_answers_to_the_bit_as_the_python_layers(de
     for fused in (True, False):
         llm = LLM(model=str(default_model_path), dtype="float32", num_blocks=128)
         model = llm.engine.runner.model
-        calls = _recording(model)
+        calls = record_fused_layers(model)
         if not fused:
             model.fused_layers = None
         ours = []

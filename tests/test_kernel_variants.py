@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import record_fused_layers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -465,17 +466,14 @@ def _greedy_answers(path, fused: bool) -> tuple[list, bool]:
 
     llm = LLM(model=str(path), dtype="float32", num_blocks=256)
     model = llm.engine.runner.model
-    layers, moved = model.fused_layers, []
-    assert layers is not None
-
-    def recorded(x, positions, meta, run=None):
-        out = layers(x, positions, meta, run)
-        moved.append(out is not None and min(meta.query_lens) > 1 and bool(meta.key_rotation))
-        return out
-    model.fused_layers = recorded if fused else None
+    assert model.fused_layers is not None
+    calls = record_fused_layers(model)
+    if not fused:
+        model.fused_layers = None
     docs = ["alpha beta gamma delta epsilon " * 5, "one two three four five six " * 4, "red green blue " * 9]
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=2)
     outs = [o for order in ([0, 1, 2], [2, 0, 1]) for o in
             llm.generate([[*(Span(docs[i]) for i in order), "Which colours?"]], params)]
     outs += llm.generate([f"Count to {i}:" for i in range(26)], params)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], any(moved)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], any(
+        taken and prefill and moved for taken, prefill, moved, _ in calls)
