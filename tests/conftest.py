@@ -114,7 +114,8 @@ def tiny_qwen2_blocks_path(tmp_path_factory, tiny_qwen2_path) -> Path:
         kind = _BLOCK_KINDS.get(name.split(".")[-2]) if name.endswith("proj.weight") else None
         if kind is not None:
             blocks[name] = _rounded_to_blocks(weight, *kind)
-            weights[name] = block_weight(*(blocks[name].get(part) for part in ("codes", "scale", "offset")))
+            parts = ("codes", "scale", "offset", "factors")
+            weights[name] = block_weight(*(blocks[name].get(part) for part in parts))
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     numpy_blocks = {name: {part: t.numpy() for part, t in parts.items()} for name, parts in blocks.items()}
     assert gguf_blocks.save_blocks(numpy_blocks, {n: w.numpy() for n, w in weights.items()}, out) == len(blocks)

@@ -34,7 +34,7 @@ def test_blocks_read_from_a_tensor_give_back_its_dequantized_weight_exactly(kind
     parts = {name: torch.from_numpy(a) for name, a in gguf_blocks.blocks_of(tensor).items()}
     assert ("offset" in parts) == (kind_name == "Q4_1")
     want = torch.from_numpy(quants.dequantize(tensor.data, kind).reshape(40, 96))
-    assert torch.equal(block_weight(parts["codes"], parts["scale"], parts.get("offset")), want)
+    assert torch.equal(block_weight(parts["codes"], parts["scale"], parts.get("offset"), parts.get("factors")), want)
 
 
 # each type's bytes per block, weights per block, and where its float16 scales (and minimums) sit
@@ -58,7 +58,7 @@ def test_blocks_of_any_bytes_give_back_what_gguf_dequantizes(kind_name):
     assert ("offset" in parts) == (kind_name not in ("Q8_0", "Q6_K"))  # q - 8, q - 16: offsets of -8 d, -16 d
     assert block_bits(parts["codes"]) == {"Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q6_K": 8}.get(kind_name, 4)
     want = torch.from_numpy(quants.dequantize(tensor.data, kind).reshape(12, 3 * weights))
-    assert torch.equal(block_weight(parts["codes"], parts["scale"], parts.get("offset")), want)
+    assert torch.equal(block_weight(parts["codes"], parts["scale"], parts.get("offset"), parts.get("factors")), want)
 
 
 def test_other_types_are_not_kept():
@@ -86,7 +86,7 @@ def test_the_default_models_conversion_keeps_its_blocks_beside_its_exact_weights
     names = {key.rpartition(".")[0] for key in blocks}
     assert len(names) == 30 * 7 + 1  # every projection of SmolLM2's 30 layers (Q4_1) and its embedding (Q8_0)
     for name in names:  # the q/k rows, unpermuted like the weights, included
-        got = block_weight(blocks[f"{name}.codes"], blocks[f"{name}.scale"], blocks.get(f"{name}.offset"))
+        got = block_weight(*(blocks.get(f"{name}.{part}") for part in ("codes", "scale", "offset", "factors")))
         assert torch.equal(got, weights[name]), name
 
 

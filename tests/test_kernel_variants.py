@@ -23,11 +23,13 @@ from spanserve.kernels import cpu_kernel, native, selfcheck, variants
 from spanserve.kernels.layouts import (
     BLOCK_DIRECT_ROWS,
     BLOCK_GROUP,
+    BLOCK_SUPER,
     W8A8_BLOCK,
     block_int8_twin,
     block_panels,
     block_weight,
     f32_panels,
+    factor_panels,
     int8w_panels,
     pair_panels,
     w8a8_panels,
@@ -209,60 +211,75 @@ def test_f32_gemm_is_the_matmul(lib, seed, shape, n_threads, with_bias):
 @PROPERTY
 @given(seed=seeds, rows=st.integers(1, 80), groups=st.integers(1, 8), n=st.integers(1, 120),
        kind=st.sampled_from([(4, 32), (5, 32), (8, 32), (8, 16)]), with_offset=st.booleans(), with_bias=st.booleans(),
-       n_threads=threads, parts=st.integers(1, 5))
-def test_block_gemm_is_the_matmul_of_its_blocks(lib, seed, rows, groups, n, kind, with_offset, with_bias, n_threads,
-                                                parts):
+       factored=st.booleans(), n_threads=threads, parts=st.integers(1, 5))
+def test_block_gemm_is_the_matmul_of_its_blocks(lib, seed, rows, groups, n, kind, with_offset, with_bias, factored,
+                                                n_threads, parts):
     """Rows to 80 take both the direct path and the widened slices (block_gemm.c, DIRECT_MAX_ROWS);
     5-bit codes every fifth bit pattern (Q5_0's, Q5_1's); 8-bit codes in groups of 16 (Q6_K's) come
-    without an offset. A team's parts (block_gemm_part, up to DIRECT_MAX_ROWS rows) give the same
-    sums to the bit, into columns of wider rows, and leave the columns beside untouched."""
+    without an offset; factored: a K-quant's int8 scales and offsets times their super-block's
+    factors, over 1-2 super-blocks. A team's parts (block_gemm_part, up to DIRECT_MAX_ROWS rows)
+    give the same sums to the bit, into columns of wider rows, and leave the columns beside untouched."""
     torch.manual_seed(seed)
     (bits, group), with_offset = kind, with_offset and kind[1] == BLOCK_GROUP
-    k = groups * group
+    factored = factored and bits != 5
+    k = (1 + groups % 2) * BLOCK_SUPER if factored else groups * group
     x = torch.randn(rows, k)
     codes = torch.randint(0, 1 << bits, (n, k)) if bits < 8 else torch.randint(-128, 128, (n, k))
-    scale = torch.rand(n, groups) / 8
-    offset = torch.randn(n, groups) if with_offset else None
+    if factored:  # Q4_K's scales and minimums are 6-bit, Q6_K's scales int8
+        scale = torch.randint(0, 64, (n, k // group)) if bits == 4 else torch.randint(-128, 128, (n, k // group))
+        offset = torch.randint(0, 64, (n, k // group)).to(torch.int8) if with_offset else None
+        scale, factors = scale.to(torch.int8), torch.rand(n, k // BLOCK_SUPER, 2) / 512 - torch.tensor([0.0, 1 / 512])
+    else:
+        scale, factors = torch.rand(n, k // group) / 8, None
+        offset = torch.randn(n, k // group) if with_offset else None
     bias = torch.randn(n) if with_bias else None
     packed, scales, offsets = block_panels(codes, bits, scale, offset)
+    tensors = (packed, scales, offsets, None if factors is None else factor_panels(factors), bias)
     with _threads(n_threads):
-        out = _block_gemm(lib, x, packed, bits, group, scales, offsets, bias, n, k, 0)
-    want = x.double() @ block_weight(codes, scale, offset).double().t() + (0 if bias is None else bias.double())
-    _close(out, want, torch.float32, scale=k ** 0.5)
-    _block_gemm_parts(lib, x, packed, bits, group, scales, offsets, bias, out, k, 0, parts)
+        out = _block_gemm(lib, x, tensors, bits, group, n, k, 0)
+    weight = block_weight(codes, scale, offset, factors)
+    want = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+    _close(out, want, torch.float32, scale=k ** 0.5 * (weight.abs().max().item() if factored else 1.0))
+    _block_gemm_parts(lib, x, tensors, bits, group, out, k, 0, parts)
     if bits == 4:  # x rounded to int8 (int8_x): its twin up to the direct path's rows, else as before
         with _threads(n_threads):
-            rounded = _block_gemm(lib, x, packed, bits, group, scales, offsets, bias, n, k, 1)
+            rounded = _block_gemm(lib, x, tensors, bits, group, n, k, 1)
         if rows > BLOCK_DIRECT_ROWS:
             assert torch.equal(rounded, out)
         else:
-            twin = block_int8_twin(x, codes, scale, offset) + (0 if bias is None else bias.double())
-            _close(rounded, twin, torch.float32, scale=k ** 0.5)
-            _block_gemm_parts(lib, x, packed, bits, group, scales, offsets, bias, rounded, k, 1, parts)
+            twin = block_int8_twin(x, codes, scale, offset, factors) + (0 if bias is None else bias.double())
+            _close(rounded, twin, torch.float32, scale=k ** 0.5 * (weight.abs().max().item() if factored else 1.0))
+            _block_gemm_parts(lib, x, tensors, bits, group, rounded, k, 1, parts)
 
 
-def _block_gemm(lib, x, packed, bits, group, scales, offsets, bias, n, k, int8_x) -> torch.Tensor:
-    """block_gemm's out [rows, n] for x, failing on any status but 0."""
+def _pointers(tensors) -> list:
+    """The data pointers of (packed, scales, offsets, factors, bias), None for the absent."""
+    return [None if t is None else t.data_ptr() for t in tensors]
+
+
+def _block_gemm(lib, x, tensors, bits, group, n, k, int8_x) -> torch.Tensor:
+    """block_gemm's out [rows, n] for x over tensors (packed, scales, offsets, factors, bias),
+    failing on any status but 0."""
     out = torch.empty(x.shape[0], n)
-    status = lib.block_gemm(x.data_ptr(), packed.data_ptr(), bits, group, scales.data_ptr(),
-                            None if offsets is None else offsets.data_ptr(), None if bias is None else bias.data_ptr(),
-                            out.data_ptr(), x.shape[0], n, scales.shape[0] * 16, k, int8_x)
+    packed, scales, offsets, factors, bias = _pointers(tensors)
+    status = lib.block_gemm(x.data_ptr(), packed, bits, group, scales, offsets, factors, bias, out.data_ptr(),
+                            x.shape[0], n, tensors[1].shape[0] * 16, k, int8_x)
     assert status == 0
     return out
 
 
-def _block_gemm_parts(lib, x, packed, bits, group, scales, offsets, bias, whole, k, int8_x, parts):
+def _block_gemm_parts(lib, x, tensors, bits, group, whole, k, int8_x, parts):
     """block_gemm_part's `parts` parts, into columns of wider rows, give `whole` to the bit and leave
     the columns beside untouched (a team's, up to the direct path's rows)."""
     rows, n = whole.shape
     if rows > BLOCK_DIRECT_ROWS:
         return
     wide = torch.full((rows, n + 5), 7.0)
+    packed, scales, offsets, factors, bias = _pointers(tensors)
     for part in range(parts):
-        status = lib.block_gemm_part(x.data_ptr(), packed.data_ptr(), bits, group, scales.data_ptr(),
-                                     None if offsets is None else offsets.data_ptr(),
-                                     None if bias is None else bias.data_ptr(), wide[:, 2:].data_ptr(), n + 5,
-                                     rows, n, scales.shape[0] * 16, k, int8_x, part, parts)
+        status = lib.block_gemm_part(x.data_ptr(), packed, bits, group, scales, offsets, factors, bias,
+                                     wide[:, 2:].data_ptr(), n + 5, rows, n, tensors[1].shape[0] * 16, k, int8_x,
+                                     part, parts)
         assert status == 0
     assert torch.equal(wide[:, 2:n + 2], whole)
     assert (wide[:, :2] == 7).all() and (wide[:, n + 2:] == 7).all()
@@ -270,23 +287,28 @@ def _block_gemm_parts(lib, x, packed, bits, group, scales, offsets, bias, whole,
 
 def test_block_gemm_refuses_what_it_does_not_take(lib):
     x, codes, scale = torch.randn(2, 64), torch.zeros(48, 64, 8, dtype=torch.uint8), torch.ones(48, 2, 16)
-    out = torch.empty(2, 40)
-    call = functools.partial(lib.block_gemm, x.data_ptr(), codes.data_ptr())
-    assert call(4, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64, 0) == 0
-    part = functools.partial(lib.block_gemm_part, x.data_ptr(), codes.data_ptr(), 4, 32, scale.data_ptr(), None, None,
+    out, s, none = torch.empty(2, 40), scale.data_ptr(), None
+
+    def call(bits, group, offset, factors, n_padded, k):
+        return lib.block_gemm(x.data_ptr(), codes.data_ptr(), bits, group, s, offset, factors, None, out.data_ptr(), 2,
+                              40, n_padded, k, 0)
+
+    assert call(4, 32, none, none, 48, 64) == 0
+    part = functools.partial(lib.block_gemm_part, x.data_ptr(), codes.data_ptr(), 4, 32, s, None, None, None,
                              out.data_ptr())
     assert part(40, 2, 40, 48, 64, 0, 0, 1) == 0
     assert part(39, 2, 40, 48, 64, 0, 0, 1) == -1  # rows narrower than its columns
     assert part(40, BLOCK_DIRECT_ROWS + 1, 40, 48, 64, 0, 0, 1) == -1  # past the direct path: no parts
     assert part(40, 2, 40, 48, 64, 0, 0, 0) == -1 and part(40, 2, 40, 48, 64, 0, 2, 2) == -1  # no such part
-    assert call(6, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64, 0) == -1  # 6-bit codes
-    assert call(5, 16, scale.data_ptr(), scale.data_ptr(), None, out.data_ptr(), 2, 40, 48, 64, 0) == -1  # 5-bit by 16
-    assert call(4, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 60, 0) == -1  # k not a multiple of 32
-    assert call(4, 32, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 32, 64, 0) == -1  # n_padded not a tile
-    assert call(8, 16, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64, 0) == 0
-    assert call(8, 16, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 56, 0) == -1  # k not a multiple of 16
-    assert call(4, 16, scale.data_ptr(), scale.data_ptr(), None, out.data_ptr(), 2, 40, 48, 64, 0) == -1  # 4-bit by 16
-    assert call(8, 64, scale.data_ptr(), None, None, out.data_ptr(), 2, 40, 48, 64, 0) == -1  # no such group
+    assert call(6, 32, none, none, 48, 64) == -1  # 6-bit codes
+    assert call(5, 16, s, none, 48, 64) == -1  # 5-bit codes by 16
+    assert call(4, 32, none, none, 48, 60) == -1  # k not a multiple of 32
+    assert call(4, 32, none, none, 32, 64) == -1  # n_padded not a tile
+    assert call(8, 16, none, none, 48, 64) == 0
+    assert call(8, 16, none, none, 48, 56) == -1  # k not a multiple of 16
+    assert call(4, 16, s, none, 48, 64) == -1  # 4-bit codes by 16
+    assert call(8, 64, none, none, 48, 64) == -1  # no such group
+    assert call(8, 16, none, s, 48, 64) == -1  # factored, but k not a multiple of a super-block
 
 
 @PROPERTY

@@ -7,7 +7,9 @@ output channels padded to F32_TILE: 4-bit codes two to a byte, [padded out / 16]
 j's code the low nibble of byte j, channel 8 + j's the high one); 5-bit codes their low 4 bits
 so, then their fifth bits as [padded out / 16][in / 32][16] uint32 (bit i of word j: input 32 g +
 i of channel j); 8-bit codes [padded out / 16][in][16]; scale and offset [padded out / 16][in /
-group][16] float32.
+group][16] float32. A K-quant (Q4_K, Q6_K) keeps its scales as the file does, int8 per group
+beside float32 factors per super-block of BLOCK_SUPER inputs (the scales' and the offsets'),
+[padded out / 16][in / BLOCK_SUPER][2][16], a third of float32 scales' bytes.
 
 f32_gemm.c (float32, int8 and bf16 weights) reads panels of 16 output channels, [padded out /
 16][in][16], padded to a tile of 48, and its bf16 dot products pairs of inputs in them, [padded out
@@ -27,6 +29,7 @@ F32_TILE = 48  # output channels of one tile of f32_gemm.c (TILE_PANELS x PANEL)
 W8A8_BLOCK = 64  # input channels sharing one activation scale (int8_gemm.c's QBLOCK)
 W8A8_TILE = 64  # output channels its kernel computes together (TILE_PANELS x PANEL)
 BLOCK_GROUP = 32  # input channels sharing a block's scale and offset (block_gemm.c), but Q6_K's 16
+BLOCK_SUPER = 256  # input channels sharing a K-quant's factors (block_gemm.c's SUPER)
 BLOCK_DIRECT_ROWS = 24  # up to this many rows block_gemm.c multiplies the codes directly (DIRECT_MAX_ROWS)
 
 
@@ -102,8 +105,8 @@ def w8a8_twin(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 def block_panels(codes: torch.Tensor, bits: int, scale: torch.Tensor,
                  offset: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Codes [out, in] (0..15 for 4 bits, 0..31 for 5, int8 for 8), scale and offset [out, in / group]
-    as block_gemm.c reads them: (codes, scale, offset) in panels, padding channels zero; 5-bit
-    codes flat, their low bits' panels then their fifth bits'."""
+    (float, or a K-quant's int8 ones) as block_gemm.c reads them: (codes, scale, offset) in panels,
+    padding channels zero; 5-bit codes flat, their low bits' panels then their fifth bits'."""
     padded = _tile_padded(codes)
     panels = padded.view(-1, 16, codes.shape[1]).transpose(1, 2)
     if bits in (4, 5):
@@ -117,25 +120,46 @@ def block_panels(codes: torch.Tensor, bits: int, scale: torch.Tensor,
         packed = panels.to(torch.int8).contiguous().view(torch.uint8)
 
     def per_panel(t: torch.Tensor) -> torch.Tensor:
-        return _tile_padded(t.float()).view(-1, 16, t.shape[1]).transpose(1, 2).contiguous()
+        t = t if t.dtype == torch.int8 else t.float()
+        return _tile_padded(t).view(-1, 16, t.shape[1]).transpose(1, 2).contiguous()
 
     return packed, per_panel(scale), None if offset is None else per_panel(offset)
 
 
-def block_weight(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+def factor_panels(factors: torch.Tensor) -> torch.Tensor:
+    """A K-quant's factors [out, in / BLOCK_SUPER, 2] as block_gemm.c reads them: [padded out / 16][in /
+    BLOCK_SUPER][2][16] float32, padding channels zero."""
+    padded = _tile_padded(factors.float().flatten(1))
+    return padded.view(-1, 16, factors.shape[1], 2).permute(0, 2, 3, 1).contiguous()
+
+
+def block_scales(scale: torch.Tensor, offset: torch.Tensor | None, factors: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Float32 scale and offset per group: the blocks' own, or a K-quant's int8 ones times their
+    super-block's factors (factors [out, in / BLOCK_SUPER, 2]: the scales', the offsets')."""
+    if factors is None:
+        return scale.float(), None if offset is None else offset.float()
+    per_group = factors.float().repeat_interleave(scale.shape[1] // factors.shape[1], 1)
+    return scale.float() * per_group[..., 0], None if offset is None else offset.float() * per_group[..., 1]
+
+
+def block_weight(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                 factors: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 weight [out, in] that blocks stand for: code * scale + offset, per group (its
-    size: in over the scales' columns)."""
+    size: in over the scales' columns); with factors, a K-quant's (block_scales)."""
     group = block_group(codes, scale)
-    weight = codes.float() * scale.float().repeat_interleave(group, 1)
-    return weight if offset is None else weight + offset.float().repeat_interleave(group, 1)
+    scale, offset = block_scales(scale, offset, factors)
+    weight = codes.float() * scale.repeat_interleave(group, 1)
+    return weight if offset is None else weight + offset.repeat_interleave(group, 1)
 
 
-def block_int8_twin(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
-                    ) -> torch.Tensor:
+def block_int8_twin(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                    factors: torch.Tensor | None = None) -> torch.Tensor:
     """What block_gemm.c computes over 4-bit codes (groups of 32) with x rounded to int8 (int8_x):
     per row and group, q = round(x * 127 / max |x|) and step max |x| / 127; out = sum over groups of
     (codes . q) * scale * step + offset * sum(x), in float64 (the integer sums are exact)."""
     rows, k = x.shape
+    scale, offset = block_scales(scale, offset, factors)
     groups = x.float().view(rows, k // 32, 32)
     largest = groups.abs().amax(dim=2, keepdim=True)
     inverse = torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest))

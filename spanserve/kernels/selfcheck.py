@@ -13,11 +13,13 @@ import torch.nn.functional as F
 
 from spanserve.kernels.layouts import (
     BLOCK_DIRECT_ROWS,
+    BLOCK_SUPER,
     DTYPES,
     block_int8_twin,
     block_panels,
     block_weight,
     f32_panels,
+    factor_panels,
     int8w_panels,
     pair_panels,
     w8a8_panels,
@@ -249,34 +251,46 @@ def _centroid_topk(lib, dtype) -> str:
 
 def _block_gemm(lib, dtype) -> str:
     """4- and 5-bit codes with offsets and a bias, 8-bit codes with neither, per 32 or 16 inputs
-    (GGUF's Q4_1, Q5_1, Q8_0 and Q6_K)."""
+    (GGUF's Q4_1, Q5_1, Q8_0 and Q6_K), and Q4_K's and Q6_K's factored int8 scales."""
     if dtype != torch.float32:
         return ""  # float32 activations only
     gen = torch.Generator().manual_seed(11)
-    for bits, group in ((4, 32), (5, 32), (8, 32), (8, 16)):
+    for bits, group, factored in ((4, 32, False), (5, 32, False), (8, 32, False), (8, 16, False), (4, 32, True),
+                                  (8, 16, True)):
+        k = BLOCK_SUPER if factored else 64
         low, high = (0, 1 << bits) if bits < 8 else (-128, 128)
-        codes, scale = torch.randint(low, high, (50, 64), generator=gen), torch.rand(50, 64 // group, generator=gen)
+        codes = torch.randint(low, high, (50, k), generator=gen)
         with_offset = bits < 8
-        offset = torch.randn(50, 2, generator=gen) if with_offset else None
+        if factored:
+            scale = torch.randint(-64, 64, (50, k // group), generator=gen).to(torch.int8)
+            offset = torch.randint(0, 64, (50, k // group), generator=gen).to(torch.int8) if with_offset else None
+            factors = torch.rand(50, 1, 2, generator=gen) / 64
+        else:
+            scale, factors = torch.rand(50, k // group, generator=gen), None
+            offset = torch.randn(50, k // group, generator=gen) if with_offset else None
         bias = torch.randn(50, generator=gen) if with_offset else None
-        problem = _at_row_counts(functools.partial(_block_case, lib, gen, bits, group, codes, scale, offset, bias))
+        blocks = (codes, scale, offset, factors)
+        problem = _at_row_counts(functools.partial(_block_case, lib, gen, bits, group, blocks, bias))
         if problem:
-            return f"{bits}-bit codes in groups of {group}, {problem}"
+            return f"{bits}-bit codes in groups of {group}{', factored' if factored else ''}, {problem}"
     return ""
 
 
-def _block_case(lib, gen, bits, group, codes, scale, offset, bias, rows: int) -> str:
+def _block_case(lib, gen, bits, group, blocks, bias, rows: int) -> str:
+    codes, scale, offset, factors = blocks
+    k = codes.shape[1]
     packed, scales, offsets = block_panels(codes, bits, scale, offset)
-    x, out = torch.randn(rows, 64, generator=gen), torch.empty(rows, 50)
-    status = lib.block_gemm(_ptr(x), _ptr(packed), bits, group, _ptr(scales), _ptr(offsets), _ptr(bias), _ptr(out),
-                            rows, 50, scales.shape[0] * 16, 64, 0)
-    want = x @ block_weight(codes, scale, offset).t() + (0 if bias is None else bias)
+    factor_args = None if factors is None else factor_panels(factors)
+    x, out = torch.randn(rows, k, generator=gen), torch.empty(rows, 50)
+    call = functools.partial(lib.block_gemm, _ptr(x), _ptr(packed), bits, group, _ptr(scales), _ptr(offsets),
+                             _ptr(factor_args), _ptr(bias), _ptr(out), rows, 50, scales.shape[0] * 16, k)
+    status = call(0)
+    want = x @ block_weight(*blocks).t() + (0 if bias is None else bias)
     problem = f"status {status}" if status else _compare(out, want, 1e-5)
     if bits == 4 and not problem:  # and with x rounded to int8, up to the direct path's rows
-        status = lib.block_gemm(_ptr(x), _ptr(packed), bits, group, _ptr(scales), _ptr(offsets), _ptr(bias),
-                                _ptr(out), rows, 50, scales.shape[0] * 16, 64, 1)
+        status = call(1)
         if rows <= BLOCK_DIRECT_ROWS:
-            want = block_int8_twin(x, codes, scale, offset).float() + (0 if bias is None else bias)
+            want = block_int8_twin(x, *blocks).float() + (0 if bias is None else bias)
         problem = f"int8 x: status {status}" if status else _compare(out, want, 1e-5)
     return problem
 

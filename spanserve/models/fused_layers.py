@@ -31,9 +31,9 @@ class _Projection(ctypes.Structure):
     pass
 
 
-_Projection._fields_ = [("codes", _ptr), ("scale", _ptr), ("offset", _ptr), ("bias", _ptr), ("n", _i64),
-                        ("n_padded", _i64), ("k", _i64), ("bits", _i64), ("group", _i64), ("int8_x", _i64),
-                        ("next", ctypes.POINTER(_Projection))]
+_Projection._fields_ = [("codes", _ptr), ("scale", _ptr), ("offset", _ptr), ("factors", _ptr), ("bias", _ptr),
+                        ("n", _i64), ("n_padded", _i64), ("k", _i64), ("bits", _i64), ("group", _i64),
+                        ("int8_x", _i64), ("next", ctypes.POINTER(_Projection))]
 
 
 class _Layer(ctypes.Structure):
@@ -164,9 +164,9 @@ class FusedLayers:
         """p's first piece, chained to the others (fused_layers.c computes each into its columns)."""
         head = None
         for piece in reversed(p.pieces):
-            codes, bits, group, scale, offset, bias = piece.kernel_args
+            codes, bits, group, scale, offset, factors, bias = piece.kernel_args
             later = None if head is None else ctypes.pointer(head)
-            head = _Projection(codes, scale, offset, bias, piece.n, piece.padded_out, p.in_features, bits, group,
-                               int(p.int8_activations), later)
+            head = _Projection(codes, scale, offset, factors, bias, piece.n, piece.padded_out, p.in_features, bits,
+                               group, int(p.int8_activations), later)
             self.later_pieces.append(head)
         return head

@@ -10,7 +10,9 @@ back exactly the weights the conversion wrote, and stored beside them.
 
 Kept: Q4_0, Q4_1 and Q4_K (4-bit codes, a scale and an offset per 32), Q5_0 and Q5_1 (5-bit
 codes so), Q8_0 (8-bit codes and a scale per 32), Q6_K (8-bit codes and a scale per 16), whose
-values are code * scale + offset in one rounding, as the kernel reads them. A fused projection
+values are code * scale + offset in one rounding, as the kernel reads them. The K-quants' scales
+stay the file's int8 ones beside their super-block's float factors (layouts.block_scales): a
+decode step reads every scale too, and float32 ones would be a quarter of Q4_K's bytes. A fused projection
 (q/k/v, gate/up) whose parts come in different widths or groups (Qwen2.5-1.5B's Q4_K q and k
 beside a Q6_K v) computes each run of alike parts in its own call.
 """
@@ -27,7 +29,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from spanserve.kernels import cpu_kernel
-from spanserve.kernels.layouts import BLOCK_DIRECT_ROWS, block_bits, block_group, block_panels, block_weight
+from spanserve.kernels.layouts import (
+    BLOCK_DIRECT_ROWS,
+    block_bits,
+    block_group,
+    block_panels,
+    block_weight,
+    factor_panels,
+)
 from spanserve.models import layout
 from spanserve.models.layer_ops import records_grad
 
@@ -40,7 +49,8 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 
 def blocks_of(tensor) -> dict[str, np.ndarray] | None:
-    """A GGUF tensor's blocks as (codes, scale[, offset]) [rows, in] and [rows, in / group], or None for
+    """A GGUF tensor's blocks as (codes, scale[, offset][, factors]) [rows, in], [rows, in / group]
+    and [rows, in / 256, 2], or None for
     a type that is not kept. Each block starts with its scale d (float16). Q8_0: then 32 int8, 8-bit
     codes without an offset. Q4_1 and Q5_1: then the minimum m (float16), the offset; Q5_*: then the
     elements' fifth bits (32 in 4 bytes); then 16 bytes holding elements j (low nibble) and 16 + j
@@ -76,16 +86,17 @@ def _q4_k(raw: np.ndarray) -> dict[str, np.ndarray]:
     32, as Q4_1's: each starts with d and dmin (float16), then 12 bytes of 6-bit scales and minimums
     for its 8 groups, then 128 bytes, each 32 of them holding two groups (low nibbles, then high).
     A group's weights are (d * scale) * code - dmin * minimum: both products are exact in float32
-    (11 by 6 bits), so the offset -(dmin * minimum) gives them in the one rounding gguf does."""
+    (11 by 6 bits), so the offset -(dmin * minimum) gives them in the one rounding gguf does. Kept
+    factored: the scales and minimums as int8, the factors d and -dmin."""
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, 144)
     d, dmin = _float16(blocks, 0), _float16(blocks, 2)
     low, high, rest = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]  # scales, minimums, their top bits
-    scales = np.concatenate([low & 63, (rest & 15) | ((low >> 6) << 4)], axis=-1).astype(np.float32)
-    minimums = np.concatenate([high & 63, (rest >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
+    scales = np.concatenate([low & 63, (rest & 15) | ((low >> 6) << 4)], axis=-1).astype(np.int8)
+    minimums = np.concatenate([high & 63, (rest >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.int8)
     codes = _nibbles(blocks[..., 16:].reshape(rows, -1, 4, 32))  # [rows, super-blocks, 4, 64]: two groups each
-    return {"codes": codes.reshape(rows, -1), "scale": (d[..., None] * scales).reshape(rows, -1),
-            "offset": -(dmin[..., None] * minimums).reshape(rows, -1)}
+    return {"codes": codes.reshape(rows, -1), "scale": scales.reshape(rows, -1), "offset": minimums.reshape(rows, -1),
+            "factors": np.stack([d, -dmin], axis=-1)}
 
 
 def _q6_k(raw: np.ndarray) -> dict[str, np.ndarray]:
@@ -93,14 +104,15 @@ def _q6_k(raw: np.ndarray) -> dict[str, np.ndarray]:
     the codes' low 4 bits (128 bytes: per half, 64 bytes of low then high nibbles), their top 2 bits
     (64 bytes: per half, 32 bytes of four 2-bit fields), 16 int8 scales, then d (float16). A
     weight is (d * scale) * (code - 32): d * scale is exact in float32 (11 by 8 bits), so the one
-    rounding gguf does."""
+    rounding gguf does. Kept factored: the scales as int8, the factor d (and 0 for the offsets)."""
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, 210)
     low = blocks[..., :128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
     top = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
     codes = ((low & 15).reshape(rows, -1, 256) | ((top & 3).reshape(rows, -1, 256) << 4)).astype(np.int8) - 32
-    scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
-    return {"codes": codes.reshape(rows, -1), "scale": (_float16(blocks, 208)[..., None] * scales).reshape(rows, -1)}
+    d = _float16(blocks, 208)
+    return {"codes": codes.reshape(rows, -1), "scale": blocks[..., 192:208].copy().view(np.int8).reshape(rows, -1),
+            "factors": np.stack([d, np.zeros_like(d)], axis=-1)}
 
 
 def _float16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -118,7 +130,7 @@ def save_blocks(blocks: dict[str, dict[str, np.ndarray]], weights: dict[str, np.
     kept = {}
     for name, arrays in blocks.items():
         parts = {part: torch.from_numpy(np.ascontiguousarray(a)) for part, a in arrays.items()}
-        given_back = block_weight(parts["codes"], parts["scale"], parts.get("offset"))
+        given_back = block_weight(parts["codes"], parts["scale"], parts.get("offset"), parts.get("factors"))
         if torch.equal(given_back, torch.from_numpy(weights[name])):
             kept.update({f"{name}.{part}": t for part, t in parts.items()})
         else:
@@ -141,8 +153,8 @@ class _Piece(NamedTuple):
     first: int
     n: int
     padded_out: int
-    kernel_args: tuple  # codes, bits, group, scale, offset, bias: pointers into `tensors`
-    tensors: tuple  # packed codes, scale, offset, bias: kept alive for the pointers
+    kernel_args: tuple  # codes, bits, group, scale, offset, factors, bias: pointers into `tensors`
+    tensors: tuple  # packed codes, scale, offset, factors, bias: kept alive for the pointers
 
 
 def _piece(parts: list[dict[str, torch.Tensor]], bits: int, group: int, bias: torch.Tensor | None,
@@ -150,12 +162,14 @@ def _piece(parts: list[dict[str, torch.Tensor]], bits: int, group: int, bias: to
     codes = torch.cat([p["codes"] for p in parts])
     scale = torch.cat([p["scale"] for p in parts])
     offset = torch.cat([p["offset"] for p in parts]) if bits < 8 else None  # 8-bit codes have none
+    factors = torch.cat([p["factors"] for p in parts]) if "factors" in parts[0] else None  # a K-quant's
     packed, scale, offset = block_panels(codes, bits, scale, offset)
+    factors = None if factors is None else factor_panels(factors)
     n = codes.shape[0]
     bias = None if bias is None else bias.detach().float()[first:first + n].contiguous()
-    args = (packed.data_ptr(), bits, group, scale.data_ptr(), None if offset is None else offset.data_ptr(),
-            None if bias is None else bias.data_ptr())
-    return _Piece(first, n, scale.shape[0] * 16, args, (packed, scale, offset, bias))
+    args = (packed.data_ptr(), bits, group, scale.data_ptr(), *(None if t is None else t.data_ptr()
+                                                                 for t in (offset, factors, bias)))
+    return _Piece(first, n, scale.shape[0] * 16, args, (packed, scale, offset, factors, bias))
 
 
 class BlockLinear(nn.Linear):
@@ -233,12 +247,12 @@ def keep_blocks(model: nn.Module, model_dir: Path, int8_activations: bool = Fals
         linear = getattr(owner, name)
         if type(linear) is not nn.Linear or any(p is None for p in parts):
             continue
-        # 4- and 5-bit codes come with an offset, 8-bit ones without; a group of 32, or 16 (Q6_K)
-        kinds = [(block_bits(p["codes"]), block_group(p["codes"], p["scale"])) for p in parts]
-        if any(linear.in_features % group for _, group in kinds):
+        # 4- and 5-bit codes come with an offset, 8-bit ones without; a group of 32, or 16 (Q6_K); factored or not
+        kinds = [(block_bits(p["codes"]), block_group(p["codes"], p["scale"]), "factors" in p) for p in parts]
+        if any(linear.in_features % group for _, group, _ in kinds):
             continue
         alike = itertools.groupby(zip(kinds, parts), key=lambda kind_part: kind_part[0])
-        runs = [([p for _, p in run], *kind) for kind, run in alike]
+        runs = [([p for _, p in run], *kind[:2]) for kind, run in alike]
         setattr(owner, name, BlockLinear(linear, runs, int8_activations))
         kept += 1
     if kept:
@@ -261,4 +275,5 @@ def _projections(model: nn.Module):
 def _parts(stored: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor] | None:
     if f"{name}.codes" not in stored:
         return None
-    return {part: stored[f"{name}.{part}"] for part in ("codes", "scale", "offset") if f"{name}.{part}" in stored}
+    return {part: stored[f"{name}.{part}"] for part in ("codes", "scale", "offset", "factors")
+            if f"{name}.{part}" in stored}

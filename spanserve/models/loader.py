@@ -69,8 +69,9 @@ def resolve_model(model: str | None, weights: bool = True) -> Path:
 # What a conversion writes (models/gguf.py): a new value converts a file again rather than read
 # an older conversion's folder. 3: the kept blocks (models/gguf_blocks.py), Q4_0 and Q5_0 too;
 # 4: config.json names each model type's own class (Qwen2ForCausalLM, not LlamaForCausalLM), and
-# Q4_K's and Q6_K's blocks are kept; 5: Q5_0 and Q5_1 kept as 5-bit codes, Q4_0 as 4-bit ones.
-CONVERSION = 5
+# Q4_K's and Q6_K's blocks are kept; 5: Q5_0 and Q5_1 kept as 5-bit codes, Q4_0 as 4-bit ones;
+# 6: Q4_K's and Q6_K's scales kept as the file's int8 ones beside their super-blocks' factors.
+CONVERSION = 6
 
 
 def _converted(gguf: Path) -> Path:

@@ -34,11 +34,14 @@
 #define PASS_ROWS 4       /* rows one pass over a panel's codes multiplies */
 #define DIRECT_MAX_ROWS 24 /* up to this many rows the codes are multiplied as they are */
 #define WORK_PER_THREAD (1 << 18) /* multiply-adds worth another thread (as in int8_gemm.c) */
+#define SUPER 256         /* inputs of a K-quant super-block, whose float factors scale its groups' int8 ones */
 
 typedef struct {
     const uint8_t *codes;
     const uint32_t *high; /* 5-bit codes' fifth bits, else NULL */
-    const float *scale, *offset;
+    const float *scale, *offset; /* float32 per group, or NULL where factored */
+    const int8_t *scale_q, *offset_q; /* factored: int8 per group, multiples of their super-block's factors */
+    const float *factors;             /* factored: [panels][k / SUPER][2][16], the scales' then the offsets' */
     int64_t k;
     int bits, group; /* group: input channels sharing a scale and an offset */
 } BlockWeights;
@@ -60,6 +63,39 @@ static inline const uint8_t *codes_at(const BlockWeights *b, int64_t p, int64_t 
 /* The fifth bits of panel p's group g: 16 words, one a channel. */
 static inline const uint32_t *high_at(const BlockWeights *b, int64_t p, int64_t g) {
     return b->high + (p * (b->k / 32) + g) * PANEL;
+}
+
+/* dst[j] = q[j] * f[j] for a panel's 16 channels, in vector stores: the passes load dst right after
+ * as vectors, which a store of each float would stall (no store forwarding from narrower stores). */
+static inline __attribute__((always_inline)) void times_factors(const int8_t *q, const float *f, float *dst) {
+#if defined(__AVX512F__) && LANES == 16
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+    _mm512_storeu_ps(dst, _mm512_mul_ps(v, _mm512_loadu_ps(f)));
+#elif defined(__AVX2__)
+    for (int h = 0; h < 2; h++) {
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * h))));
+        _mm256_storeu_ps(dst + 8 * h, _mm256_mul_ps(v, _mm256_loadu_ps(f + 8 * h)));
+    }
+#else
+    for (int j = 0; j < PANEL; j++) dst[j] = (float)q[j] * f[j];
+#endif
+}
+
+/* Group g's scales for panel p's 16 channels, and in *offset its offsets (NULL for none): the stored
+ * float32 ones, or a K-quant's int8 ones times their super-block's factors, formed in `room`. Each
+ * product is exact in float32 (11 by 8 bits): the value the file's own decoding forms. */
+static inline const float *group_scales(const BlockWeights *b, int64_t p, int64_t g, float room[2][PANEL],
+                                        const float **offset) {
+    const int64_t at = (p * (b->k / b->group) + g) * PANEL;
+    if (b->factors == NULL) {
+        *offset = b->offset ? b->offset + at : NULL;
+        return b->scale + at;
+    }
+    const float *f = b->factors + (p * (b->k / SUPER) + g * b->group / SUPER) * 2 * PANEL;
+    times_factors(b->scale_q + at, f, room[0]);
+    if (b->offset_q) times_factors(b->offset_q + at, f + PANEL, room[1]);
+    *offset = b->offset_q ? room[1] : NULL;
+    return room[0];
 }
 
 /* Rows r0 .. r0 + rows - 1 of out for panel p, from the panel's sums. */
@@ -104,12 +140,14 @@ static inline __attribute__((always_inline)) void direct_pass(const Direct *d, i
             const __m512 w = decode(codes_at(b, p, g * group + i, bits), bits, high, i);
             for (int r = 0; r < rows; r++) acc[i & 1][r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * k + i]), acc[i & 1][r]);
         }
-        const __m512 scale = _mm512_loadu_ps(b->scale + (p * groups + g) * PANEL);
+        float room[2][PANEL];
+        const float *offset, *scales = group_scales(b, p, g, room, &offset);
+        const __m512 scale = _mm512_loadu_ps(scales);
         for (int r = 0; r < rows; r++) {
             total[r] = _mm512_fmadd_ps(_mm512_add_ps(acc[0][r], acc[1][r]), scale, total[r]);
-            if (b->offset)
-                total[r] = _mm512_fmadd_ps(_mm512_loadu_ps(b->offset + (p * groups + g) * PANEL),
-                                           _mm512_set1_ps(d->xsum[(r0 + r) * groups + g]), total[r]);
+            if (offset)
+                total[r] = _mm512_fmadd_ps(_mm512_loadu_ps(offset), _mm512_set1_ps(d->xsum[(r0 + r) * groups + g]),
+                                           total[r]);
         }
     }
     float sums[PASS_ROWS][PANEL];
@@ -120,15 +158,16 @@ static inline __attribute__((always_inline)) void direct_pass(const Direct *d, i
 /* f32_gemm.h's WidenSlice for blocks: code * scale + offset. */
 static void block_widen(const void *weights, int64_t p, int64_t i0, int64_t count, float *dst) {
     const BlockWeights *b = weights;
-    const int64_t groups = b->k / b->group;
+    float room[2][PANEL];
+    const float *scale = NULL, *offset = NULL;
     for (int64_t i = i0; i < i0 + count; i++) {
-        const int64_t at = (p * groups + i / b->group) * PANEL;
+        if (i == i0 || i % b->group == 0) scale = group_scales(b, p, i / b->group, room, &offset);
         __m512 w;
         if (b->bits == 5) w = decode(codes_at(b, p, i, 5), 5, _mm512_loadu_si512(high_at(b, p, i / 32)), (int)(i % 32));
         else if (b->bits == 4) w = decode(codes_at(b, p, i, 4), 4, _mm512_setzero_si512(), 0);
         else w = decode(codes_at(b, p, i, 8), 8, _mm512_setzero_si512(), 0);
-        w = _mm512_mul_ps(w, _mm512_loadu_ps(b->scale + at));
-        if (b->offset) w = _mm512_add_ps(w, _mm512_loadu_ps(b->offset + at));
+        w = _mm512_mul_ps(w, _mm512_loadu_ps(scale));
+        if (offset) w = _mm512_add_ps(w, _mm512_loadu_ps(offset));
         _mm512_storeu_ps(dst + (i - i0) * PANEL, w);
     }
 }
@@ -186,14 +225,15 @@ static inline __attribute__((always_inline)) void direct_pass(const Direct *d, i
                 acc[c][r][1] = _mm256_fmadd_ps(hi, xb, acc[c][r][1]);
             }
         }
-        const float *scale = b->scale + (p * groups + g) * PANEL;
+        float room[2][PANEL];
+        const float *offset, *scale = group_scales(b, p, g, room, &offset);
         for (int r = 0; r < rows; r++)
             for (int h = 0; h < 2; h++) {
                 const __m256 sum = chains == 2 ? _mm256_add_ps(acc[0][r][h], acc[1][r][h]) : acc[0][r][h];
                 __m256 t = _mm256_fmadd_ps(sum, _mm256_loadu_ps(scale + 8 * h), _mm256_loadu_ps(total[r] + 8 * h));
-                if (b->offset)
-                    t = _mm256_fmadd_ps(_mm256_loadu_ps(b->offset + (p * groups + g) * PANEL + 8 * h),
-                                        _mm256_set1_ps(d->xsum[(r0 + r) * groups + g]), t);
+                if (offset)
+                    t = _mm256_fmadd_ps(_mm256_loadu_ps(offset + 8 * h), _mm256_set1_ps(d->xsum[(r0 + r) * groups + g]),
+                                        t);
                 _mm256_storeu_ps(total[r] + 8 * h, t);
             }
     }
@@ -203,9 +243,10 @@ static inline __attribute__((always_inline)) void direct_pass(const Direct *d, i
 /* f32_gemm.h's WidenSlice for blocks: code * scale + offset. */
 static void block_widen(const void *weights, int64_t p, int64_t i0, int64_t count, float *dst) {
     const BlockWeights *b = weights;
-    const int64_t groups = b->k / b->group;
+    float room[2][PANEL];
+    const float *scale = NULL, *offset = NULL;
     for (int64_t i = i0; i < i0 + count; i++) {
-        const int64_t at = (p * groups + i / b->group) * PANEL;
+        if (i == i0 || i % b->group == 0) scale = group_scales(b, p, i / b->group, room, &offset);
         __m256 w[2];
         __m256i high[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         if (b->bits == 5) { /* bit i % 32 to bit 4, by a shift the loop cannot make constant */
@@ -220,8 +261,8 @@ static void block_widen(const void *weights, int64_t p, int64_t i0, int64_t coun
         else
             decode(codes_at(b, p, i, 8), 8, high, 0, &w[0], &w[1]);
         for (int h = 0; h < 2; h++) {
-            __m256 v = _mm256_mul_ps(w[h], _mm256_loadu_ps(b->scale + at + 8 * h));
-            if (b->offset) v = _mm256_add_ps(v, _mm256_loadu_ps(b->offset + at + 8 * h));
+            __m256 v = _mm256_mul_ps(w[h], _mm256_loadu_ps(scale + 8 * h));
+            if (offset) v = _mm256_add_ps(v, _mm256_loadu_ps(offset + 8 * h));
             _mm256_storeu_ps(dst + (i - i0) * PANEL + 8 * h, v);
         }
     }
@@ -249,11 +290,12 @@ static inline void direct_pass(const Direct *d, int64_t p, int64_t r0, const int
             for (int r = 0; r < rows; r++)
                 for (int j = 0; j < PANEL; j++) acc[i & 1][r][j] += w[j] * x[r * k + i];
         }
-        const float *scale = b->scale + (p * groups + g) * PANEL;
+        float room[2][PANEL];
+        const float *offset, *scale = group_scales(b, p, g, room, &offset);
         for (int r = 0; r < rows; r++)
             for (int j = 0; j < PANEL; j++) {
                 total[r][j] += (acc[0][r][j] + acc[1][r][j]) * scale[j];
-                if (b->offset) total[r][j] += b->offset[(p * groups + g) * PANEL + j] * d->xsum[(r0 + r) * groups + g];
+                if (offset) total[r][j] += offset[j] * d->xsum[(r0 + r) * groups + g];
             }
     }
     store_rows(d, p, r0, rows, total);
@@ -262,12 +304,13 @@ static inline void direct_pass(const Direct *d, int64_t p, int64_t r0, const int
 /* f32_gemm.h's WidenSlice for blocks: code * scale + offset. */
 static void block_widen(const void *weights, int64_t p, int64_t i0, int64_t count, float *dst) {
     const BlockWeights *b = weights;
-    const int64_t groups = b->k / b->group;
+    float room[2][PANEL];
+    const float *scale = NULL, *offset = NULL;
     for (int64_t i = i0; i < i0 + count; i++) {
-        const int64_t at = (p * groups + i / b->group) * PANEL;
+        if (i == i0 || i % b->group == 0) scale = group_scales(b, p, i / b->group, room, &offset);
         float w[PANEL];
         decode(codes_at(b, p, i, b->bits), b->bits, b->bits == 5 ? high_at(b, p, i / 32) : NULL, (int)(i % 32), w);
-        for (int j = 0; j < PANEL; j++) dst[(i - i0) * PANEL + j] = w[j] * b->scale[at + j] + (b->offset ? b->offset[at + j] : 0.0f);
+        for (int j = 0; j < PANEL; j++) dst[(i - i0) * PANEL + j] = w[j] * scale[j] + (offset ? offset[j] : 0.0f);
     }
 }
 #endif
@@ -323,15 +366,16 @@ static inline __attribute__((always_inline)) void int8_pass(const Direct *d, int
                 acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(hi, xs));
             }
         }
-        const float *scale = b->scale + (p * groups + g) * PANEL;
+        float room[2][PANEL];
+        const float *offset, *scale = group_scales(b, p, g, room, &offset);
         for (int r = 0; r < rows; r++) {
             const __m256 step = _mm256_set1_ps(d->xstep[(r0 + r) * groups + g]);
             for (int h = 0; h < 2; h++) {
                 __m256 t = _mm256_fmadd_ps(halves_sum(acc[r][h]), _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * h), step),
                                            _mm256_loadu_ps(total[r] + 8 * h));
-                if (b->offset)
-                    t = _mm256_fmadd_ps(_mm256_loadu_ps(b->offset + (p * groups + g) * PANEL + 8 * h),
-                                        _mm256_set1_ps(d->xsum[(r0 + r) * groups + g]), t);
+                if (offset)
+                    t = _mm256_fmadd_ps(_mm256_loadu_ps(offset + 8 * h), _mm256_set1_ps(d->xsum[(r0 + r) * groups + g]),
+                                        t);
                 _mm256_storeu_ps(total[r] + 8 * h, t);
             }
         }
@@ -351,12 +395,13 @@ static inline void int8_pass(const Direct *d, int64_t p, int64_t r0, const int r
             for (int r = 0; r < rows; r++)
                 for (int j = 0; j < PANEL; j++) acc[r][j] += (j < 8 ? c[j] & 15 : c[j - 8] >> 4) * x[r * k + i];
         }
-        const float *scale = b->scale + (p * groups + g) * PANEL;
+        float room[2][PANEL];
+        const float *offset, *scale = group_scales(b, p, g, room, &offset);
         for (int r = 0; r < rows; r++) {
             const float step = d->xstep[(r0 + r) * groups + g];
             for (int j = 0; j < PANEL; j++) {
                 total[r][j] += (float)acc[r][j] * (scale[j] * step);
-                if (b->offset) total[r][j] += b->offset[(p * groups + g) * PANEL + j] * d->xsum[(r0 + r) * groups + g];
+                if (offset) total[r][j] += offset[j] * d->xsum[(r0 + r) * groups + g];
             }
         }
     }
@@ -398,17 +443,21 @@ static void direct_panel(const Direct *d, int64_t p, int64_t m) {
 }
 
 /* Whether block_gemm takes these shapes: codes of 4, 5 or 8 bits in groups of 32, or 8-bit ones
- * without an offset in groups of 16; N_padded and K as the layouts need them. */
-static int takes(int bits, int group, const float *offset, int64_t m, int64_t n, int64_t n_padded, int64_t k) {
+ * without an offset in groups of 16; factored scales in super-blocks of SUPER inputs; N_padded and
+ * K as the layouts need them. */
+static int takes(int bits, int group, const void *offset, const float *factors, int64_t m, int64_t n,
+                 int64_t n_padded, int64_t k) {
     const int grouped = group == 32 || (group == 16 && bits == 8 && offset == NULL);
     return m >= 0 && n > 0 && k > 0 && grouped && k % group == 0 && n_padded >= n && n_padded % TILE == 0 &&
-           (bits == 4 || bits == 5 || bits == 8);
+           (bits == 4 || bits == 5 || bits == 8) && (factors == NULL || k % SUPER == 0);
 }
 
-static BlockWeights weights(const uint8_t *codes, int bits, int group, const float *scale, const float *offset,
-                            int64_t n_padded, int64_t k) {
+/* scale and offset: float32 per group, or with `factors` int8 per group (factored). */
+static BlockWeights weights(const uint8_t *codes, int bits, int group, const void *scale, const void *offset,
+                            const float *factors, int64_t n_padded, int64_t k) {
     const uint32_t *high = bits == 5 ? (const uint32_t *)(codes + n_padded * k / 2) : NULL; /* after the low bits */
-    return (BlockWeights){codes, high, scale, offset, k, bits, group};
+    if (factors == NULL) return (BlockWeights){codes, high, scale, offset, NULL, NULL, NULL, k, bits, group};
+    return (BlockWeights){codes, high, NULL, NULL, scale, offset, factors, k, bits, group};
 }
 
 /* What the direct path reads beside x: each group's sum of x [m][k / group] for the offsets'
@@ -453,11 +502,12 @@ static int prepare(const float *x, int64_t m, int64_t k, int group, int offsets,
 /* out [m, n] = x [m, k] W^T + bias, W in blocks (above); with int8_x, up to DIRECT_MAX_ROWS rows over
  * 4-bit codes take x rounded to int8 (int8_pass), else x as it is. 0, -1 for shapes it does not
  * take, -3 out of memory. */
-int block_gemm(const float *x, const uint8_t *codes, int bits, int group, const float *scale, const float *offset,
-               const float *bias, float *out, int64_t m, int64_t n, int64_t n_padded, int64_t k, int int8_x) {
-    if (!takes(bits, group, offset, m, n, n_padded, k)) return -1;
+int block_gemm(const float *x, const uint8_t *codes, int bits, int group, const void *scale, const void *offset,
+               const float *factors, const float *bias, float *out, int64_t m, int64_t n, int64_t n_padded, int64_t k,
+               int int8_x) {
+    if (!takes(bits, group, offset, factors, m, n, n_padded, k)) return -1;
     if (m == 0) return 0;
-    const BlockWeights b = weights(codes, bits, group, scale, offset, n_padded, k);
+    const BlockWeights b = weights(codes, bits, group, scale, offset, factors, n_padded, k);
     if (m > DIRECT_MAX_ROWS) return f32_gemm_widened(x, block_widen, &b, bias, out, m, n, n_padded, k);
     Prepared prepared;
     if (prepare(x, m, k, group, offset != NULL, int8_x && bits == 4, &prepared)) return -3;
@@ -473,13 +523,13 @@ int block_gemm(const float *x, const uint8_t *codes, int bits, int group, const 
 /* Part `part` of `parts` of block_gemm, for a team (team.h), up to DIRECT_MAX_ROWS rows: its share of
  * the panels, into out's rows of stride `ld` (a piece's columns of a wider output). The same sums
  * as block_gemm, to the bit. 0, -1 for shapes it does not take, -3 out of memory. */
-int block_gemm_part(const float *x, const uint8_t *codes, int bits, int group, const float *scale,
-                    const float *offset, const float *bias, float *out, int64_t ld, int64_t m, int64_t n,
+int block_gemm_part(const float *x, const uint8_t *codes, int bits, int group, const void *scale, const void *offset,
+                    const float *factors, const float *bias, float *out, int64_t ld, int64_t m, int64_t n,
                     int64_t n_padded, int64_t k, int int8_x, int part, int parts) {
-    if (!takes(bits, group, offset, m, n, n_padded, k) || m > DIRECT_MAX_ROWS || ld < n || parts < 1 || part < 0 ||
-        part >= parts)
+    if (!takes(bits, group, offset, factors, m, n, n_padded, k) || m > DIRECT_MAX_ROWS || ld < n || parts < 1 ||
+        part < 0 || part >= parts)
         return -1;
-    const BlockWeights b = weights(codes, bits, group, scale, offset, n_padded, k);
+    const BlockWeights b = weights(codes, bits, group, scale, offset, factors, n_padded, k);
     int64_t first, end;
     team_share((n + PANEL - 1) / PANEL, part, parts, &first, &end);
     if (m == 0 || first == end) return 0;

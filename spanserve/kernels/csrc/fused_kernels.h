@@ -7,10 +7,11 @@
 
 #include "team.h"
 
-int block_gemm(const float *x, const uint8_t *codes, int bits, int group, const float *scale, const float *offset,
-               const float *bias, float *out, int64_t m, int64_t n, int64_t n_padded, int64_t k, int int8_x);
-int block_gemm_part(const float *x, const uint8_t *codes, int bits, int group, const float *scale,
-                    const float *offset, const float *bias, float *out, int64_t ld, int64_t m, int64_t n,
+int block_gemm(const float *x, const uint8_t *codes, int bits, int group, const void *scale, const void *offset,
+               const float *factors, const float *bias, float *out, int64_t m, int64_t n, int64_t n_padded, int64_t k,
+               int int8_x);
+int block_gemm_part(const float *x, const uint8_t *codes, int bits, int group, const void *scale, const void *offset,
+                    const float *factors, const float *bias, float *out, int64_t ld, int64_t m, int64_t n,
                     int64_t n_padded, int64_t k, int int8_x, int part, int parts);
 int rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t dim, float eps, int dtype);
 int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dtype);

@@ -29,7 +29,8 @@
 
 typedef struct Projection { /* one projection's blocks, as block_gemm takes them */
     const uint8_t *codes;
-    const float *scale, *offset, *bias;
+    const void *scale, *offset; /* float32 per group, or int8 where factored */
+    const float *factors, *bias;
     int64_t n, n_padded, k;
     int64_t bits, group, int8_x; /* int8_x: x rounded to int8 over 4-bit codes (block_gemm) */
     const struct Projection *next; /* the next output channels, in another width or group; NULL for none */
@@ -66,8 +67,8 @@ static int64_t width(const Projection *p) {
 }
 
 static int piece_gemm(const Projection *p, const float *x, float *out, int64_t rows) {
-    return block_gemm(x, p->codes, (int)p->bits, (int)p->group, p->scale, p->offset, p->bias, out, rows, p->n,
-                      p->n_padded, p->k, (int)p->int8_x);
+    return block_gemm(x, p->codes, (int)p->bits, (int)p->group, p->scale, p->offset, p->factors, p->bias, out, rows,
+                      p->n, p->n_padded, p->k, (int)p->int8_x);
 }
 
 /* out [rows][width(p)] = x p: block_gemm writes whole rows, so a projection of several pieces
@@ -90,8 +91,8 @@ static int project_part(const Projection *p, const float *x, float *out, int64_t
     const int64_t n = width(p);
     int status = 0;
     for (int64_t first = 0; p != NULL && !status; first += p->n, p = p->next)
-        status = block_gemm_part(x, p->codes, (int)p->bits, (int)p->group, p->scale, p->offset, p->bias, out + first,
-                                 n, rows, p->n, p->n_padded, p->k, (int)p->int8_x, part, parts);
+        status = block_gemm_part(x, p->codes, (int)p->bits, (int)p->group, p->scale, p->offset, p->factors, p->bias,
+                                 out + first, n, rows, p->n, p->n_padded, p->k, (int)p->int8_x, part, parts);
     return status;
 }
 
