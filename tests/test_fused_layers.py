@@ -59,6 +59,17 @@ def test_fused_layers_answer_to_the_bit_as_the_python_layers(default_model_path,
     _fused_answers_as_python(llm, model)
 
 
+def test_int8_activations_over_6_bit_codes_answer_to_the_bit_as_the_python_layers():
+    """Qwen 0.5B under gguf_block_activations='int8': its Q6_K projections, kept in 6 bits then
+    (block_gemm.c's six_bit_pass), answer alike in the fused layers' teams and the Python layers."""
+    if not CATALOG[QWEN].installed():
+        pytest.skip("needs `make models`")
+    llm = LLM(model=QWEN, dtype="float32", num_blocks=64, gguf_block_activations="int8")
+    model = llm.engine.runner.model
+    assert any((6, 16) in layer.mlp.down_proj.kinds for layer in model.layers)
+    _fused_answers_as_python(llm, model)
+
+
 DOCUMENTS = ["The river Avon flows through Bath and Bristol before it meets the Severn estuary at Avonmouth.",
              "Mount Kosciuszko is the highest mountain on the Australian mainland, at 2,228 metres above the sea.",
              "The violinist practised her scales every morning before the orchestra's rehearsals began at nine."]

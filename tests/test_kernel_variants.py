@@ -210,18 +210,20 @@ def test_f32_gemm_is_the_matmul(lib, seed, shape, n_threads, with_bias):
 
 @PROPERTY
 @given(seed=seeds, rows=st.integers(1, 80), groups=st.integers(1, 8), n=st.integers(1, 120),
-       kind=st.sampled_from([(4, 32), (5, 32), (8, 32), (8, 16)]), with_offset=st.booleans(), with_bias=st.booleans(),
-       factored=st.booleans(), n_threads=threads, parts=st.integers(1, 5))
+       kind=st.sampled_from([(4, 32), (5, 32), (6, 16), (8, 32), (8, 16)]), with_offset=st.booleans(),
+       with_bias=st.booleans(), factored=st.booleans(), n_threads=threads, parts=st.integers(1, 5))
 def test_block_gemm_is_the_matmul_of_its_blocks(lib, seed, rows, groups, n, kind, with_offset, with_bias, factored,
                                                 n_threads, parts):
     """Rows to 80 take both the direct path and the widened slices (block_gemm.c, DIRECT_MAX_ROWS);
     5-bit codes every fifth bit pattern (Q5_0's, Q5_1's); 8-bit codes in groups of 16 (Q6_K's) come
     without an offset; factored: a K-quant's int8 scales and offsets times their super-block's
-    factors, over 1-2 super-blocks. A team's parts (block_gemm_part, up to DIRECT_MAX_ROWS rows)
-    give the same sums to the bit, into columns of wider rows, and leave the columns beside untouched."""
+    factors, over 1-2 super-blocks; 6-bit codes (Q6_K's for int8 x, code + 32) factored, their
+    float x through the widened slices at any row count. A team's parts (block_gemm_part, up to
+    DIRECT_MAX_ROWS rows) give the same sums to the bit, into columns of wider rows, and leave the
+    columns beside untouched."""
     torch.manual_seed(seed)
     (bits, group), with_offset = kind, with_offset and kind[1] == BLOCK_GROUP
-    factored = factored and bits != 5
+    factored = (factored and bits != 5) or bits == 6
     k = (1 + groups % 2) * BLOCK_SUPER if factored else groups * group
     x = torch.randn(rows, k)
     codes = torch.randint(0, 1 << bits, (n, k)) if bits < 8 else torch.randint(-128, 128, (n, k))
@@ -237,17 +239,19 @@ def test_block_gemm_is_the_matmul_of_its_blocks(lib, seed, rows, groups, n, kind
     tensors = (packed, scales, offsets, None if factors is None else factor_panels(factors), bias)
     with _threads(n_threads):
         out = _block_gemm(lib, x, tensors, bits, group, n, k, 0)
-    weight = block_weight(codes, scale, offset, factors)
+    signed = codes - 32 if bits == 6 else codes  # the weights' codes
+    weight = block_weight(signed, scale, offset, factors)
     want = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
     _close(out, want, torch.float32, scale=k ** 0.5 * (weight.abs().max().item() if factored else 1.0))
-    _block_gemm_parts(lib, x, tensors, bits, group, out, k, 0, parts)
-    if bits == 4:  # x rounded to int8 (int8_x): its twin up to the direct path's rows, else as before
+    if bits != 6:  # 6-bit codes have no team path for float x
+        _block_gemm_parts(lib, x, tensors, bits, group, out, k, 0, parts)
+    if bits in (4, 6):  # x rounded to int8 (int8_x): its twin up to the direct path's rows, else as before
         with _threads(n_threads):
             rounded = _block_gemm(lib, x, tensors, bits, group, n, k, 1)
         if rows > BLOCK_DIRECT_ROWS:
             assert torch.equal(rounded, out)
         else:
-            twin = block_int8_twin(x, codes, scale, offset, factors) + (0 if bias is None else bias.double())
+            twin = block_int8_twin(x, signed, scale, offset, factors) + (0 if bias is None else bias.double())
             _close(rounded, twin, torch.float32, scale=k ** 0.5 * (weight.abs().max().item() if factored else 1.0))
             _block_gemm_parts(lib, x, tensors, bits, group, rounded, k, 1, parts)
 
@@ -300,7 +304,9 @@ def test_block_gemm_refuses_what_it_does_not_take(lib):
     assert part(39, 2, 40, 48, 64, 0, 0, 1) == -1  # rows narrower than its columns
     assert part(40, BLOCK_DIRECT_ROWS + 1, 40, 48, 64, 0, 0, 1) == -1  # past the direct path: no parts
     assert part(40, 2, 40, 48, 64, 0, 0, 0) == -1 and part(40, 2, 40, 48, 64, 0, 2, 2) == -1  # no such part
-    assert call(6, 32, none, none, 48, 64) == -1  # 6-bit codes
+    assert call(6, 32, none, none, 48, 64) == -1  # 6-bit codes by 32
+    assert call(6, 16, none, none, 48, 64) == -1  # 6-bit codes, not factored
+    assert call(6, 16, s, s, 48, 256) == -1  # 6-bit codes with an offset
     assert call(5, 16, s, none, 48, 64) == -1  # 5-bit codes by 16
     assert call(4, 32, none, none, 48, 60) == -1  # k not a multiple of 32
     assert call(4, 32, none, none, 32, 64) == -1  # n_padded not a tile
@@ -309,6 +315,10 @@ def test_block_gemm_refuses_what_it_does_not_take(lib):
     assert call(4, 16, s, none, 48, 64) == -1  # 4-bit codes by 16
     assert call(8, 64, none, none, 48, 64) == -1  # no such group
     assert call(8, 16, none, s, 48, 64) == -1  # factored, but k not a multiple of a super-block
+    x, out = torch.randn(2, 256), torch.empty(2, 40)
+    assert call(6, 16, none, s, 48, 256) == 0  # factored (6-bit codes only so) over a super-block
+    assert lib.block_gemm_part(x.data_ptr(), codes.data_ptr(), 6, 16, s, None, s, None, out.data_ptr(), 40, 2, 40, 48,
+                               256, 0, 0, 1) == -1  # a team's part: only with x rounded to int8
 
 
 @PROPERTY

@@ -104,12 +104,15 @@ def w8a8_twin(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
 def block_panels(codes: torch.Tensor, bits: int, scale: torch.Tensor,
                  offset: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Codes [out, in] (0..15 for 4 bits, 0..31 for 5, int8 for 8), scale and offset [out, in / group]
-    (float, or a K-quant's int8 ones) as block_gemm.c reads them: (codes, scale, offset) in panels,
-    padding channels zero; 5-bit codes flat, their low bits' panels then their fifth bits'."""
+    """Codes [out, in] (0..15 for 4 bits, 0..31 for 5, 0..63 for 6, int8 for 8), scale and offset
+    [out, in / group] (float, or a K-quant's int8 ones) as block_gemm.c reads them: (codes, scale,
+    offset) in panels, padding channels zero; 5-bit codes flat, their low bits' panels then their
+    fifth bits'; 6-bit codes flat, in six_bit_panels' layout."""
     padded = _tile_padded(codes)
     panels = padded.view(-1, 16, codes.shape[1]).transpose(1, 2)
-    if bits in (4, 5):
+    if bits == 6:
+        packed = six_bit_panels(panels)
+    elif bits in (4, 5):
         nibbles = panels.to(torch.uint8) & 15
         packed = (nibbles[..., :8] | (nibbles[..., 8:] << 4)).contiguous()
         if bits == 5:  # [panels][in / 32][16] words, bit i from input 32 g + i
@@ -124,6 +127,20 @@ def block_panels(codes: torch.Tensor, bits: int, scale: torch.Tensor,
         return _tile_padded(t).view(-1, 16, t.shape[1]).transpose(1, 2).contiguous()
 
     return packed, per_panel(scale), None if offset is None else per_panel(offset)
+
+
+def six_bit_panels(panels: torch.Tensor) -> torch.Tensor:
+    """6-bit codes in panels [panels][in][16] as block_gemm.c's six_bit_pass reads them, flat: per
+    panel and quad of inputs 32 bytes of low nibbles (byte 4c + e: channel c's for input e, and
+    channel 8 + c's in the high nibble), then per panel and quad 16 bytes of top 2 bits (byte
+    4 (j % 4) + e: channel j's for input e at bit 2 (j / 4))."""
+    count, k = panels.shape[:2]
+    quads = panels.to(torch.int32).reshape(count, k // 4, 4, 16).transpose(2, 3).contiguous()  # [.][.][channel][input]
+    low, top = quads & 15, quads >> 4
+    nibbles = (low[:, :, :8] | (low[:, :, 8:] << 4)).to(torch.uint8)  # [panels][quads][8][4]: byte 4c + e
+    fields = top.view(count, k // 4, 4, 4, 4)  # [panels][quads][j / 4][j % 4][input]
+    tops = sum(fields[:, :, s] << (2 * s) for s in range(4)).to(torch.uint8)  # [panels][quads][4][4]
+    return torch.cat([nibbles.flatten(), tops.flatten()])
 
 
 def factor_panels(factors: torch.Tensor) -> torch.Tensor:
@@ -155,19 +172,22 @@ def block_weight(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor 
 
 def block_int8_twin(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                     factors: torch.Tensor | None = None) -> torch.Tensor:
-    """What block_gemm.c computes over 4-bit codes (groups of 32) with x rounded to int8 (int8_x):
-    per row and group, q = round(x * 127 / max |x|) and step max |x| / 127; out = sum over groups of
-    (codes . q) * scale * step + offset * sum(x), in float64 (the integer sums are exact)."""
+    """What block_gemm.c computes with x rounded to int8 (int8_x) over 4-bit codes in groups of 32,
+    or Q6_K's codes (int8, -32..31) in groups of 16: per row and 32 inputs, q = round(x * 127 / max
+    |x|) and step max |x| / 127; out = sum over groups of (codes . q) * scale * step + offset *
+    sum(x), in float64 (the integer sums are exact)."""
     rows, k = x.shape
+    group = block_group(codes, scale)
     scale, offset = block_scales(scale, offset, factors)
-    groups = x.float().view(rows, k // 32, 32)
-    largest = groups.abs().amax(dim=2, keepdim=True)
+    per_step = x.float().view(rows, k // 32, 32)
+    largest = per_step.abs().amax(dim=2, keepdim=True)
     inverse = torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest))
-    q, step = torch.round(groups * inverse).double(), (largest / 127.0).double()
-    sums = torch.einsum("rgi,ngi->rng", q, codes.double().view(-1, k // 32, 32))  # [rows, n, groups]
-    out = (sums * scale.double().unsqueeze(0) * step.squeeze(2).unsqueeze(1)).sum(dim=2)
+    q = torch.round(per_step * inverse).double().view(rows, k // group, group)
+    step = (largest / 127.0).double().squeeze(2).repeat_interleave(32 // group, dim=1)  # [rows, groups]
+    sums = torch.einsum("rgi,ngi->rng", q, codes.double().view(-1, k // group, group))  # [rows, n, groups]
+    out = (sums * scale.double().unsqueeze(0) * step.unsqueeze(1)).sum(dim=2)
     if offset is not None:
-        out += groups.sum(dim=2).double() @ offset.double().t()
+        out += x.double().view(rows, k // group, group).sum(dim=2) @ offset.double().t()
     return out
 
 

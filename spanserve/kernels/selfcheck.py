@@ -251,16 +251,17 @@ def _centroid_topk(lib, dtype) -> str:
 
 def _block_gemm(lib, dtype) -> str:
     """4- and 5-bit codes with offsets and a bias, 8-bit codes with neither, per 32 or 16 inputs
-    (GGUF's Q4_1, Q5_1, Q8_0 and Q6_K), and Q4_K's and Q6_K's factored int8 scales."""
+    (GGUF's Q4_1, Q5_1, Q8_0 and Q6_K), Q4_K's and Q6_K's factored int8 scales, and Q6_K's codes
+    in 6 bits (int8 x's layout)."""
     if dtype != torch.float32:
         return ""  # float32 activations only
     gen = torch.Generator().manual_seed(11)
     for bits, group, factored in ((4, 32, False), (5, 32, False), (8, 32, False), (8, 16, False), (4, 32, True),
-                                  (8, 16, True)):
+                                  (8, 16, True), (6, 16, True)):
         k = BLOCK_SUPER if factored else 64
         low, high = (0, 1 << bits) if bits < 8 else (-128, 128)
         codes = torch.randint(low, high, (50, k), generator=gen)
-        with_offset = bits < 8
+        with_offset = bits in (4, 5)
         if factored:
             scale = torch.randint(-64, 64, (50, k // group), generator=gen).to(torch.int8)
             offset = torch.randint(0, 64, (50, k // group), generator=gen).to(torch.int8) if with_offset else None
@@ -280,6 +281,8 @@ def _block_case(lib, gen, bits, group, blocks, bias, rows: int) -> str:
     codes, scale, offset, factors = blocks
     k = codes.shape[1]
     packed, scales, offsets = block_panels(codes, bits, scale, offset)
+    if bits == 6:  # the codes stand for code - 32
+        blocks = (codes - 32, scale, offset, factors)
     factor_args = None if factors is None else factor_panels(factors)
     x, out = torch.randn(rows, k, generator=gen), torch.empty(rows, 50)
     call = functools.partial(lib.block_gemm, _ptr(x), _ptr(packed), bits, group, _ptr(scales), _ptr(offsets),
@@ -287,7 +290,7 @@ def _block_case(lib, gen, bits, group, blocks, bias, rows: int) -> str:
     status = call(0)
     want = x @ block_weight(*blocks).t() + (0 if bias is None else bias)
     problem = f"status {status}" if status else _compare(out, want, 1e-5)
-    if bits == 4 and not problem:  # and with x rounded to int8, up to the direct path's rows
+    if bits in (4, 6) and not problem:  # and with x rounded to int8, up to the direct path's rows
         status = call(1)
         if rows <= BLOCK_DIRECT_ROWS:
             want = block_int8_twin(x, *blocks).float() + (0 if bias is None else bias)

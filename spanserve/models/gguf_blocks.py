@@ -158,11 +158,13 @@ class _Piece(NamedTuple):
 
 
 def _piece(parts: list[dict[str, torch.Tensor]], bits: int, group: int, bias: torch.Tensor | None,
-           first: int) -> _Piece:
+           first: int, int8_activations: bool) -> _Piece:
     codes = torch.cat([p["codes"] for p in parts])
     scale = torch.cat([p["scale"] for p in parts])
     offset = torch.cat([p["offset"] for p in parts]) if bits < 8 else None  # 8-bit codes have none
     factors = torch.cat([p["factors"] for p in parts]) if "factors" in parts[0] else None  # a K-quant's
+    if int8_activations and _six_bits(codes, group, factors):  # Q6_K's codes, for six_bit_pass
+        codes, bits = codes.to(torch.int16) + 32, 6
     packed, scale, offset = block_panels(codes, bits, scale, offset)
     factors = None if factors is None else factor_panels(factors)
     n = codes.shape[0]
@@ -170,6 +172,13 @@ def _piece(parts: list[dict[str, torch.Tensor]], bits: int, group: int, bias: to
     args = (packed.data_ptr(), bits, group, scale.data_ptr(), *(None if t is None else t.data_ptr()
                                                                  for t in (offset, factors, bias)))
     return _Piece(first, n, scale.shape[0] * 16, args, (packed, scale, offset, factors, bias))
+
+
+def _six_bits(codes: torch.Tensor, group: int, factors: torch.Tensor | None) -> bool:
+    """Whether 8-bit codes are Q6_K's (-32..31 in factored groups of 16), which block_gemm.c
+    multiplies with activations rounded to int8 from a layout of 6 bits a code."""
+    return codes.dtype == torch.int8 and group == 16 and factors is not None and \
+        int(codes.min()) >= -32 and int(codes.max()) < 32
 
 
 class BlockLinear(nn.Linear):
@@ -189,10 +198,11 @@ class BlockLinear(nn.Linear):
         self.pieces: list[_Piece] = []
         for parts, bits, group in runs:
             first = self.pieces[-1].first + self.pieces[-1].n if self.pieces else 0
-            self.pieces.append(_piece(parts, bits, group, self.bias, first))
+            self.pieces.append(_piece(parts, bits, group, self.bias, first, int8_activations))
         self.max_rows = BF16_MAX_ROWS if linear.weight.dtype == torch.bfloat16 else layout.PACKED_MAX_ROWS
         self.weight_version = linear.weight._version
-        # Up to BLOCK_DIRECT_ROWS rows, 4-bit codes multiply x rounded to int8 per 32 inputs (block_gemm.c)
+        # Up to BLOCK_DIRECT_ROWS rows, 4-bit codes and Q6_K's (kept in 6 bits then) multiply x rounded
+        # to int8 per 32 inputs (block_gemm.c)
         self.int8_activations = int8_activations
 
     @property

@@ -9,7 +9,8 @@
  * scale the group's sums once: out = sum over groups of scale * (codes . x) + offset * sum(x).
  * More rows go to f32_gemm.c's tiles, over the codes widened to float32 slices that stay in L1
  * while every row passes over them (block_widen). With int8_x, a few rows over 4-bit codes are
- * rounded to int8 per 32 inputs and multiplied as bytes (int8_pass), as llama.cpp does.
+ * rounded to int8 per 32 inputs and multiplied as bytes (int8_pass), as llama.cpp does; so are
+ * Q6_K's codes kept in 6 bits for it (six_bit_pass, layout there).
  *
  * Layouts: x [M, K] and out [M, N] float32; W[c][i] = code * scale + offset per output channel c
  * and group of `group` inputs i (32, or 16 for 8-bit codes without an offset), in panels of 16
@@ -17,7 +18,9 @@
  * byte j and channel 8 + j's the high one; 5-bit codes (0..31) their low 4 bits so, then their
  * fifth bits [panels][K / 32][16] uint32, bit i of word j input 32 g + i of channel j (Q5_0's own
  * layout); 8-bit codes (-128..127) [panels][K][16]; scale and offset [panels][K / group][16]
- * float32, offset NULL for none; bias [N] float32 or NULL.
+ * float32, offset NULL for none; or, factored (a K-quant's, as its file keeps them), scale and
+ * offset int8 [panels][K / group][16] times `factors` [panels][K / SUPER][2][16] float32 (each
+ * super-block's factor for the scales, then for the offsets); bias [N] float32 or NULL.
  * N_padded is a multiple of TILE (f32_gemm.c's tile), K of the group.
  */
 #include <math.h>
@@ -39,6 +42,7 @@
 typedef struct {
     const uint8_t *codes;
     const uint32_t *high; /* 5-bit codes' fifth bits, else NULL */
+    const uint8_t *top;   /* 6-bit codes' top two bits, else NULL */
     const float *scale, *offset; /* float32 per group, or NULL where factored */
     const int8_t *scale_q, *offset_q; /* factored: int8 per group, multiples of their super-block's factors */
     const float *factors;             /* factored: [panels][k / SUPER][2][16], the scales' then the offsets' */
@@ -50,6 +54,7 @@ typedef struct {
     const float *x, *xsum, *bias; /* xsum [M][K / group]: each group's sum of x */
     const int8_t *xq;             /* x rounded to int8 [M][K] (int8_x), or NULL: x as it is */
     const float *xstep;           /* [M][K / 32]: each group's step, max |x| / 127 */
+    const int32_t *xqsum;         /* 6-bit codes: [M][K / 16], each group's sum of xq */
     const BlockWeights *b;
     float *out;
     int64_t n, ld; /* ld: out's row stride (n, or more for a piece of wider rows) */
@@ -409,6 +414,117 @@ static inline void int8_pass(const Direct *d, int64_t p, int64_t r0, const int r
 }
 #endif
 
+/* 6-bit codes (Q6_K's: a code c kept as c + 32, 0..63), multiplied only by x rounded to int8, in a
+ * layout of their own (layouts.block_panels, bits 6): per panel and quad of inputs i .. i + 3, 32
+ * bytes whose byte 4c + e holds channel c's low 4 bits for input i + e in its low nibble and channel
+ * 8 + c's in its high one; after every panel's nibbles, per panel and quad, 16 bytes whose byte
+ * 4 (j % 4) + e holds channel j's top 2 bits for input i + e at bit 2 (j / 4). A quad's 4 inputs of
+ * a channel then sit in one int32 lane beside x's 4 bytes, and vpmaddubsw and vpmaddwd sum them
+ * there: 6.75 bits a weight read, where 8-bit codes read 8.75. */
+static inline const uint8_t *quad_low(const BlockWeights *b, int64_t p, int64_t t) {
+    return b->codes + (p * (b->k / 4) + t) * 32;
+}
+
+static inline const uint8_t *quad_top(const BlockWeights *b, int64_t p, int64_t t) {
+    return b->top + (p * (b->k / 4) + t) * 16;
+}
+
+/* Channel j's code (0..63) for input i. */
+static inline int six_bit_code(const BlockWeights *b, int64_t p, int64_t i, int j) {
+    const int e = (int)(i % 4);
+    const int low = (quad_low(b, p, i / 4)[4 * (j % 8) + e] >> (j < 8 ? 0 : 4)) & 15;
+    return low | ((quad_top(b, p, i / 4)[4 * (j % 4) + e] >> (2 * (j / 4))) & 3) << 4;
+}
+
+/* f32_gemm.h's WidenSlice for 6-bit codes: (code - 32) * scale. Only a prefill's rows (past
+ * DIRECT_MAX_ROWS) widen these, over which the GEMM's tiles spread this decoding. */
+static void six_bit_widen(const void *weights, int64_t p, int64_t i0, int64_t count, float *dst) {
+    const BlockWeights *b = weights;
+    float room[2][PANEL];
+    const float *scale = NULL, *offset = NULL;
+    for (int64_t i = i0; i < i0 + count; i++) {
+        if (i == i0 || i % b->group == 0) scale = group_scales(b, p, i / b->group, room, &offset);
+        for (int j = 0; j < PANEL; j++) dst[(i - i0) * PANEL + j] = (float)(six_bit_code(b, p, i, j) - 32) * scale[j];
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* Quad t's codes of panel p: channels 0-7 in *lo, 8-15 in *hi, int32 lane c holding channel c's
+ * 4 codes. The top bits' fields 0 and 1 go to lo's halves, 2 and 3 to hi's, each to bits 4-5. */
+static inline __attribute__((always_inline)) void six_bit_quad(const BlockWeights *b, int64_t p, int64_t t,
+                                                               __m256i *lo, __m256i *hi) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)quad_low(b, p, t)), nibble = _mm256_set1_epi8(15);
+    const __m256i top = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)quad_top(b, p, t)));
+    const __m256i bits45 = _mm256_set1_epi8(0x30);
+    const __m256i up = _mm256_sllv_epi32(top, _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2));
+    const __m256i down = _mm256_srlv_epi32(top, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+    *lo = _mm256_or_si256(_mm256_and_si256(v, nibble), _mm256_and_si256(up, bits45));
+    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), _mm256_and_si256(down, bits45));
+}
+
+/* As int8_pass for 6-bit codes in groups of 16: per group the int32 sums of codes times q, less
+ * 32 times the group's sum of q (the codes' offset), scaled by the group's scale times x's step. */
+static inline __attribute__((always_inline)) void six_bit_pass(const Direct *d, int64_t p, int64_t r0, const int rows) {
+    const BlockWeights *b = d->b;
+    const int64_t k = b->k, groups = k / 16;
+    const __m256i ones = _mm256_set1_epi16(1);
+    float total[PASS_ROWS][PANEL] = {{0}};
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i acc[PASS_ROWS][2];
+        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        const int8_t *x = d->xq + r0 * k + g * 16;
+#pragma GCC unroll 4
+        for (int i = 0; i < 16; i += 4) {
+            __m256i lo, hi;
+            six_bit_quad(b, p, (g * 16 + i) / 4, &lo, &hi);
+            for (int r = 0; r < rows; r++) {
+                int32_t four;
+                memcpy(&four, x + r * k + i, sizeof four);
+                const __m256i xs = _mm256_set1_epi32(four);
+                acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xs), ones));
+                acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xs), ones));
+            }
+        }
+        float room[2][PANEL];
+        const float *offset, *scale = group_scales(b, p, g, room, &offset);
+        for (int r = 0; r < rows; r++) {
+            const __m256 step = _mm256_set1_ps(d->xstep[(r0 + r) * (k / 32) + g / 2]);
+            const __m256i shift = _mm256_set1_epi32(32 * d->xqsum[(r0 + r) * groups + g]);
+            for (int h = 0; h < 2; h++) {
+                const __m256 sums = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][h], shift));
+                const __m256 t = _mm256_fmadd_ps(sums, _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * h), step),
+                                                 _mm256_loadu_ps(total[r] + 8 * h));
+                _mm256_storeu_ps(total[r] + 8 * h, t);
+            }
+        }
+    }
+    store_rows(d, p, r0, rows, total);
+}
+#else
+static inline void six_bit_pass(const Direct *d, int64_t p, int64_t r0, const int rows) {
+    const BlockWeights *b = d->b;
+    const int64_t k = b->k, groups = k / 16;
+    float total[PASS_ROWS][PANEL] = {{0}};
+    for (int64_t g = 0; g < groups; g++) {
+        int32_t acc[PASS_ROWS][PANEL] = {{0}};
+        const int8_t *x = d->xq + r0 * k + g * 16;
+        for (int i = 0; i < 16; i++)
+            for (int j = 0; j < PANEL; j++) {
+                const int code = six_bit_code(b, p, g * 16 + i, j);
+                for (int r = 0; r < rows; r++) acc[r][j] += code * x[r * k + i];
+            }
+        float room[2][PANEL];
+        const float *offset, *scale = group_scales(b, p, g, room, &offset);
+        for (int r = 0; r < rows; r++) {
+            const float step = d->xstep[(r0 + r) * (k / 32) + g / 2];
+            const int32_t shift = 32 * d->xqsum[(r0 + r) * groups + g];
+            for (int j = 0; j < PANEL; j++) total[r][j] += (float)(acc[r][j] - shift) * (scale[j] * step);
+        }
+    }
+    store_rows(d, p, r0, rows, total);
+}
+#endif
+
 static inline __attribute__((always_inline)) void rows_pass(const Direct *d, int64_t p, int64_t r0, int rows,
                                                             const int bits, const int group) {
     switch (rows) {
@@ -424,7 +540,14 @@ static inline __attribute__((always_inline)) void rows_pass(const Direct *d, int
 static void direct_panel(const Direct *d, int64_t p, int64_t m) {
     for (int64_t r0 = 0; r0 < m; r0 += PASS_ROWS) {
         const int64_t rows = m - r0 < PASS_ROWS ? m - r0 : PASS_ROWS;
-        if (d->xq != NULL)
+        if (d->xq != NULL && d->b->bits == 6)
+            switch (rows) {
+                case 1: six_bit_pass(d, p, r0, 1); break;
+                case 2: six_bit_pass(d, p, r0, 2); break;
+                case 3: six_bit_pass(d, p, r0, 3); break;
+                default: six_bit_pass(d, p, r0, 4); break;
+            }
+        else if (d->xq != NULL)
             switch (rows) {
                 case 1: int8_pass(d, p, r0, 1); break;
                 case 2: int8_pass(d, p, r0, 2); break;
@@ -447,37 +570,41 @@ static void direct_panel(const Direct *d, int64_t p, int64_t m) {
  * K as the layouts need them. */
 static int takes(int bits, int group, const void *offset, const float *factors, int64_t m, int64_t n,
                  int64_t n_padded, int64_t k) {
-    const int grouped = group == 32 || (group == 16 && bits == 8 && offset == NULL);
+    const int grouped = bits == 6 ? group == 16 && offset == NULL && factors != NULL
+                                  : group == 32 || (group == 16 && bits == 8 && offset == NULL);
     return m >= 0 && n > 0 && k > 0 && grouped && k % group == 0 && n_padded >= n && n_padded % TILE == 0 &&
-           (bits == 4 || bits == 5 || bits == 8) && (factors == NULL || k % SUPER == 0);
+           (bits == 4 || bits == 5 || bits == 6 || bits == 8) && (factors == NULL || k % SUPER == 0);
 }
 
 /* scale and offset: float32 per group, or with `factors` int8 per group (factored). */
 static BlockWeights weights(const uint8_t *codes, int bits, int group, const void *scale, const void *offset,
                             const float *factors, int64_t n_padded, int64_t k) {
     const uint32_t *high = bits == 5 ? (const uint32_t *)(codes + n_padded * k / 2) : NULL; /* after the low bits */
-    if (factors == NULL) return (BlockWeights){codes, high, scale, offset, NULL, NULL, NULL, k, bits, group};
-    return (BlockWeights){codes, high, NULL, NULL, scale, offset, factors, k, bits, group};
+    const uint8_t *top = bits == 6 ? codes + n_padded * k / 2 : NULL;
+    if (factors == NULL) return (BlockWeights){codes, high, top, scale, offset, NULL, NULL, NULL, k, bits, group};
+    return (BlockWeights){codes, high, top, NULL, NULL, scale, offset, factors, k, bits, group};
 }
 
 /* What the direct path reads beside x: each group's sum of x [m][k / group] for the offsets'
  * share, and with `int8` x rounded to int8 per row and group of 32, q = round(x * 127 / max |x|),
- * with each group's step max |x| / 127 (torch's twin: layouts.block_int8_twin). */
+ * with each group's step max |x| / 127 (torch's twin: layouts.block_int8_twin); over 6-bit codes
+ * also each group of 16's sum of q, for the codes' -32. */
 typedef struct {
     float *xsum, *xstep;
     int8_t *xq;
+    int32_t *xqsum;
 } Prepared;
 
 static void release(Prepared *p) {
-    free(p->xsum), free(p->xstep), free(p->xq);
+    free(p->xsum), free(p->xstep), free(p->xq), free(p->xqsum);
 }
 
 /* 0, or -3 out of memory (nothing held). */
-static int prepare(const float *x, int64_t m, int64_t k, int group, int offsets, int int8, Prepared *p) {
+static int prepare(const float *x, int64_t m, int64_t k, int group, int offsets, int int8, int six, Prepared *p) {
     const int64_t groups = k / group;
     *p = (Prepared){offsets ? malloc(m * groups * sizeof(float)) : NULL, int8 ? malloc(m * (k / 32) * sizeof(float)) : NULL,
-                    int8 ? malloc(m * k) : NULL};
-    if ((offsets && p->xsum == NULL) || (int8 && (p->xstep == NULL || p->xq == NULL))) {
+                    int8 ? malloc(m * k) : NULL, int8 && six ? malloc(m * (k / 16) * sizeof(int32_t)) : NULL};
+    if ((offsets && p->xsum == NULL) || (int8 && (p->xstep == NULL || p->xq == NULL)) || (int8 && six && !p->xqsum)) {
         release(p);
         return -3;
     }
@@ -496,22 +623,30 @@ static int prepare(const float *x, int64_t m, int64_t k, int group, int offsets,
             for (int i = 0; i < 32; i++) p->xq[r * k + g * 32 + i] = (int8_t)nearbyintf(v[i] * inverse);
             p->xstep[r * (k / 32) + g] = largest / 127.0f;
         }
+    for (int64_t r = 0; int8 && six && r < m; r++)
+        for (int64_t g = 0; g < k / 16; g++) {
+            int32_t sum = 0;
+            for (int i = 0; i < 16; i++) sum += p->xq[r * k + g * 16 + i];
+            p->xqsum[r * (k / 16) + g] = sum;
+        }
     return 0;
 }
 
 /* out [m, n] = x [m, k] W^T + bias, W in blocks (above); with int8_x, up to DIRECT_MAX_ROWS rows over
- * 4-bit codes take x rounded to int8 (int8_pass), else x as it is. 0, -1 for shapes it does not
- * take, -3 out of memory. */
+ * 4- or 6-bit codes take x rounded to int8 (int8_pass, six_bit_pass), else x as it is (6-bit codes
+ * then through the widened slices at any row count). 0, -1 for shapes it does not take, -3 out of
+ * memory. */
 int block_gemm(const float *x, const uint8_t *codes, int bits, int group, const void *scale, const void *offset,
                const float *factors, const float *bias, float *out, int64_t m, int64_t n, int64_t n_padded, int64_t k,
                int int8_x) {
     if (!takes(bits, group, offset, factors, m, n, n_padded, k)) return -1;
     if (m == 0) return 0;
     const BlockWeights b = weights(codes, bits, group, scale, offset, factors, n_padded, k);
-    if (m > DIRECT_MAX_ROWS) return f32_gemm_widened(x, block_widen, &b, bias, out, m, n, n_padded, k);
+    if (m > DIRECT_MAX_ROWS || (bits == 6 && !int8_x))
+        return f32_gemm_widened(x, bits == 6 ? six_bit_widen : block_widen, &b, bias, out, m, n, n_padded, k);
     Prepared prepared;
-    if (prepare(x, m, k, group, offset != NULL, int8_x && bits == 4, &prepared)) return -3;
-    const Direct d = {x, prepared.xsum, bias, prepared.xq, prepared.xstep, &b, out, n, n};
+    if (prepare(x, m, k, group, offset != NULL, int8_x && (bits == 4 || bits == 6), bits == 6, &prepared)) return -3;
+    const Direct d = {x, prepared.xsum, bias, prepared.xq, prepared.xstep, prepared.xqsum, &b, out, n, n};
     const int64_t panels = (n + PANEL - 1) / PANEL, work = m * n_padded * k / WORK_PER_THREAD + 1;
     const int threads = work < omp_get_max_threads() ? (int)work : omp_get_max_threads();
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -522,20 +657,21 @@ int block_gemm(const float *x, const uint8_t *codes, int bits, int group, const 
 
 /* Part `part` of `parts` of block_gemm, for a team (team.h), up to DIRECT_MAX_ROWS rows: its share of
  * the panels, into out's rows of stride `ld` (a piece's columns of a wider output). The same sums
- * as block_gemm, to the bit. 0, -1 for shapes it does not take, -3 out of memory. */
+ * as block_gemm, to the bit. 0, -1 for shapes it does not take (6-bit codes without int8_x among
+ * them), -3 out of memory. */
 int block_gemm_part(const float *x, const uint8_t *codes, int bits, int group, const void *scale, const void *offset,
                     const float *factors, const float *bias, float *out, int64_t ld, int64_t m, int64_t n,
                     int64_t n_padded, int64_t k, int int8_x, int part, int parts) {
     if (!takes(bits, group, offset, factors, m, n, n_padded, k) || m > DIRECT_MAX_ROWS || ld < n || parts < 1 ||
-        part < 0 || part >= parts)
+        part < 0 || part >= parts || (bits == 6 && !int8_x))
         return -1;
     const BlockWeights b = weights(codes, bits, group, scale, offset, factors, n_padded, k);
     int64_t first, end;
     team_share((n + PANEL - 1) / PANEL, part, parts, &first, &end);
     if (m == 0 || first == end) return 0;
     Prepared prepared;
-    if (prepare(x, m, k, group, offset != NULL, int8_x && bits == 4, &prepared)) return -3;
-    const Direct d = {x, prepared.xsum, bias, prepared.xq, prepared.xstep, &b, out, n, ld};
+    if (prepare(x, m, k, group, offset != NULL, int8_x && (bits == 4 || bits == 6), bits == 6, &prepared)) return -3;
+    const Direct d = {x, prepared.xsum, bias, prepared.xq, prepared.xstep, prepared.xqsum, &b, out, n, ld};
     for (int64_t p = first; p < end; p++) direct_panel(&d, p, m);
     release(&prepared);
     return 0;
