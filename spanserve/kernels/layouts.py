@@ -9,7 +9,7 @@ so, then their fifth bits as [padded out / 16][in / 32][16] uint32 (bit i of wor
 i of channel j); 8-bit codes [padded out / 16][in][16]; scale and offset [padded out / 16][in /
 group][16] float32. A K-quant (Q4_K, Q6_K) keeps its scales as the file does, int8 per group
 beside float32 factors per super-block of BLOCK_SUPER inputs (the scales' and the offsets'),
-[padded out / 16][in / BLOCK_SUPER][2][16], a third of float32 scales' bytes.
+[padded out / 16][in / BLOCK_SUPER][2][16], about a third of float32 scales' bytes.
 
 f32_gemm.c (float32, int8 and bf16 weights) reads panels of 16 output channels, [padded out /
 16][in][16], padded to a tile of 48, and its bf16 dot products pairs of inputs in them, [padded out

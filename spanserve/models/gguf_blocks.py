@@ -12,9 +12,10 @@ Kept: Q4_0, Q4_1 and Q4_K (4-bit codes, a scale and an offset per 32), Q5_0 and 
 codes so), Q8_0 (8-bit codes and a scale per 32), Q6_K (8-bit codes and a scale per 16), whose
 values are code * scale + offset in one rounding, as the kernel reads them. The K-quants' scales
 stay the file's int8 ones beside their super-block's float factors (layouts.block_scales): a
-decode step reads every scale too, and float32 ones would be a quarter of Q4_K's bytes. A fused projection
-(q/k/v, gate/up) whose parts come in different widths or groups (Qwen2.5-1.5B's Q4_K q and k
-beside a Q6_K v) computes each run of alike parts in its own call.
+decode step reads every scale too, and float32 ones would be a third of Q4_K's bytes. A fused
+projection (q/k/v, gate/up) whose parts come in different widths or groups (Qwen2.5-1.5B's Q4_K q
+and k beside a Q6_K v) computes each run of alike parts in its own call. Under int8 activations
+Q6_K's codes are kept in 6 bits (block_gemm.c's six_bit_pass).
 """
 
 import itertools
@@ -50,13 +51,12 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 def blocks_of(tensor) -> dict[str, np.ndarray] | None:
     """A GGUF tensor's blocks as (codes, scale[, offset][, factors]) [rows, in], [rows, in / group]
-    and [rows, in / 256, 2], or None for
-    a type that is not kept. Each block starts with its scale d (float16). Q8_0: then 32 int8, 8-bit
-    codes without an offset. Q4_1 and Q5_1: then the minimum m (float16), the offset; Q5_*: then the
-    elements' fifth bits (32 in 4 bytes); then 16 bytes holding elements j (low nibble) and 16 + j
-    (high). Q4_0 and Q5_0 have no minimum: their codes are q - 8 and q - 16, so their offset is -8 d
-    or -16 d (exact, as is d * q: 11 by 5 bits), and code * d + offset is the file's value in its
-    one rounding. Q4_K and Q6_K: _q4_k and _q6_k."""
+    and [rows, in / 256, 2], or None for a type that is not kept. Each block starts with its scale
+    d (float16). Q8_0: then 32 int8, 8-bit codes without an offset. Q4_1 and Q5_1: then the minimum
+    m (float16), the offset; Q5_*: then the elements' fifth bits (32 in 4 bytes); then 16 bytes
+    holding elements j (low nibble) and 16 + j (high). Q4_0 and Q5_0 have no minimum: their codes
+    are q - 8 and q - 16, so their offset is -8 d or -16 d (exact, as is d * q: 11 by 5 bits), and
+    code * d + offset is the file's value in its one rounding. Q4_K and Q6_K: _q4_k and _q6_k."""
     from gguf import GGMLQuantizationType as Kind
 
     kind, raw = tensor.tensor_type, np.asarray(tensor.data)
@@ -177,8 +177,8 @@ def _piece(parts: list[dict[str, torch.Tensor]], bits: int, group: int, bias: to
 def _six_bits(codes: torch.Tensor, group: int, factors: torch.Tensor | None) -> bool:
     """Whether 8-bit codes are Q6_K's (-32..31 in factored groups of 16), which block_gemm.c
     multiplies with activations rounded to int8 from a layout of 6 bits a code."""
-    return codes.dtype == torch.int8 and group == 16 and factors is not None and \
-        int(codes.min()) >= -32 and int(codes.max()) < 32
+    return (codes.dtype == torch.int8 and group == 16 and factors is not None
+            and int(codes.min()) >= -32 and int(codes.max()) < 32)
 
 
 class BlockLinear(nn.Linear):
