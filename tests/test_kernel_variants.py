@@ -242,7 +242,8 @@ def test_block_gemm_is_the_matmul_of_its_blocks(lib, seed, rows, groups, n, kind
     signed = codes - 32 if bits == 6 else codes  # the weights' codes
     weight = block_weight(signed, scale, offset, factors)
     want = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
-    _close(out, want, torch.float32, scale=k ** 0.5 * (weight.abs().max().item() if factored else 1.0))
+    size = k ** 0.5 * (weight.abs().max().item() if factored else 1.0)  # factored weights reach past 1
+    _close(out, want, torch.float32, scale=size)
     if bits != 6:  # 6-bit codes have no team path for float x
         _block_gemm_parts(lib, x, tensors, bits, group, out, k, 0, parts)
     if bits in (4, 6):  # x rounded to int8 (int8_x): its twin up to the direct path's rows, else as before
@@ -252,7 +253,7 @@ def test_block_gemm_is_the_matmul_of_its_blocks(lib, seed, rows, groups, n, kind
             assert torch.equal(rounded, out)
         else:
             twin = block_int8_twin(x, signed, scale, offset, factors) + (0 if bias is None else bias.double())
-            _close(rounded, twin, torch.float32, scale=k ** 0.5 * (weight.abs().max().item() if factored else 1.0))
+            _close(rounded, twin, torch.float32, scale=size)
             _block_gemm_parts(lib, x, tensors, bits, group, rounded, k, 1, parts)
 
 

@@ -535,24 +535,26 @@ static inline __attribute__((always_inline)) void rows_pass(const Direct *d, int
     }
 }
 
+/* One pass over x rounded to int8: 6-bit codes' own, else 4-bit codes'. */
+static inline __attribute__((always_inline)) void int8_rows_pass(const Direct *d, int64_t p, int64_t r0,
+                                                                 const int rows) {
+    if (d->b->bits == 6)
+        six_bit_pass(d, p, r0, rows);
+    else
+        int8_pass(d, p, r0, rows);
+}
+
 /* Every row of out for panel p, PASS_ROWS at a time, each row count, code width and group compiled
  * on its own. */
 static void direct_panel(const Direct *d, int64_t p, int64_t m) {
     for (int64_t r0 = 0; r0 < m; r0 += PASS_ROWS) {
         const int64_t rows = m - r0 < PASS_ROWS ? m - r0 : PASS_ROWS;
-        if (d->xq != NULL && d->b->bits == 6)
+        if (d->xq != NULL)
             switch (rows) {
-                case 1: six_bit_pass(d, p, r0, 1); break;
-                case 2: six_bit_pass(d, p, r0, 2); break;
-                case 3: six_bit_pass(d, p, r0, 3); break;
-                default: six_bit_pass(d, p, r0, 4); break;
-            }
-        else if (d->xq != NULL)
-            switch (rows) {
-                case 1: int8_pass(d, p, r0, 1); break;
-                case 2: int8_pass(d, p, r0, 2); break;
-                case 3: int8_pass(d, p, r0, 3); break;
-                default: int8_pass(d, p, r0, 4); break;
+                case 1: int8_rows_pass(d, p, r0, 1); break;
+                case 2: int8_rows_pass(d, p, r0, 2); break;
+                case 3: int8_rows_pass(d, p, r0, 3); break;
+                default: int8_rows_pass(d, p, r0, 4); break;
             }
         else if (d->b->bits == 4)
             rows_pass(d, p, r0, (int)rows, 4, 32);
