@@ -3,7 +3,8 @@ engine taking turns: speed and drift.
 
 "torch" runs every projection in torch's F.linear (oneDNN) and decode attention over bf16 keys
 as dot products where the CPU has AVX-512 BF16: the engine before the calibration existed.
-"chosen" runs what the calibration measured fastest here. Speed: decode tok/s of --batch
+"chosen" runs what the calibration measured fastest here, and a decode step's layers in one C call
+where every projection computes from a GGUF's blocks (models/fused_layers.py). Speed: decode tok/s of --batch
 sequences after --context random tokens (--tokens each, best of --repeats). Drift, over the chat
 prompts of `bench quant`: greedy answers identical, mean common prefix, mean |logprob
 difference| of the first answer token, between the two, and of each against the same model in
@@ -62,9 +63,11 @@ def run(args: argparse.Namespace) -> dict:
     reference = LLM(model=args.model, dtype="float32", kv_cache_memory_gb=1.0).chat(
         chat, SamplingParams(temperature=0, max_tokens=args.answer, logprobs=20))
     best = {m: {k: max(v) for k, v in runs.items()} for m, runs in speed.items()}
+    fused = engine.runner.model.fused_layers is not None
     result = {"benchmark": "cpu_paths", "model": args.model or "SmolLM2-135M-Instruct", "threads": threads,
               "context": args.context, "bf16_gemm_rows": engine.bf16_gemm_rows,
-              "decode_bf16_dot": engine.runner.decode_bf16_dot, "speed_runs": speed, "best": best,
+              "decode_bf16_dot": engine.runner.decode_bf16_dot, "fused_decode": fused,
+              "speed_runs": speed, "best": best,
               "drift": _drift(answers["torch"], answers["chosen"]),
               "drift_vs_float32": {m: _drift(reference, answers[m]) for m in modes}, "machine": harness.machine_info()}
     rows = [[f"decode tok/s, {key}, after {args.context}", f"{best['torch'][key]:.1f}",
@@ -76,7 +79,8 @@ def run(args: argparse.Namespace) -> dict:
         rows.append([f"{label}: against float32", *(_fmt(result["drift_vs_float32"][m][key]) for m in modes)])
     harness.print_table(["measure", "torch", "chosen"], rows,
                         title=f"{result['model']} bf16, {threads} threads: C GEMM up to {engine.bf16_gemm_rows} rows, "
-                              f"bf16 decode dot products {engine.runner.decode_bf16_dot}")
+                              f"bf16 decode dot products {engine.runner.decode_bf16_dot}"
+                              + (", decode layers in one C call" if fused else ""))
     harness.write_json(result, path=args.out or harness.result_path("cpu_paths"))
     return result
 

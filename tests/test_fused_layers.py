@@ -118,7 +118,62 @@ def test_a_failing_kernel_raises_and_writes_no_slot(default_model_path):
     assert torch.equal(model.layers[0].self_attn.kv_cache, before)
 
 
-@pytest.mark.parametrize("options", [{"gguf_blocks": False}, {"quantization": "w8a8"}, {"dtype": "bfloat16"}])
+def _captured_decode_step(llm, model):
+    """Generate a few greedy tokens with model.fused_layers wrapped: the last decode step's
+    (hidden states, positions, meta, KV cache before the call, output, KV cache after)."""
+    fused, seen = model.fused_layers, []
+
+    def captured(x, positions, meta, layers=None):
+        before = llm.engine.runner.kv_cache.clone()
+        out = fused(x, positions, meta, layers)
+        if out is not None and max(meta.query_lens) == 1:
+            seen.append((x.clone(), positions.clone(), meta, before, out, llm.engine.runner.kv_cache.clone()))
+        return out
+    model.fused_layers = captured
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0))
+    model.fused_layers = fused
+    return seen[-1]
+
+
+def test_a_bf16_models_decode_step_is_the_float32_models_over_the_same_cache(default_model_path):
+    """A bf16 model's fused decode step computes in float32 between its bf16 cache and its bf16
+    hidden states: to the bit what the float32 model's fused layers (themselves the Python layers'
+    sums, above) give for the same bf16 inputs, cache and norm weights, rounded once at the end."""
+    ours = LLM(model=str(default_model_path), dtype="bfloat16", num_blocks=64)
+    model16 = ours.engine.runner.model
+    assert isinstance(model16.fused_layers, FusedLayers)
+    x, positions, meta, cache, out, cache_after = _captured_decode_step(ours, model16)
+    assert x.dtype == out.dtype == torch.bfloat16 and x.shape[0] == 2
+
+    reference = LLM(model=str(default_model_path), dtype="float32", num_blocks=64, kv_cache_dtype="bfloat16")
+    model32 = reference.engine.runner.model
+    for layer in model32.layers:  # the bf16 model's norm weights
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.data.copy_(norm.weight.data.bfloat16().float())
+    reference.engine.runner.kv_cache.copy_(cache)
+    with torch.no_grad():
+        expected = model32.fused_layers(x.float(), positions, meta)
+    assert torch.equal(out, expected.bfloat16())
+    assert torch.equal(cache_after, reference.engine.runner.kv_cache)  # the step's keys and values, stored alike
+
+
+def test_a_bf16_model_takes_the_fused_layers_for_decode_steps_alone(default_model_path):
+    """Its prefill steps keep the Python layers (bf16 rows take the calibrated bf16 paths); its
+    answers stay those of the Python layers within bf16's rounding."""
+    llm = LLM(model=str(default_model_path), dtype="bfloat16", num_blocks=64)
+    model = llm.engine.runner.model
+    calls = record_fused_layers(model)
+    fused_answers = _answers(llm, PROMPTS, max_tokens=8)
+    assert [taken for taken, *_ in calls] == [not prefill for _, prefill, *_ in calls] and any(t for t, *_ in calls)
+    model.fused_layers = None
+    python_answers = _answers(llm, PROMPTS, max_tokens=8)
+    for (tokens, logprobs), (python_tokens, python_logprobs) in zip(fused_answers, python_answers):
+        assert tokens[0] == python_tokens[0]  # the prefill step's token: the same layers
+        # the first fused step's top logprob: bf16 rounding apart
+        assert abs(max(logprobs[1].values()) - max(python_logprobs[1].values())) < 0.15
+
+
+@pytest.mark.parametrize("options", [{"gguf_blocks": False}, {"quantization": "w8a8"}])
 def test_no_fused_layers_where_a_projection_is_not_in_blocks(default_model_path, options):
     llm = LLM(model=str(default_model_path), num_blocks=16, **{"dtype": "float32", **options})
     assert llm.engine.runner.model.fused_layers is None

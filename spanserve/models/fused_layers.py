@@ -12,6 +12,14 @@ the prefill kernel whole (span keys moved as they are read). Any other step (a d
 moved span keys, decode rows beside prefill chunks, a span share, a sparse flow, forward hooks
 on a layer's modules such as a COMB plug-in's deltas, a projection's weight edited in place,
 more rows than a projection's C kernel takes) runs the Python layers.
+
+In a bf16 model it takes decode steps alone, and computes them as the float32 model would over
+the same bf16 cache and the bf16 norm weights: the hidden states are widened once on the way in
+and rounded once on the way out, where the Python layers round every op's output. Its BlockLinear
+projections already widen x to float32 for the kernel; what the fused step saves is a decode
+step's some 300 calls (about half a batch-1 step of SmolLM2 in bf16 on an AMD EPYC Zen 3). A
+prefill step keeps the Python layers, whose bf16 queries take the calibrated bf16 GEMM and
+attention paths (docs/cpu.md), which float32 rows would not.
 """
 
 import ctypes
@@ -63,13 +71,16 @@ class FusedLayers:
         self.modules = list(model.layers.modules())
         self.projections = [m for m in self.modules if isinstance(m, BlockLinear)]
         self.max_rows = min(p.max_rows for p in self.projections)
+        self.dtype = model.embed_tokens.weight.dtype  # float32, or bf16: decode steps alone
+        self.float_norms: list[torch.Tensor] = []  # a bf16 model's norm weights widened, as C reads them
 
     @classmethod
     def of(cls, model: nn.Module) -> "FusedLayers | None":
-        """A FusedLayers where `model` qualifies: float32 on CPU, the C kernels built and allowed,
-        no q/k norms, every projection of every layer in blocks; else None."""
+        """A FusedLayers where `model` qualifies: float32 or bf16 on CPU, the C kernels built and
+        allowed, no q/k norms, every projection of every layer in blocks; else None."""
         cfg = model.cfg
-        if (cfg.qk_norm or model.embed_tokens.weight.dtype != torch.float32 or model.embed_tokens.weight.is_cuda
+        weight = model.embed_tokens.weight
+        if (cfg.qk_norm or weight.dtype not in (torch.float32, torch.bfloat16) or weight.is_cuda
                 or any(cpu_kernel.load(name) is None for name in ("gemm", "layer", "decode"))
                 or 2 * model.rope.cos.shape[-1] != cfg.head_dim):
             return None
@@ -87,13 +98,15 @@ class FusedLayers:
         layers = range(len(self.model.layers)) if layers is None else layers
         caches = self.model.layers[0].self_attn.kv_cache
         kernel = cpu_kernel.load("gemm")
-        if (caches is None or kernel is None or torch.is_grad_enabled() or self._hooked()
-                or any(p.stale for p in self.projections)):
+        if (caches is None or kernel is None or torch.is_grad_enabled() or x.shape[0] > self.max_rows
+                or self._hooked() or any(p.stale for p in self.projections)):
             return None
         decode = plain_decode(meta, x.device)
         if decode is not None and x.shape[0] == len(meta.query_lens):
             tables, lens, _ = decode
             run = lambda *args: kernel.decode_layers(*args)  # noqa: E731
+        elif self.dtype != torch.float32:
+            return None
         else:
             prefill = self._prefill(x, positions, meta)
             if prefill is None:
@@ -103,7 +116,7 @@ class FusedLayers:
         if self.layers is None or caches.data_ptr() != self.bound_cache:
             self._bind(caches)
         rope = self.model.rope
-        hidden = x.contiguous().clone()
+        hidden = x.contiguous().clone() if x.dtype == torch.float32 else x.float().contiguous()
         positions = positions.long().contiguous()
         slots = meta.slot_mapping.long().contiguous()
         self.shape.max_blocks = tables.shape[1]
@@ -114,16 +127,15 @@ class FusedLayers:
                          tables.data_ptr(), lens.data_ptr())
         if status != 0:  # -1 shapes, -2 positions or slots, -3 out of memory
             raise RuntimeError(f"fused layers failed ({status}) for {tuple(x.shape)}")
-        return hidden
+        return hidden.to(x.dtype)
 
     def _prefill(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """A step of prefill chunks as prefill_layers reads it: (its chunks, block tables, context
         lengths), kept in meta.derived with the tensors they point at (the same in every call of the
         step). None where the attention backend would not give the whole step to the prefill kernel
         (torch_ref.prefill_plan: a decode row, a span share), for a sparse flow (its attention reads
-        other blocks at each layer), where the prefill kernel is not allowed, or for more rows than
-        the projections' C kernel takes."""
-        if (positions is not meta.positions or cpu_kernel.load("prefill") is None or x.shape[0] > self.max_rows
+        other blocks at each layer), or where the prefill kernel is not allowed."""
+        if (positions is not meta.positions or cpu_kernel.load("prefill") is None
                 or x.shape[0] != sum(meta.query_lens) or meta.sparse is not None):
             return None
         plan = prefill_plan(meta, x.device)
@@ -148,9 +160,12 @@ class FusedLayers:
         """The layers' weights and caches as C structs (pointers: the tensors stay the model's)."""
         model, cfg = self.model, self.model.cfg
         layers, self.later_pieces = [], []  # the structs a projection's `next` points at, kept alive
-        for layer in model.layers:
+        widen = self.dtype != torch.float32
+        self.float_norms = [norm.weight.detach().float() if widen else norm.weight for layer in model.layers
+                            for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        for i, layer in enumerate(model.layers):
             attn, mlp, cache = layer.self_attn, layer.mlp, layer.self_attn.kv_cache
-            norms = (layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr())
+            norms = (self.float_norms[2 * i].data_ptr(), self.float_norms[2 * i + 1].data_ptr())
             projections = [self._projection(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             layers.append(_Layer(*norms, *projections, cache[0].data_ptr(), cache[1].data_ptr()))
         self.layers = (_Layer * len(layers))(*layers)
