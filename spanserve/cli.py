@@ -303,12 +303,12 @@ def cmd_serve(args) -> None:
 
     from spanserve.engine.async_engine import AsyncLLM
     from spanserve.engine.llm_engine import LLMEngine
-    from spanserve.models.loader import DEFAULT_MODEL
+    from spanserve.models.loader import model_name
     from spanserve.server.app import create_app
     from spanserve.server.tenants import Tenants
     from spanserve.spans.limits import QueryLimits
 
-    name = args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL)
+    name = args.served_model_name or model_name(args.model)
     tenants = Tenants.load(args.api_key, args.api_keys)  # a bad keys file fails before the model loads
     config = dataclasses.replace(engine_config(args), admission_timeout_s=args.queue_timeout or None)
     llm = AsyncLLM(lambda: LLMEngine(config))  # built on the thread that steps it

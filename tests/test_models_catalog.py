@@ -14,7 +14,7 @@ from spanserve import LLM
 from spanserve.errors import ModelNotFoundError
 from spanserve.models.catalog import CATALOG, SplitGGUF, assembled_gguf
 from spanserve.models.gguf import convert_gguf
-from spanserve.models.loader import resolve_model
+from spanserve.models.loader import model_name, resolve_model
 
 PARTS = [b"GGUF" + bytes(range(200)), bytes(range(255, 0, -1)) * 3, b"tail"]
 
@@ -137,3 +137,13 @@ def test_qwen2_gguf_without_vocab_size_takes_it_from_the_embedding(tiny_qwen2_pa
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_path), dtype=torch.float32)
     ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
     assert tokens == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("model,name", [("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
+                                        ("/models/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q4_1"),
+                                        ("/models/Qwen2.5-1.5B-Instruct/", "Qwen2.5-1.5B-Instruct"),
+                                        (None, "SmolLM2-135M-Instruct")])
+def test_a_model_goes_by_its_whole_name(monkeypatch, model, name):
+    """A server's model id: dots in a catalog name are part of it (not a file suffix)."""
+    monkeypatch.delenv("SPANSERVE_MODEL", raising=False)
+    assert model_name(model) == name

@@ -11,7 +11,6 @@ import asyncio
 import threading
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from pathlib import Path
 
 from ray import serve
 
@@ -20,7 +19,7 @@ from spanserve.cluster.keys import HashContext, key
 from spanserve.config import EngineConfig
 from spanserve.engine.async_engine import AsyncLLM
 from spanserve.engine.llm_engine import LLMEngine
-from spanserve.models.loader import DEFAULT_MODEL
+from spanserve.models import loader
 from spanserve.server.app import create_app
 from spanserve.server.tenants import Tenants
 from spanserve.sessions.disk import SessionDisk
@@ -46,7 +45,7 @@ class ServerOptions:
 
     @classmethod
     def from_args(cls, args, sessions: SessionDisk | None = None) -> "ServerOptions":
-        return cls(args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL),
+        return cls(args.served_model_name or loader.model_name(args.model),
                    args.api_key, args.api_keys, args.max_queued, args.corpus, int(args.max_body_mb * (1 << 20)),
                    QueryLimits(args.max_query_depth, args.max_query_fanout, args.max_query_calls),
                    args.metrics_public, sessions, args.router)

@@ -27,7 +27,7 @@ import torch
 from spanserve.comb import dense
 from spanserve.comb.data import SIMILAR_NAMES_HELP, ExampleMaker
 from spanserve.comb.plugin import SHIPPED, CombPlugin
-from spanserve.models.loader import DEFAULT_MODEL
+from spanserve.models.loader import model_name
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def train(args) -> Path:
     tok = llm.get_tokenizer()
     maker = ExampleMaker(tok, seed=args.seed, min_docs=args.min_docs, max_docs=args.max_docs,
                          max_facts=args.max_facts, similar_names=args.similar_names)
-    out = Path(args.out) if args.out else SHIPPED / f"{Path(args.model or DEFAULT_MODEL).stem.lower()}.safetensors"
+    out = Path(args.out) if args.out else SHIPPED / f"{model_name(args.model).lower()}.safetensors"
     # Held out (another seed): fact lookups at the most documents, several facts in each, with the
     # training's namesakes (a run that teaches telling them apart is judged on telling them apart).
     val_docs = args.val_docs or args.max_docs

@@ -45,6 +45,13 @@ def gguf_file(model: str | None) -> Path | None:
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
+def model_name(model: str | None) -> str:
+    """The name `model`, as resolve_model takes it, goes by (a server's model id): a catalog name as
+    given, a path's last part without `.gguf`."""
+    model = model or os.environ.get("SPANSERVE_MODEL") or DEFAULT_MODEL
+    return Path(model).name.removesuffix(".gguf")
+
+
 def resolve_model(model: str | None, weights: bool = True) -> Path:
     """Return an HF-style directory (config.json + safetensors) for `model`; without `weights`
     (load_format dummy) a directory with config.json alone will do."""
