@@ -3,9 +3,9 @@ engine taking turns: speed and drift.
 
 "torch" runs every projection in torch's F.linear (oneDNN) and decode attention over bf16 keys
 as dot products where the CPU has AVX-512 BF16: the engine before the calibration existed.
-"chosen" runs what the calibration measured fastest here, and a decode step's layers in one C call
-where every projection computes from a GGUF's blocks (models/fused_layers.py). Speed: decode tok/s of --batch
-sequences after --context random tokens (--tokens each, best of --repeats). Drift, over the chat
+"chosen" runs what the calibration measured fastest here, and a decode step's layers in one C
+call where every projection computes from a GGUF's blocks (models/fused_layers.py). Speed: decode
+tok/s of --batch sequences after --context random tokens (--tokens each, best of --repeats). Drift, over the chat
 prompts of `bench quant`: greedy answers identical, mean common prefix, mean |logprob
 difference| of the first answer token, between the two, and of each against the same model in
 float32 (which of the two bf16 roundings stays closer to it).
