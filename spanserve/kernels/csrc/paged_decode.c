@@ -67,12 +67,16 @@ typedef struct { /* one thread's scratch */
 #define MAX_HEADS 128
 #define LANES_PATH(a) ((a)->dim % LANES == 0 && (a)->heads <= MAX_HEADS && !BF16_PATH(a))
 
+/* The next block's keys and values, into L2 rather than L1: with the block being read they are
+ * 48 KB of float32 (SmolLM2's 3 KV heads of 64, 16 tokens), past a 32 KB L1, and prefetches into
+ * L1 evicted the keys in use (decode attention took 0.90-0.93x the time with L2 as the target,
+ * float32 and bf16 caches, 1-8 sequences of 1-2k keys, 30 layers, AMD EPYC Zen 3). */
 static inline void prefetch_block(const Args *a, int64_t block) {
     size_t bytes = (size_t)a->block_size * a->kv_heads * a->dim * (a->kv_dtype == 0 ? 4 : 2);
     const char *k = (const char *)a->k_cache + block * bytes, *v = (const char *)a->v_cache + block * bytes;
     for (size_t line = 0; line < bytes; line += 64) {
-        __builtin_prefetch(k + line);
-        __builtin_prefetch(v + line);
+        __builtin_prefetch(k + line, 0, 2);
+        __builtin_prefetch(v + line, 0, 2);
     }
 }
 
