@@ -89,10 +89,11 @@ static inline __attribute__((always_inline)) void times_factors(const int8_t *q,
 /* Group g's scales for panel p's 16 channels, and in *offset its offsets (NULL for none): the stored
  * float32 ones, or a K-quant's int8 ones times their super-block's factors, formed in `room`. Each
  * product is exact in float32 (11 by 8 bits): the value the file's own decoding forms. */
-static inline const float *group_scales(const BlockWeights *b, int64_t p, int64_t g, float room[2][PANEL],
-                                        const float **offset) {
+static inline __attribute__((always_inline)) const float *scales_of(const BlockWeights *b, int64_t p, int64_t g,
+                                                                    float room[2][PANEL], const float **offset,
+                                                                    const int factored) {
     const int64_t at = (p * (b->k / b->group) + g) * PANEL;
-    if (b->factors == NULL) {
+    if (!factored) {
         *offset = b->offset ? b->offset + at : NULL;
         return b->scale + at;
     }
@@ -101,6 +102,15 @@ static inline const float *group_scales(const BlockWeights *b, int64_t p, int64_
     if (b->offset_q) times_factors(b->offset_q + at, f + PANEL, room[1]);
     *offset = b->offset_q ? room[1] : NULL;
     return room[0];
+}
+
+/* scales_of for blocks factored or not. A direct pass takes its own `factored` as a constant
+ * instead: compiled into a pass over unfactored codes, the factored branch left GCC too few
+ * registers for the pass's sums, and 4 rows over Q5_0 codes ran at half their speed (Qwen2.5-0.5B's
+ * gate/up projections at 4-16 rows). */
+static inline const float *group_scales(const BlockWeights *b, int64_t p, int64_t g, float room[2][PANEL],
+                                        const float **offset) {
+    return scales_of(b, p, g, room, offset, b->factors != NULL);
 }
 
 /* Rows r0 .. r0 + rows - 1 of out for panel p, from the panel's sums. */
@@ -130,7 +140,7 @@ static inline __attribute__((always_inline)) __m512 decode(const uint8_t *c, con
 /* One pass of `rows` rows over panel p: per group, the sums of codes times x in two chains (even
  * and odd inputs), then scaled and offset into the totals. */
 static inline __attribute__((always_inline)) void direct_pass(const Direct *d, int64_t p, int64_t r0, const int rows,
-                                                              const int bits, const int group) {
+                                                              const int bits, const int group, const int factored) {
     const BlockWeights *b = d->b;
     const int64_t k = b->k, groups = k / group;
     __m512 total[PASS_ROWS];
@@ -146,7 +156,7 @@ static inline __attribute__((always_inline)) void direct_pass(const Direct *d, i
             for (int r = 0; r < rows; r++) acc[i & 1][r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * k + i]), acc[i & 1][r]);
         }
         float room[2][PANEL];
-        const float *offset, *scales = group_scales(b, p, g, room, &offset);
+        const float *offset, *scales = scales_of(b, p, g, room, &offset, factored);
         const __m512 scale = _mm512_loadu_ps(scales);
         for (int r = 0; r < rows; r++) {
             total[r] = _mm512_fmadd_ps(_mm512_add_ps(acc[0][r], acc[1][r]), scale, total[r]);
@@ -205,7 +215,7 @@ static inline __attribute__((always_inline)) void decode(const uint8_t *c, const
 /* As the AVX-512 pass, in registers: 2 chains x 2 rows x 2 halves of sums up to two rows, one
  * chain from three (8 sums for four rows). */
 static inline __attribute__((always_inline)) void direct_pass(const Direct *d, int64_t p, int64_t r0, const int rows,
-                                                              const int bits, const int group) {
+                                                              const int bits, const int group, const int factored) {
     const BlockWeights *b = d->b;
     const int64_t k = b->k, groups = k / group;
     const int chains = rows <= 2 ? 2 : 1;
@@ -231,7 +241,7 @@ static inline __attribute__((always_inline)) void direct_pass(const Direct *d, i
             }
         }
         float room[2][PANEL];
-        const float *offset, *scale = group_scales(b, p, g, room, &offset);
+        const float *offset, *scale = scales_of(b, p, g, room, &offset, factored);
         for (int r = 0; r < rows; r++)
             for (int h = 0; h < 2; h++) {
                 const __m256 sum = chains == 2 ? _mm256_add_ps(acc[0][r][h], acc[1][r][h]) : acc[0][r][h];
@@ -282,7 +292,7 @@ static inline void decode(const uint8_t *c, const int bits, const uint32_t *high
 }
 
 static inline void direct_pass(const Direct *d, int64_t p, int64_t r0, const int rows, const int bits,
-                               const int group) {
+                               const int group, const int factored) {
     const BlockWeights *b = d->b;
     const int64_t k = b->k, groups = k / group;
     float total[PASS_ROWS][PANEL] = {{0}};
@@ -296,7 +306,7 @@ static inline void direct_pass(const Direct *d, int64_t p, int64_t r0, const int
                 for (int j = 0; j < PANEL; j++) acc[i & 1][r][j] += w[j] * x[r * k + i];
         }
         float room[2][PANEL];
-        const float *offset, *scale = group_scales(b, p, g, room, &offset);
+        const float *offset, *scale = scales_of(b, p, g, room, &offset, factored);
         for (int r = 0; r < rows; r++)
             for (int j = 0; j < PANEL; j++) {
                 total[r][j] += (acc[0][r][j] + acc[1][r][j]) * scale[j];
@@ -525,14 +535,23 @@ static inline void six_bit_pass(const Direct *d, int64_t p, int64_t r0, const in
 }
 #endif
 
+static inline __attribute__((always_inline)) void rows_pass_as(const Direct *d, int64_t p, int64_t r0, int rows,
+                                                               const int bits, const int group, const int factored) {
+    switch (rows) {
+        case 1: direct_pass(d, p, r0, 1, bits, group, factored); break;
+        case 2: direct_pass(d, p, r0, 2, bits, group, factored); break;
+        case 3: direct_pass(d, p, r0, 3, bits, group, factored); break;
+        default: direct_pass(d, p, r0, 4, bits, group, factored); break;
+    }
+}
+
+/* A pass compiled for factored scales or for stored ones (scales_of). */
 static inline __attribute__((always_inline)) void rows_pass(const Direct *d, int64_t p, int64_t r0, int rows,
                                                             const int bits, const int group) {
-    switch (rows) {
-        case 1: direct_pass(d, p, r0, 1, bits, group); break;
-        case 2: direct_pass(d, p, r0, 2, bits, group); break;
-        case 3: direct_pass(d, p, r0, 3, bits, group); break;
-        default: direct_pass(d, p, r0, 4, bits, group); break;
-    }
+    if (d->b->factors != NULL)
+        rows_pass_as(d, p, r0, rows, bits, group, 1);
+    else
+        rows_pass_as(d, p, r0, rows, bits, group, 0);
 }
 
 /* One pass over x rounded to int8: 6-bit codes' own, else 4-bit codes'. */
