@@ -67,25 +67,14 @@ typedef struct { /* one thread's scratch */
 #define MAX_HEADS 128
 #define LANES_PATH(a) ((a)->dim % LANES == 0 && (a)->heads <= MAX_HEADS && !BF16_PATH(a))
 
-/* The next block's keys and values, into L2 rather than L1: with the block being read they are
- * 48 KB of float32 (SmolLM2's 3 KV heads of 64, 16 tokens), past a 32 KB L1, and prefetches into
- * L1 evicted the keys in use (decode attention took 0.90-0.93x the time with L2 as the target,
- * float32 and bf16 caches, 1-8 sequences of 1-2k keys, 30 layers, AMD EPYC Zen 3). */
-static inline void prefetch_block(const Args *a, int64_t block) {
-    size_t bytes = (size_t)a->block_size * a->kv_heads * a->dim * (a->kv_dtype == 0 ? 4 : 2);
-    const char *k = (const char *)a->k_cache + block * bytes, *v = (const char *)a->v_cache + block * bytes;
-    for (size_t line = 0; line < bytes; line += 64) {
-        __builtin_prefetch(k + line, 0, 2);
-        __builtin_prefetch(v + line, 0, 2);
-    }
-}
-
-/* The lanes path prefetches the next block a few lines at each step of the block in hand, so that
- * its misses are in flight while the block's sums are computed. A block's prefetches all issued at
+/* The next block's keys and values are prefetched a few lines at each step of the block in hand, so
+ * that their misses are in flight while the block's sums are computed. A block's prefetches all issued at
  * its start filled the core's miss buffers: the instructions after them waited for memory, the
  * compute and the reads did not overlap, and decode attention read 14.5 GB/s where a plain sum
  * reads 30 (AMD EPYC, 2 cores). Spread over the key groups and value passes, 0.55-0.6x the time
- * (8 sequences of 1,024 keys, 30 layers, float32; 0.54x for one of 2,048). */
+ * (8 sequences of 1,024 keys, 30 layers, float32; 0.54x for one of 2,048). Into L2 rather than L1:
+ * with the block being read they are 48 KB of float32 (SmolLM2's 3 KV heads of 64, 16 tokens),
+ * past a 32 KB L1, and prefetches into L1 evicted the keys in use. */
 typedef struct {
     const char *keys, *values; /* the next block's */
     size_t next, bytes, step;  /* the next line's offset, the block's bytes, bytes a step */
@@ -173,12 +162,15 @@ static void chunk(const Args *a, Scratch *s, int64_t seq, int64_t start, int64_t
         st[dim] = -FLT_MAX;
         st[dim + 1] = 0.0f;
     }
+    Prefetch ahead;
     for (int64_t first = start; first < end; first += bs) {
         int64_t block = table[first / bs];
         int n = end - first < bs ? (int)(end - first) : bs;
-        if (first + bs < end) prefetch_block(a, table[first / bs + 1]);
+        if (first + bs < end) prefetch_start(a, &ahead, table[first / bs + 1], heads + bs);
+        else prefetch_none(&ahead);
         if (converts) load_floats(a->k_cache, block * bs * row, n * row, a->kv_dtype, s->key); /* [n][kv_heads][dim] */
         for (int h = 0; h < heads; h++) {
+            prefetch_step(&ahead);
             float *weight = s->weight + h * bs, *st = state + h * width;
             float top = head_scores(a, s, seq, block, h, n, weight);
             if (top > st[dim]) { /* a new maximum: rescale what came before */
@@ -194,6 +186,7 @@ static void chunk(const Args *a, Scratch *s, int64_t seq, int64_t start, int64_t
         }
         load_floats(a->v_cache, block * bs * row, n * row, a->kv_dtype, s->value);
         for (int t = 0; t < n; t++) {
+            prefetch_step(&ahead);
             for (int h = 0; h < heads; h++) {
                 const float *value = s->value + t * row + (h / groups) * dim;
                 float w = s->weight[h * bs + t], *acc = state + h * width;
