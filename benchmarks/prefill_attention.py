@@ -19,12 +19,9 @@ layer's keys then come from memory, not from the CPU's caches.
 
 import argparse
 import itertools
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-from benchmarks import harness
+from benchmarks import harness, kernel_compare
 
 # name, query heads, kv heads, head dim, context tokens, query tokens (the context's last ones),
 # relinked 16-token blocks spread over the context (their rows before the query tokens), moved keys
@@ -51,8 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "at 30 a layer's keys are out of the CPU's caches when it is read again")
     parser.add_argument("--cases", default="", metavar="TEXT",
                         help="only the cases whose name holds this text (e.g. RAG)")
-    parser.add_argument("--baseline", default=None, metavar="REV",
-                        help="also time the kernel of this git revision (needs a git checkout)")
+    kernel_compare.add_baseline_argument(parser)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/prefill_attention.json)")
 
 
@@ -72,8 +68,8 @@ def run(args: argparse.Namespace) -> dict:
             rows.append({"dtype": dtype_name, **row})
             table.append([dtype_name, row["case"], f"{row['torch_ms']:.2f}", f"{row['kernel_ms']:.2f}",
                           f"{row['speedup']:.2f}x", f"{row['torch_error']:.1e}", f"{row['kernel_error']:.1e}"]
-                         + ([f"{row['baseline_ms']:.2f}", f"{row['over_baseline']:.2f}x"] if baseline else []))
-    extra = [f"{args.baseline} ms", f"over {args.baseline}"] if baseline else []
+                         + kernel_compare.baseline_cells(row, args.baseline))
+    extra = kernel_compare.baseline_headers(args.baseline)
     harness.print_table(["dtype", "case", "torch ms", "kernel ms", "speedup", "torch max err", "kernel max err",
                          *extra], table, title=f"prefill attention, {_layers(args.layers)}, {threads} threads")
     result = {"benchmark": "prefill_attention", "threads": threads, "repeats": args.repeats, "layers": args.layers,
@@ -83,30 +79,11 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _baseline(rev: str):
-    """The kernels as they were at git revision `rev`: its kernels/csrc/ (or csrc/) files, built (native.library_at)."""
-    from spanserve.kernels import native
-
-    repo = Path(__file__).resolve().parents[1]
-    if b"rot_ids" not in _source_at(repo, rev, "paged_prefill.c"):
+    """The kernels as they were at git revision `rev`, if its prefill kernel takes today's arguments."""
+    if b"rot_ids" not in kernel_compare.source_at(rev, "paged_prefill.c"):
         sys.exit(f"--baseline {rev}: its paged_prefill takes one row of angles per moved key, not this "
                  "revision's distinct angles; time it from a checkout of a revision of its time")
-    with tempfile.TemporaryDirectory(prefix="spanserve-baseline-") as tmp:  # the build lands in the cache
-        for path in [*native.SOURCES, *native.HEADERS]:
-            (Path(tmp) / path.name).write_bytes(_source_at(repo, rev, path.name))
-        return native.library_at(Path(tmp))
-
-
-def _source_at(repo: Path, rev: str, name: str) -> bytes:
-    """A C source as it was at `rev`: under spanserve/kernels/csrc/, or spanserve/csrc/ before the kernels' package."""
-    for folder in ("spanserve/kernels/csrc", "spanserve/csrc"):
-        try:
-            shown = subprocess.run(["git", "show", f"{rev}:{folder}/{name}"], cwd=repo, capture_output=True)
-        except FileNotFoundError:
-            sys.exit("--baseline needs git")
-        if shown.returncode == 0:
-            return shown.stdout
-    sys.exit(f"--baseline {rev}: cannot read {name} under spanserve/kernels/csrc/ or spanserve/csrc/ there: "
-             f"{shown.stderr.decode(errors='replace').strip()}")
+    return kernel_compare.kernels_at(rev)
 
 
 def _layers(layers: int) -> str:
@@ -143,22 +120,10 @@ def _measure(case: tuple, dtype, repeats: int, baseline=None, layers: int = 1) -
             rotation.rotate_(keys, head_major=True)
         return _matmul_attention(q, keys, values, positions, scale)
 
-    def baseline_kernel(layer=None):
-        with cpu_kernel.using(baseline):
-            return kernel(layer)
-
-    paths = {"kernel": kernel, "torch": torch_path, **({"baseline": baseline_kernel} if baseline else {})}
-    best = harness.best_ms_in_turns(paths, repeats)
     expected = _reference(q, cache, table[0], context, positions, scale, rotation)
-    row = {"case": name, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "context": context,
-           "queries": len(positions), "moved_keys": moved, "kernel_ms": best["kernel"], "torch_ms": best["torch"],
-           "speedup": best["torch"] / best["kernel"],
-           "kernel_error": float((kernel(0).double() - expected).abs().max()),
-           "torch_error": float((torch_path(0).double() - expected).abs().max())}
-    if baseline:
-        row.update(baseline_ms=best["baseline"], over_baseline=best["baseline"] / best["kernel"],
-                   baseline_error=float((baseline_kernel(0).double() - expected).abs().max()))
-    return row
+    return {"case": name, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "context": context,
+            "queries": len(positions), "moved_keys": moved,
+            **kernel_compare.compare(kernel, torch_path, expected, repeats, baseline)}
 
 
 def _positions(context: int, queries: int, relinked: int):

@@ -331,8 +331,8 @@ def cmd_serve(args) -> None:
 
 
 BENCHES = ["throughput", "serve", "rag", "accuracy", "nested", "locality", "gpu", "soak", "span_decode", "quant",
-           "session", "session_server", "sparse", "sparse_pick", "prefill_attention", "linear_layout", "projections",
-           "step", "structured", "speculative", "cpu_paths", "cluster"]
+           "session", "session_server", "sparse", "sparse_pick", "prefill_attention", "decode_attention",
+           "linear_layout", "projections", "step", "structured", "speculative", "cpu_paths", "cluster"]
 
 
 def cmd_query(args) -> None:
