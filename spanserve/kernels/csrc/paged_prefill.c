@@ -627,9 +627,8 @@ static int seeing_groups(const Scratch *s, int row_groups, int64_t k, int *g) {
  * the panel PREFETCH_AHEAD panels on: with one, a warm RAG prompt's probe calls (18 rows over 4k
  * moved keys) still waited on the first read of a key (perf) and ran 1-6% slower than with two;
  * four were no faster (AMD EPYC Zen 3). Into L2, not L1: the probe took 0.92-0.97x the time and the
- * relink 0.93-1.0x, other cases alike (`--layers 30 --baseline REV`, float32 and bf16 caches; as
- * in paged_decode.c, prefetches into L1 hold the core's miss buffers). Spreading them over the
- * panel's runs of row groups gained nothing more. */
+ * relink 0.93-1.0x, other cases alike (`--layers 30 --baseline REV`, float32 and bf16 caches).
+ * Spreading them over the panel's runs of row groups gained nothing more. */
 #define PREFETCH_AHEAD 2
 static void prefetch_panel(const Args *a, int64_t seq, int kv, int64_t kbegin, int64_t kend) {
     const int64_t size = a->kv_dtype ? 2 : 4, bytes = a->dim * size;
