@@ -89,7 +89,7 @@ static inline void prefetch_start(const Args *a, Prefetch *p, int64_t block, int
     p->step = ((p->bytes + 63) / 64 + steps - 1) / steps * 64;
 }
 
-static inline void prefetch_none(Prefetch *p) { p->next = p->bytes = 0; }
+static inline void prefetch_none(Prefetch *p) { p->next = p->bytes = p->step = 0; }
 
 /* One step's lines of the block's keys and values. */
 static inline void prefetch_step(Prefetch *p) {
