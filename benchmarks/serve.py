@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from benchmarks import harness
+from benchmarks import harness, server_steps
 
 SENTENCES = [
     "The old lighthouse keeper climbed the spiral stairs every evening to light the lamp.",
@@ -260,7 +260,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", nargs="+", metavar="JSON", help="print result JSONs side by side and exit")
 
 
-async def _measure(args, model: str, headers: dict) -> tuple[list[dict], float]:
+async def _measure(args, model: str, headers: dict) -> tuple[list[dict], float, dict | None]:
     lens = [int(x) for x in args.prompt_lens.split(",")]
     path = "/chat/completions" if args.endpoint == "chat" else "/completions"
     bodies = [request_body(args.endpoint, model, p, args.max_tokens)
@@ -271,9 +271,13 @@ async def _measure(args, model: str, headers: dict) -> tuple[list[dict], float]:
         for rec in [await send(client, path, b) for b in warmup]:
             if not rec["ok"]:
                 sys.exit(f"warm-up request failed: {rec['error']}")
+        metrics = server_steps.metrics_url(args.url)
+        steps_before = await server_steps.read(client, metrics)
         start = time.perf_counter()
         records = await run_clients(client, path, bodies, args.concurrency)
-        return records, time.perf_counter() - start
+        duration = time.perf_counter() - start
+        steps = server_steps.summarize(steps_before, await server_steps.read(client, metrics), duration)
+        return records, duration, steps
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -286,10 +290,15 @@ def run(args: argparse.Namespace) -> dict:
     loadavg_before = list(os.getloadavg())
     print(f"{label}: {args.num_requests} requests, {args.concurrency} clients, {url} ({model}), "
           f"load average {loadavg_before[0]:.2f}", file=sys.stderr, flush=True)
-    records, duration = asyncio.run(_measure(args, model, headers))
+    records, duration, steps = asyncio.run(_measure(args, model, headers))
     summary = summarize(records, duration)
     rows = [[name, summary[key]] for key, name, _ in METRICS]
     harness.print_table(["metric", label], rows, title=f"serving benchmark: {url} ({model})")
+    if steps:
+        harness.print_table(["server engine", label], server_steps.rows(steps),
+                            title=f"its engine during the run ({server_steps.metrics_url(url)})")
+    else:
+        print(f"  no engine step counters at {server_steps.metrics_url(url)} (not a spanserve server, or no access)")
     for err in dict.fromkeys(r["error"] for r in records if r["error"]):
         print(f"  error: {err}")
     data = {
@@ -297,7 +306,7 @@ def run(args: argparse.Namespace) -> dict:
         "args": {k: v for k, v in vars(args).items() if k not in ("api_key", "report")},
         "loadavg_before": loadavg_before, "loadavg_after": list(os.getloadavg()),
         "machine": harness.machine_info(),  # after the run: it imports torch, which the client does not need
-        "summary": summary, "requests": records,
+        "summary": summary, "server_steps": steps, "requests": records,
     }
     harness.write_json(data, path=args.out or harness.result_path(f"serve-{label}"))
     return data

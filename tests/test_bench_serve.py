@@ -1,12 +1,14 @@
 """`spanserve bench serve`: its statistics on hand-made numbers, and a short run against a real server."""
 
 import argparse
+import asyncio
 import json
 
+import httpx
 import pytest
 from server_utils import ServerProcess
 
-from benchmarks import serve
+from benchmarks import serve, server_steps
 
 
 def _record(ttft: float, itl: list[float], prompt: int, cached: int) -> dict:
@@ -75,8 +77,68 @@ def test_against_a_real_server(server, tiny_llama_path, tmp_path, endpoint, caps
     assert s["ttft_p50_ms"] <= s["e2e_p50_ms"]
     assert data["model"] == tiny_llama_path.stem and data["label"] == f"127.0.0.1-{server.port}"
     assert json.loads(out.read_text())["summary"] == s
+    steps = data["server_steps"]  # the server's engine during the run, from its /metrics
+    assert steps["steps"]["decode"] > 0 and sum(steps["steps"].values()) >= 6  # each request prefills once
+    assert 0 < steps["busy_pct"] <= 101 and 0 < steps["model_pct_of_steps"] < 100
+    assert 0 < steps["decode_model_ms"] < steps["decode_step_ms"] and 1 <= steps["decode_batch"] <= 3
 
     capsys.readouterr()
     serve.run(_args(["--report", str(out), str(out)]))  # a run against itself: every ratio is 1
     ttft_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("TTFT p50 ms"))
     assert ttft_row.split()[-2:] == ["1.00x", "lower"]
+
+
+def _metrics_text(*replicas: tuple[str | None, int, float]) -> str:
+    """/metrics with the step counters of each (replica label or None, decode steps, decode seconds)."""
+    def family(name: str, value) -> list[str]:
+        lines = [f"# TYPE {name}_total counter"]
+        for replica, steps, seconds in replicas:
+            label = f',replica="{replica}"' if replica else ""
+            decode, prefill = value(steps, seconds)
+            lines += [f'{name}_total{{kind="decode"{label}}} {decode}',
+                      f'{name}_total{{kind="prefill"{label}}} {prefill}']
+        return lines
+    return "\n".join([
+        *family("spanserve_engine_steps", lambda steps, seconds: (steps, 2)),
+        *family("spanserve_engine_step_tokens", lambda steps, seconds: (8 * steps, 300)),
+        *family("spanserve_engine_step_seconds", lambda steps, seconds: (seconds, 1.0)),
+        *family("spanserve_engine_model_seconds", lambda steps, seconds: (0.9 * seconds, 0.9)),
+        "# TYPE spanserve_requests_total counter", 'spanserve_requests_total{status="ok"} 3', "",
+    ])
+
+
+class _Served:
+    """An httpx transport answering /metrics with the given texts, one per request (None: a 404)."""
+
+    def __init__(self, *texts: str | None):
+        self.texts = list(texts)
+
+    def client(self) -> httpx.AsyncClient:
+        def answer(request):
+            text = self.texts.pop(0)
+            return httpx.Response(404) if text is None else httpx.Response(200, text=text)
+        return httpx.AsyncClient(transport=httpx.MockTransport(answer))
+
+
+def test_server_steps_split_a_run_into_model_host_and_idle_time():
+    async def read(*texts):
+        async with _Served(*texts).client() as client:
+            return [await server_steps.read(client, "http://server/metrics") for _ in texts]
+
+    before, after = asyncio.run(read(_metrics_text((None, 10, 0.5)), _metrics_text((None, 110, 3.5))))
+    s = server_steps.summarize(before, after, duration_s=4.0)
+    assert s["steps"] == {"decode": 100, "prefill": 0}
+    assert s["busy_pct"] == pytest.approx(75.0) and s["model_pct_of_steps"] == pytest.approx(90.0)
+    assert s["host_ms_per_step"] == pytest.approx(3.0) and s["decode_step_ms"] == pytest.approx(30.0)
+    assert s["decode_model_ms"] == pytest.approx(27.0) and s["decode_batch"] == pytest.approx(8.0)
+    # a cluster's replicas are summed; a server without the counters, or a refused scrape, gives None
+    [both] = asyncio.run(read(_metrics_text(("a", 10, 0.5), ("b", 20, 1.5))))
+    assert both["decode"]["steps"] == 30 and both["decode"]["seconds"] == pytest.approx(2.0)
+    assert asyncio.run(read('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n', None)) == [
+        None, None]
+    assert server_steps.summarize(None, after, 1.0) is None
+
+
+def test_metrics_url_is_beside_the_openai_routes():
+    assert server_steps.metrics_url("http://127.0.0.1:8012/v1") == "http://127.0.0.1:8012/metrics"
+    assert server_steps.metrics_url("http://h:1/v1/") == "http://h:1/metrics"

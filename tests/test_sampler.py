@@ -171,3 +171,14 @@ def test_repetition_penalties_that_overflow_are_rejected(penalty):
 def test_seeds_beyond_what_a_generator_takes_are_rejected():
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=10**23)
+
+
+@pytest.mark.parametrize("rows", [
+    [[1.0, 3.0, 3.0, 0.0]],  # equal maxima: the first
+    [[math.nan, 5.0, math.nan, 1.0], [2.0, math.nan, 9.0, math.inf]],  # a NaN counts as the maximum
+    [[-math.inf] * 4],
+])
+def test_greedy_rows_take_torchs_argmax_ties_and_nans_included(rows):
+    logits = torch.tensor(rows)
+    assert sampler_module.argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert sampler_module.argmax_rows(logits[:, ::2]).tolist() == logits[:, ::2].argmax(dim=-1).tolist()

@@ -99,12 +99,24 @@ def test_metrics_prometheus_text(tiny_server, client, model_name):
               "spanserve_kv_cache_usage", "spanserve_prefix_cache_hit_rate", "spanserve_num_preemptions_total",
               "spanserve_span_tokens_total", "spanserve_span_hit_tokens_total", "spanserve_span_hit_rate",
               "spanserve_background_steps_stopped_total"]
+    by_kind = ["spanserve_engine_steps_total", "spanserve_engine_step_tokens_total",
+               "spanserve_engine_step_seconds_total", "spanserve_engine_model_seconds_total"]
     for name in gauges:
         assert name in samples, name
         assert f"# TYPE {name} " in r.text
     assert samples['spanserve_requests_total{status="ok"}'] >= 1
     assert samples["spanserve_kv_blocks_used"] + samples["spanserve_kv_blocks_free"] == int(NUM_BLOCKS)
     assert samples["spanserve_generation_tokens_total"] >= 3
+    # the engine's steps: the prompt's prefill and two decode steps, each partly inside the model
+    assert samples['spanserve_engine_steps_total{kind="decode"}'] >= 2
+    assert samples['spanserve_engine_step_tokens_total{kind="decode"}'] >= 2
+    assert samples['spanserve_engine_steps_total{kind="prefill"}'] + samples[
+        'spanserve_engine_steps_total{kind="mixed"}'] >= 1
+    for kind in ("decode", "prefill", "mixed"):
+        assert all(f'{name}{{kind="{kind}"}}' in samples for name in by_kind)
+        model = samples[f'spanserve_engine_model_seconds_total{{kind="{kind}"}}']
+        assert 0 <= model <= samples[f'spanserve_engine_step_seconds_total{{kind="{kind}"}}']
+    assert samples['spanserve_engine_model_seconds_total{kind="decode"}'] > 0
     for hist in ("spanserve_time_to_first_token_seconds", "spanserve_inter_token_latency_seconds",
                  "spanserve_e2e_request_latency_seconds"):
         assert f"# TYPE {hist} histogram" in r.text
@@ -112,7 +124,7 @@ def test_metrics_prometheus_text(tiny_server, client, model_name):
     # the names the server renders are the ones metrics.py defines (and prometheus-client's `_created`)
     rendered = {line.split()[2] for line in r.text.splitlines()
                 if line.startswith("# TYPE ") and not line.split()[2].endswith("_created")}
-    assert rendered == {*gauges, "spanserve_requests_total", "spanserve_time_to_first_token_seconds",
+    assert rendered == {*gauges, *by_kind, "spanserve_requests_total", "spanserve_time_to_first_token_seconds",
                         "spanserve_inter_token_latency_seconds", "spanserve_e2e_request_latency_seconds"}
 
 

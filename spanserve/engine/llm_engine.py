@@ -17,7 +17,8 @@ from spanserve.engine.detokenizer import IncrementalDetokenizer
 from spanserve.engine.request import HeldContext, Priority, Request, RequestOwner
 from spanserve.engine.runner import ModelRunner
 from spanserve.engine.sampler import Sample
-from spanserve.engine.scheduler import Scheduler
+from spanserve.engine.scheduler import ScheduledRequest, Scheduler
+from spanserve.engine.step_times import ModelClock, StepTimes, step_kind
 from spanserve.errors import (
     AdmissionTimeoutError,
     CacheFullError,
@@ -164,13 +165,16 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.background_chunk_tokens)
         self.failed: dict[str, Exception] = {}  # request id -> why the engine ended it (take_failed)
+        self.step_times = StepTimes()  # per kind of step: steps, tokens, seconds, the model's part
+        clock = ModelClock()  # the target's forward passes and a draft model's
         spec = SpeculativeConfig.of(config.speculative_config)
-        self.speculator = Speculator(spec, self._draft_model(spec, model)) if spec is not None else None  # drafts
+        self.speculator = Speculator(spec, self._draft_model(spec, model, clock)) if spec else None  # drafts
         graph_batch = 0 if config.enforce_eager or self.device.type != "cuda" else config.max_num_seqs
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.kv_dtype, self.device,
                                   graph_batch=graph_batch, max_model_len=self.max_model_len,
                                   block_generation=self.kv.pool.generation,
-                                  graph_query=1 + (spec.num_speculative_tokens if spec is not None else 0))
+                                  graph_query=1 + (spec.num_speculative_tokens if spec is not None else 0),
+                                  model_clock=clock)
         self.comb = find_plugin(model, config.comb_plugin)  # span encoder for link_policy="comb"
         if self.comb:
             self.runner.use_encoder(self.comb)
@@ -239,7 +243,7 @@ class LLMEngine:
             return newline[0]
         return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
 
-    def _draft_model(self, spec: SpeculativeConfig, target) -> DraftModel | None:
+    def _draft_model(self, spec: SpeculativeConfig, target, clock: ModelClock) -> DraftModel | None:
         """The draft model's engine (method draft_model): the target's device, dtype and length."""
         if spec.method != "draft_model":
             return None
@@ -250,6 +254,7 @@ class LLMEngine:
                                         max_model_len=self.max_model_len, kv_cache_memory_gb=c.kv_cache_memory_gb / 2,
                                         max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                                         link_policy="none", span_anchor=False, quantization=c.quantization))
+        engine.runner.model_clock = clock  # its passes are model time of the target's steps
         return DraftModel(engine, self.tokenizer, weight_bytes(engine.runner.model) / weight_bytes(target))
 
     def _max_model_len(self, cfg: ModelConfig) -> int:
@@ -437,6 +442,7 @@ class LLMEngine:
         requests). A step of background work alone then stops between two layers and changes
         nothing, so that the newcomer waits for one layer rather than a whole chunk; the chunk
         runs again later (scheduler.BackgroundPace paces the chunks and bounds the stops)."""
+        start, model_start = time.perf_counter(), self.runner.model_clock.seconds
         self._expire_waiting()
         self._select_links()
         if self.speculator is not None:
@@ -446,8 +452,18 @@ class LLMEngine:
             self.speculator.fit(batch)
         if not batch:
             return []
-        sampled = [item for item in batch if item.samples]
         prefilling = [item.request for item in batch if item.request.is_prefilling]
+        try:
+            return self._run(batch, prefilling, interrupt)
+        finally:
+            kind = step_kind(len(batch) - len(prefilling), len(prefilling))
+            self.step_times.add(kind, sum(item.num_tokens for item in batch), time.perf_counter() - start,
+                                self.runner.model_clock.seconds - model_start)
+
+    def _run(self, batch: list[ScheduledRequest], prefilling: list[Request], interrupt: Callable[[], bool] | None
+             ) -> list[RequestOutput]:
+        """Run a scheduled batch and take in its tokens (step)."""
+        sampled = [item for item in batch if item.samples]
         pace = self.scheduler.background
         background = all(item.request.priority == Priority.INGEST for item in batch)
         samples = self.runner.execute(batch, interrupt if background and pace.stoppable else None)

@@ -13,6 +13,7 @@ from spanserve.attention.triton_paged import TritonAttention
 from spanserve.engine.cuda_graphs import DecodeGraphs
 from spanserve.engine.sampler import Sample, sample, verify
 from spanserve.engine.scheduler import ScheduledRequest
+from spanserve.engine.step_times import ModelClock
 from spanserve.heap import keep_freed_memory
 from spanserve.kernels import calibration, cpu_kernel
 from spanserve.kernels.threads import step_threads, use_pool_for_matmuls
@@ -28,12 +29,14 @@ FOCUS_ROWS = 8  # focus_select: the question's last tokens whose attention score
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, device: torch.device, graph_batch: int = 0, max_model_len: int = 0,
-                 block_generation: torch.Tensor | None = None, graph_query: int = 1):
+                 block_generation: torch.Tensor | None = None, graph_query: int = 1,
+                 model_clock: ModelClock | None = None):
         """kv_dtype: the cache's (the model's, or bf16 under a float32 model). graph_batch > 0:
         replay decode steps of up to that many sequences as CUDA graphs (Triton backend only), for
         contexts up to max_model_len, and steps of up to graph_query tokens per sequence (a
         speculative verify step's drafts and one more). block_generation: the pool's per-block
-        rewrite counts, which keep sparse flows' fields fresh."""
+        rewrite counts, which keep sparse flows' fields fresh. model_clock: where the forward passes'
+        time is summed (engine/step_times.py)."""
         cfg = model.cfg
         self.model, self.block_size, self.device = model, block_size, device
         self.model_dtype = model.embed_tokens.weight.dtype
@@ -57,6 +60,7 @@ class ModelRunner:
         # Qwen 1.5B w8a8). It costs nothing measurable (`spanserve bench speculative`); on a GPU the
         # step stays one sequence, for its CUDA graphs.
         self.verify_by_row = device.type == "cpu"
+        self.model_clock = model_clock or ModelClock()
         # bf16 decode and prefill attention's measured paths on CPU (kernels/calibration.py)
         self.decode_bf16_dot = self.prefill_bf16_dot = None
         if device.type == "cpu":
@@ -77,19 +81,20 @@ class ModelRunner:
         tokens are computed again in a later step). A CUDA graph replay never stops."""
         input_ids, positions, meta, logit_rows, plugin_rows = self._prepare(batch)
         with self._threads(len(input_ids)), self._encoding(*plugin_rows):
-            if self.graphs is not None and not any(plugin_rows) and self.graphs.fits(meta):
-                hidden = self.graphs.run(input_ids, meta)[logit_rows]
-            else:
-                # the last layer computes the sampled rows alone; a plug-in's deltas index every row
-                keep = None if any(plugin_rows) else self._tensor(logit_rows)
-                try:
-                    hidden = self.model(input_ids, positions, meta, stop, keep)
-                except ForwardStopped:
-                    return None
-                hidden = hidden if keep is not None else hidden[logit_rows]
-            if not logit_rows:
-                return []
-            logits = self.model.compute_logits(hidden).cpu()
+            with self.model_clock:  # the forward pass and the LM head, not the host work around them
+                if self.graphs is not None and not any(plugin_rows) and self.graphs.fits(meta):
+                    hidden = self.graphs.run(input_ids, meta)[logit_rows]
+                else:
+                    # the last layer computes the sampled rows alone; a plug-in's deltas index every row
+                    keep = None if any(plugin_rows) else self._tensor(logit_rows)
+                    try:
+                        hidden = self.model(input_ids, positions, meta, stop, keep)
+                    except ForwardStopped:
+                        return None
+                    hidden = hidden if keep is not None else hidden[logit_rows]
+                if not logit_rows:
+                    return []
+                logits = self.model.compute_logits(hidden).cpu()
             return _samples(logits, [item for item in batch if item.samples])
 
     def use_encoder(self, plugin) -> None:

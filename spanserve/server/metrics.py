@@ -4,6 +4,8 @@ engine's state read at each scrape."""
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from spanserve.engine.step_times import StepTimes
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -70,3 +72,20 @@ class EngineCollector:
              sched.background.num_stopped),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _step_families(engine.step_times)
+
+
+def _step_families(times: StepTimes):
+    """The engine's steps by kind (decode, prefill, mixed): a step's seconds less its model seconds
+    are the host work around the model (engine/step_times.py)."""
+    for name, doc, value in (
+        ("spanserve_engine_steps", "Engine steps that ran a batch, by kind", lambda t: t.steps),
+        ("spanserve_engine_step_tokens", "Tokens computed by engine steps, by kind", lambda t: t.tokens),
+        ("spanserve_engine_step_seconds", "Time in engine steps, by kind", lambda t: t.seconds),
+        ("spanserve_engine_model_seconds", "Time of engine steps inside the model (forward passes and LM "
+         "head), by kind", lambda t: t.model_seconds),
+    ):
+        family = CounterMetricFamily(name, doc, labels=["kind"])
+        for kind, total in times.totals.items():
+            family.add_metric([kind], value(total))
+        yield family
