@@ -1,6 +1,7 @@
 """Decode attention on CPU: the C kernel (kernels/csrc/paged_decode.c) against the torch path it
-replaces (the context gathered head-major, two batched matmuls and a softmax), one query token per
-sequence over the same paged cache, taking turns so the machine's noise hits both alike.
+replaces (attention/torch_ref.py's: the context gathered head-major, two batched matmuls and a
+masked softmax), one query token per sequence over the same paged cache, taking turns so the
+machine's noise hits both alike.
 
 Cases are the decode steps a server runs, at the head shapes of the models we judge on: one
 sequence after a long prompt, and batches of 8 and 16 sequences. Decode attention reads every
@@ -33,50 +34,24 @@ CASES = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="float32",
-                        help="the model's dtype: its queries' and its cache's")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--layers", type=int, default=30,
-                        help="each call reads the next of this many layers' caches, as a step does; 1: the "
-                             "same layer's, from the CPU's caches")
-    parser.add_argument("--cases", default="", metavar="TEXT", help="only the cases whose name holds this text")
-    kernel_compare.add_baseline_argument(parser)
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_attention.json)")
+    kernel_compare.add_arguments(
+        parser, "decode_attention", dtype="float32", layers=30,
+        layers_help="each call reads the next of this many layers' caches, as a step does; 1: the same layer's, "
+                    "from the CPU's caches",
+        cases_help="only the cases whose name holds this text")
 
 
 def run(args: argparse.Namespace) -> dict:
-    threads = harness.configure_threads(args.threads)
-    import torch
-
-    from spanserve.kernels import cpu_kernel
-    if cpu_kernel.load("decode") is None:
-        sys.exit("the C decode kernel is not available here (no compiler, or SPANSERVE_CPU_KERNELS)")
-    baseline = kernel_compare.kernels_at(args.baseline) if args.baseline else None
-    dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
-    rows, table = [], []
-    for dtype_name in dtypes:
-        for case in [c for c in CASES if args.cases.lower() in c[0].lower()]:
-            row = _measure(case, getattr(torch, dtype_name), args.repeats, baseline, args.layers)
-            rows.append({"dtype": dtype_name, **row})
-            table.append([dtype_name, row["case"], f"{row['torch_ms']:.2f}", f"{row['kernel_ms']:.2f}",
-                          f"{row['speedup']:.2f}x", f"{row['kernel_gb_s']:.1f}", f"{row['torch_error']:.1e}",
-                          f"{row['kernel_error']:.1e}"]
-                         + kernel_compare.baseline_cells(row, args.baseline))
-    extra = kernel_compare.baseline_headers(args.baseline)
-    layers = "one layer's cache" if args.layers == 1 else f"each call over the next of {args.layers} layers' caches"
-    harness.print_table(["dtype", "case", "torch ms", "kernel ms", "speedup", "kernel GB/s", "torch max err",
-                         "kernel max err", *extra], table, title=f"decode attention, {layers}, {threads} threads")
-    result = {"benchmark": "decode_attention", "threads": threads, "repeats": args.repeats, "layers": args.layers,
-              "baseline": args.baseline, "rows": rows, "machine": harness.machine_info()}
-    harness.write_json(result, path=args.out or harness.result_path("decode_attention"))
-    return result
+    return kernel_compare.run(args, kernel_compare.KernelBench(
+        "decode_attention", "decode", CASES, _measure, headers=["kernel GB/s"],
+        cells=lambda row: [f"{row['kernel_gb_s']:.1f}"], baseline=kernel_compare.kernels_at))
 
 
 def _measure(case: tuple, dtype, repeats: int, baseline=None, layers: int = 30) -> dict:
     import torch
 
-    from spanserve.attention.torch_ref import head_major_rows
+    from spanserve.attention import torch_ref
+    from spanserve.attention.backend import AttentionMetadata
     from spanserve.kernels import cpu_kernel
 
     name, heads, kv_heads, dim, sequences, context = case
@@ -87,7 +62,9 @@ def _measure(case: tuple, dtype, repeats: int, baseline=None, layers: int = 30) 
     tables = torch.randperm(blocks, generator=gen).view(sequences, per_sequence)  # scattered, as a pool hands them out
     lens, scale, turn = torch.full((sequences,), context), dim**-0.5, itertools.count()
     q = torch.randn(sequences, heads, dim, generator=gen).to(dtype)
-    rows = torch.stack([head_major_rows(table, context, BLOCK, kv_heads) for table in tables]).flatten()
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), query_lens=[1] * sequences,
+                             context_lens=[context] * sequences, block_tables=tables, context_lens_tensor=lens,
+                             positions=torch.full((sequences,), context - 1))
 
     def layer_cache(layer):
         return caches[next(turn) % layers if layer is None else layer]
@@ -96,12 +73,10 @@ def _measure(case: tuple, dtype, repeats: int, baseline=None, layers: int = 30) 
         k, v = layer_cache(layer)
         return cpu_kernel.paged_decode(q, k, v, tables, lens, scale)
 
-    def torch_path(layer=None):  # as attention/torch_ref.py's _decode, every context of one length
+    def torch_path(layer=None):  # attention/torch_ref.py's own decode, with the C kernel barred
         k, v = layer_cache(layer)
-        keys, values = (torch.index_select(part.view(-1, dim), 0, rows).view(sequences, kv_heads, context, dim)
-                        for part in (k, v))
-        folded = (q * scale).view(sequences, kv_heads, heads // kv_heads, dim)
-        return torch.matmul(torch.softmax(torch.matmul(folded, keys.transpose(-1, -2)), -1), values).view(q.shape)
+        with cpu_kernel.only_kernels(set()):
+            return torch_ref._decode(q, k, v, meta, list(range(sequences)), scale)
 
     expected = _reference(q, caches[0], tables, context, scale)
     row = kernel_compare.compare(kernel, torch_path, expected, repeats, baseline)

@@ -40,42 +40,16 @@ DOCUMENT = 256  # tokens of a moved document: its keys share one distance
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--layers", type=int, default=1,
-                        help="each call reads the next of this many layers' caches, as a prompt's pass does: "
-                             "at 30 a layer's keys are out of the CPU's caches when it is read again")
-    parser.add_argument("--cases", default="", metavar="TEXT",
-                        help="only the cases whose name holds this text (e.g. RAG)")
-    kernel_compare.add_baseline_argument(parser)
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/prefill_attention.json)")
+    kernel_compare.add_arguments(
+        parser, "prefill_attention", dtype="both", layers=1,
+        layers_help="each call reads the next of this many layers' caches, as a prompt's pass does: at 30 a "
+                    "layer's keys are out of the CPU's caches when it is read again",
+        cases_help="only the cases whose name holds this text (e.g. RAG)")
 
 
 def run(args: argparse.Namespace) -> dict:
-    threads = harness.configure_threads(args.threads)
-    import torch
-
-    from spanserve.kernels import cpu_kernel
-    if cpu_kernel.load("prefill") is None:
-        sys.exit("the C prefill kernel is not available here (no compiler, or SPANSERVE_CPU_KERNELS)")
-    baseline = _baseline(args.baseline) if args.baseline else None
-    dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
-    rows, table = [], []
-    for dtype_name in dtypes:
-        for case in [c for c in CASES if args.cases.lower() in c[0].lower()]:
-            row = _measure(case, getattr(torch, dtype_name), args.repeats, baseline, args.layers)
-            rows.append({"dtype": dtype_name, **row})
-            table.append([dtype_name, row["case"], f"{row['torch_ms']:.2f}", f"{row['kernel_ms']:.2f}",
-                          f"{row['speedup']:.2f}x", f"{row['torch_error']:.1e}", f"{row['kernel_error']:.1e}"]
-                         + kernel_compare.baseline_cells(row, args.baseline))
-    extra = kernel_compare.baseline_headers(args.baseline)
-    harness.print_table(["dtype", "case", "torch ms", "kernel ms", "speedup", "torch max err", "kernel max err",
-                         *extra], table, title=f"prefill attention, {_layers(args.layers)}, {threads} threads")
-    result = {"benchmark": "prefill_attention", "threads": threads, "repeats": args.repeats, "layers": args.layers,
-              "baseline": args.baseline, "rows": rows, "machine": harness.machine_info()}
-    harness.write_json(result, path=args.out or harness.result_path("prefill_attention"))
-    return result
+    return kernel_compare.run(args, kernel_compare.KernelBench(
+        "prefill_attention", "prefill", CASES, _measure, headers=[], cells=lambda row: [], baseline=_baseline))
 
 
 def _baseline(rev: str):
@@ -84,10 +58,6 @@ def _baseline(rev: str):
         sys.exit(f"--baseline {rev}: its paged_prefill takes one row of angles per moved key, not this "
                  "revision's distinct angles; time it from a checkout of a revision of its time")
     return kernel_compare.kernels_at(rev)
-
-
-def _layers(layers: int) -> str:
-    return "one layer" if layers == 1 else f"each call over the next of {layers} layers' caches"
 
 
 def _measure(case: tuple, dtype, repeats: int, baseline=None, layers: int = 1) -> dict:
