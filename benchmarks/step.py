@@ -1,6 +1,9 @@
 """The engine's decode step and where its time goes: --batch sequences decoding after prompts of
 --context random tokens (greedy, no stop), for each batch size. The step's time without a profiler
-(median of --steps steps), then a cProfile of as many more steps, its time split into projections
+(median of --steps steps) and, from the engine's step counters over those steps (the server's
+/metrics has them too), the mean time inside the model (forward pass and LM head) and the host work
+around it (scheduling, inputs, sampling, detokenizing); then a cProfile of as many more steps, its
+time split into projections
 (the quantized and packed kernels, F.linear), attention (spanserve/attention: the C kernels or the
 torch path), the layer's small ops (RMSNorm, silu(gate) * up, rotary and the cache store) and the
 rest (Python, scheduling, sampling, small torch ops). A C kernel called through ctypes counts in
@@ -59,9 +62,10 @@ def run(args: argparse.Namespace) -> dict:
     result["prefill_bf16_dot"] = llm.engine.runner.prefill_bf16_dot
     if result["prefill_bf16_dot"] is not None:
         choice += ", prefill attention " + ("dots bf16" if result["prefill_bf16_dot"] else "widens bf16")
-    harness.print_table(["batch", "step ms", "tok/s", *[f"{p} ms (profiled)" for p in PARTS]],
-                        [[r["batch"], f"{r['step_ms']:.1f}", f"{r['tok_s']:.1f}",
-                          *[f"{r['profiled_ms'][p]:.1f}" for p in PARTS]] for r in rows],
+    harness.print_table(["batch", "step ms", "tok/s", "model ms", "host ms",
+                         *[f"{p} ms (profiled)" for p in PARTS]],
+                        [[r["batch"], f"{r['step_ms']:.1f}", f"{r['tok_s']:.1f}", f"{r['model_ms']:.1f}",
+                          f"{r['host_ms']:.2f}", *[f"{r['profiled_ms'][p]:.1f}" for p in PARTS]] for r in rows],
                         title=f"decode step of {result['model']} ({result['dtype']}, "
                               f"{args.quantization or 'not quantized'}{choice}) after {args.context} tokens, "
                               f"{threads} threads")
@@ -81,11 +85,15 @@ def _measure(llm, batch: int, context: int, steps: int) -> dict:
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in [*scheduler.running, *scheduler.waiting]):
         engine.step()
     engine.step()  # the first step with every sequence decoding, untimed
-    times = []
+    times, counted = [], engine.step_times.totals["decode"]
+    before = (counted.steps, counted.seconds, counted.model_seconds)
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+    counted_steps = counted.steps - before[0]
+    model_ms = (counted.model_seconds - before[2]) * 1000 / counted_steps
+    host_ms = (counted.seconds - before[1]) * 1000 / counted_steps - model_ms
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(steps):
@@ -94,8 +102,8 @@ def _measure(llm, batch: int, context: int, steps: int) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     step_ms = statistics.median(times) * 1000
-    return {"batch": batch, "step_ms": step_ms, "tok_s": batch * 1000 / step_ms,
-            "profiled_ms": {part: ms / steps for part, ms in _parts(profile).items()}}
+    return {"batch": batch, "step_ms": step_ms, "tok_s": batch * 1000 / step_ms, "model_ms": model_ms,
+            "host_ms": host_ms, "profiled_ms": {part: ms / steps for part, ms in _parts(profile).items()}}
 
 
 def _parts(profile: cProfile.Profile) -> dict[str, float]:

@@ -17,6 +17,7 @@ def test_step_bench_times_each_batch_and_splits_its_profile(tiny_llama_path, tmp
     assert [r["batch"] for r in result["rows"]] == [1, 3]
     for row in result["rows"]:
         assert row["step_ms"] > 0 and abs(row["tok_s"] - row["batch"] * 1000 / row["step_ms"]) < 1e-6
+        assert row["model_ms"] > 0 and row["host_ms"] > 0  # the engine's counters over the timed steps
         parts = row["profiled_ms"]
         assert set(parts) == set(step.PARTS) and all(ms > 0 for ms in parts.values())
 

@@ -182,3 +182,12 @@ def test_greedy_rows_take_torchs_argmax_ties_and_nans_included(rows):
     logits = torch.tensor(rows)
     assert sampler_module.argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
     assert sampler_module.argmax_rows(logits[:, ::2]).tolist() == logits[:, ::2].argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("params", [{}, {"repetition_penalty": 2.0}, {"min_tokens": 4}])
+def test_sampling_leaves_the_callers_logits_as_they_were(params):
+    logits = torch.tensor([[0.5, 3.0, 2.9, 3.1], [1.0, 0.0, 4.0, 0.0]])
+    before = logits.clone()
+    tokens = [s.token_id for s in sample(logits, [request(prompt=(2, 3), temperature=0, **params)] * 2)]
+    assert torch.equal(logits, before)
+    assert tokens == ([1, 2] if params else [3, 2])  # 3: end of sequence, held back by min_tokens
