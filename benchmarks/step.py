@@ -3,15 +3,14 @@
 (median of --steps steps) and, from the engine's step counters over those steps (the server's
 /metrics has them too), the mean time inside the model (forward pass and LM head) and the host work
 around it (scheduling, inputs, sampling, detokenizing); then a cProfile of as many more steps, its
-time split into projections
-(the quantized and packed kernels, F.linear), attention (spanserve/attention: the C kernels or the
-torch path), the layer's small ops (RMSNorm, silu(gate) * up, rotary and the cache store) and the
-rest (Python, scheduling, sampling, small torch ops). A C kernel called through ctypes counts in
-the Python function that calls it. The profiler slows the Python part, so the parts add up to
-more than the unprofiled step; their ratios are what to read. For a bf16 model the table's title
-says up to how many rows its projections run in spanserve's C GEMM (the calibrated choice,
-kernels/calibration.py; 0: every product in torch's F.linear) and, where the CPU has AVX-512
-BF16, which path its decode attention takes.
+time split into projections (the quantized and packed kernels, F.linear), attention
+(spanserve/attention: the C kernels or the torch path), the layer's small ops (RMSNorm, silu(gate) *
+up, rotary and the cache store) and the rest (Python, scheduling, sampling, small torch ops). A C
+kernel called through ctypes counts in the Python function that calls it. The profiler slows the
+Python part, so the parts add up to more than the unprofiled step; their ratios are what to read.
+For a bf16 model the table's title says up to how many rows its projections run in spanserve's C
+GEMM (the calibrated choice, kernels/calibration.py; 0: every product in torch's F.linear) and,
+where the CPU has AVX-512 BF16, which path its decode attention takes.
 
     spanserve bench step [--model M] [--batch 1,8] [--context 2048] [--steps 30] [--quantization w8a8]
 """

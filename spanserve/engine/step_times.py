@@ -42,7 +42,7 @@ def step_kind(decoding: int, prefilling: int) -> str:
 class ModelClock:
     """Time inside the model, summed: `with clock:` around a forward pass and its LM head. A step's
     model time is what `seconds` gained during it, so a draft model's passes inside the step count
-    too where its runner shares the target's clock."""
+    too where its runner shares the target's clock. Not reentrant: the passes it times never nest."""
 
     def __init__(self):
         self.seconds = 0.0
