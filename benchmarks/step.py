@@ -17,6 +17,7 @@ where the CPU has AVX-512 BF16, which path its decode attention takes.
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
 import random
 import statistics
@@ -84,15 +85,15 @@ def _measure(llm, batch: int, context: int, steps: int) -> dict:
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in [*scheduler.running, *scheduler.waiting]):
         engine.step()
     engine.step()  # the first step with every sequence decoding, untimed
-    times, counted = [], engine.step_times.totals["decode"]
-    before = (counted.steps, counted.seconds, counted.model_seconds)
+    times, counted = [], engine.step_times.totals["decode"]  # the engine adds to it in place
+    before = dataclasses.replace(counted)
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    counted_steps = counted.steps - before[0]
-    model_ms = (counted.model_seconds - before[2]) * 1000 / counted_steps
-    host_ms = (counted.seconds - before[1]) * 1000 / counted_steps - model_ms
+    counted_steps = counted.steps - before.steps
+    model_ms = (counted.model_seconds - before.model_seconds) * 1000 / counted_steps
+    host_ms = (counted.seconds - before.seconds) * 1000 / counted_steps - model_ms
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(steps):
